@@ -1,0 +1,44 @@
+# Set-up and everyday commands. `make lab` and `make test` each do all set-up on a fresh machine.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: install lab test test-fast report bench weights clean
+
+# torch first: keep an existing torch (GPU machines: the venv sees the system site-packages), otherwise
+# the local CPU wheel torch==2.13.0, so a CPU-only machine never downloads CUDA packages. Then triton
+# (only if absent, so a GPU torch keeps its matching triton), then the package with pinned dependencies.
+$(STAMP): pyproject.toml constraints.txt
+	@if [ ! -x $(BIN)/python ]; then \
+	  if $(PYTHON) -c "import torch" 2>/dev/null; then $(PYTHON) -m venv --system-site-packages $(VENV); \
+	  else $(PYTHON) -m venv $(VENV); fi; fi
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install torch==2.13.0
+	$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/pip install triton==3.9.0
+	$(BIN)/pip install -c constraints.txt -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+lab: install
+	$(BIN)/jupyter lab --ip=127.0.0.1 --no-browser --allow-root notebooks/00_start_here.ipynb
+
+test: install
+	$(BIN)/python -m pytest
+
+test-fast: install
+	$(BIN)/python -m pytest -m "not slow"
+
+report: install
+	$(BIN)/workbench report notebooks/00_start_here.ipynb
+
+bench: install
+	$(BIN)/python -m benchmarks.measure
+
+weights: install
+	$(BIN)/python -m workbench.models.train all
+
+clean:
+	rm -rf $(VENV) reports .pytest_cache

@@ -1,0 +1,34 @@
+"""Importing workbench is fast and has no side effects."""
+import subprocess
+import sys
+import textwrap
+
+
+def _run(code: str) -> str:
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_import_has_no_side_effects():
+    out = _run("""
+        import sys, torch
+        threads = torch.get_num_threads()
+        dtype = torch.get_default_dtype()
+        import workbench
+        assert torch.get_num_threads() == threads
+        assert torch.get_default_dtype() == dtype
+        assert not torch.cuda.is_initialized()
+        heavy = [m for m in ("transformers", "plotly", "pandas", "papermill", "sklearn", "gensim", "triton")
+                 if m in sys.modules]
+        print(",".join(heavy) or "none")
+    """)
+    assert out == "none", f"importing workbench imported heavy modules: {out}"
+
+
+def test_public_api_names():
+    import workbench as wb
+
+    for name in ["models", "tasks", "measure", "Metrics", "Plan", "apply", "save", "load", "precision"]:
+        assert hasattr(wb, name), name
+    assert callable(wb.precision.Cast)

@@ -1,0 +1,103 @@
+"""wb.save / wb.load: bit-identical round trips, no pickle, clear errors for foreign or tampered files."""
+import json
+import pickle
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+import workbench as wb
+from workbench.precision import Cast
+
+
+@pytest.mark.parametrize("name, plan", [
+    ("digits-mlp", {"fc1": Cast(torch.float16), "fc*": Cast(torch.bfloat16)}),
+    ("digits-cnn", {"conv*": Cast(torch.bfloat16), "fc1": Cast(torch.float16)}),
+    ("mnist1d-cnn", {"re:conv[12]": Cast(torch.float16)}),
+    ("tiny-lm", {"wte": Cast(torch.float16), "h.*.mlp.*": Cast(torch.bfloat16)}),
+])
+def test_round_trip_is_bit_identical(tmp_path, name, plan):
+    model = wb.models.load(name)
+    task = wb.tasks.load(wb.models.spec(name).task)
+    small = wb.apply(model, plan)
+    path = wb.save(small, tmp_path / "m.safetensors")
+    for again in (wb.load(path, base=model), wb.load(path), wb.load(path, base=name)):
+        inputs = task.example_inputs(4)
+        with torch.inference_mode():
+            assert torch.equal(small(*inputs), again(*inputs))
+        assert {k: v.dtype for k, v in again.state_dict().items()} == {k: v.dtype for k, v in small.state_dict().items()}
+        assert wb.applied_plans(again) == wb.applied_plans(small)
+        assert not again.training
+
+
+def test_load_does_not_touch_base(tmp_path, digits_mlp):
+    before = {k: v.clone() for k, v in digits_mlp.state_dict().items()}
+    path = wb.save(wb.apply(digits_mlp, {"fc*": Cast()}), tmp_path / "m.safetensors")
+    wb.load(path, base=digits_mlp)
+    for k, v in digits_mlp.state_dict().items():
+        assert v.dtype == torch.float32 and torch.equal(v, before[k])
+
+
+def test_user_model_needs_a_base(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    path = wb.save(wb.apply(model, {"0": Cast(torch.float16)}), tmp_path / "u.safetensors")
+    with pytest.raises(ValueError, match="saved from a user model; pass base="):
+        wb.load(path)
+    again = wb.load(path, base=model)
+    x = torch.randn(3, 4)
+    assert torch.equal(again(x), wb.apply(model, {"0": Cast(torch.float16)})(x))
+
+
+def test_unmodified_model_round_trips(tmp_path, digits_mlp):
+    again = wb.load(wb.save(digits_mlp, tmp_path / "plain.safetensors"))
+    x = torch.rand(2, 64)
+    assert torch.equal(again(x), digits_mlp(x))
+
+
+def _rewrite_metadata(src, dst, **changes):
+    from safetensors import safe_open
+    with safe_open(str(src), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        meta = dict(f.metadata())
+    meta.update(changes)
+    save_file(tensors, str(dst), metadata=meta)
+    return dst
+
+
+def test_foreign_and_tampered_files(tmp_path, digits_mlp):
+    good = wb.save(wb.apply(digits_mlp, {"fc*": Cast()}), tmp_path / "good.safetensors")
+    pickled = tmp_path / "evil.safetensors"
+    pickled.write_bytes(pickle.dumps({"weights": [1, 2, 3]}))
+    with pytest.raises(ValueError, match="is not a safetensors file"):
+        wb.load(pickled, base=digits_mlp)
+    plain = tmp_path / "plain.safetensors"
+    save_file({"w": torch.zeros(2)}, str(plain))
+    with pytest.raises(ValueError, match="not one written by wb.save"):
+        wb.load(plain, base=digits_mlp)
+    with pytest.raises(FileNotFoundError):
+        wb.load(tmp_path / "missing.safetensors")
+
+    bad_json = _rewrite_metadata(good, tmp_path / "a.safetensors", plans="[{not json")
+    with pytest.raises(ValueError, match="plans metadata is not valid JSON"):
+        wb.load(bad_json, base=digits_mlp)
+
+    plans = json.loads(json.dumps([wb.Plan({"fc*": Cast()}).to_dict()]))
+    plans[0]["entries"][0]["config"]["kind"] = "builtins.eval"
+    unknown = _rewrite_metadata(good, tmp_path / "b.safetensors", plans=json.dumps(plans))
+    with pytest.raises(ValueError, match="unknown config kind 'builtins.eval'"):
+        wb.load(unknown, base=digits_mlp)
+
+    # a valid plan that does not describe the stored tensors: caught before any value is loaded
+    other = wb.Plan({"fc1": Cast(torch.float16)}).to_dict()
+    mismatch = _rewrite_metadata(good, tmp_path / "c.safetensors", plans=json.dumps([other]))
+    with pytest.raises(ValueError, match=r"does not match the model its plans describe: 'fc1.weight': file has BF16"):
+        wb.load(mismatch, base=digits_mlp)
+
+    wrong_base = nn.Sequential(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="its plans do not fit the base model"):
+        wb.load(good, base=wrong_base)
+
+    version = _rewrite_metadata(good, tmp_path / "d.safetensors", format_version="7")
+    with pytest.raises(ValueError, match="file format version '7'"):
+        wb.load(version, base=digits_mlp)

@@ -1,0 +1,23 @@
+"""workbench: measured model compression - quantization, pruning, distillation, low-rank, mixed precision.
+
+    import workbench as wb
+    model = wb.models.load("minilm")
+    task = wb.tasks.load("minilm")
+    base = wb.measure(model, task)
+    plan = wb.Plan({"encoder.layer.*.intermediate.dense": wb.precision.Cast(torch.bfloat16)})
+    small = wb.apply(model, plan)            # a new model; `model` is untouched
+    wb.measure(small, task).to_dict()
+    wb.save(small, "out.safetensors"); again = wb.load("out.safetensors", base=model)
+
+Importing the package has no side effects: no CUDA initialisation, no global torch settings changed,
+no models or data loaded.
+"""
+from workbench import measurement, models, plots, precision, reports, tasks
+from workbench.measurement import Metrics, compare, layer_table, measure, size_bytes
+from workbench.plans import ApplyError, Plan, applied_plans, apply
+from workbench.plans.io import load, save
+
+__version__ = "0.1.0"
+
+__all__ = ["models", "tasks", "precision", "measurement", "plots", "reports", "measure", "Metrics", "compare", "layer_table", "size_bytes",
+           "Plan", "apply", "applied_plans", "ApplyError", "save", "load", "__version__"]

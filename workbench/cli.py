@@ -1,0 +1,99 @@
+"""The ``workbench`` command.
+
+    workbench measure --model minilm --task minilm [--plan plan.json] [--quick] [--threads 2]
+    workbench report notebooks/00_start_here.ipynb -p model_name digits-mlp -p task_name digits
+    workbench models | workbench tasks
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from pathlib import Path
+
+
+def _parse_value(text: str):
+    """A -p value: a Python literal (number, bool, None, list...) when it parses as one, else the string."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def _measure(args: argparse.Namespace) -> int:
+    import pandas as pd
+
+    import workbench as wb
+
+    model = wb.models.load(args.model)
+    task = wb.tasks.load(args.task or wb.models.spec(args.model).task)
+    runs = [("baseline", model)]
+    if args.plan:
+        plan = wb.Plan.read(args.plan)
+        runs.append((Path(args.plan).name, wb.apply(model, plan)))
+    results = [wb.measure(m, task, quick=args.quick, threads=args.threads, batch_size=args.batch_size)
+               for _, m in runs]
+    with pd.option_context("display.max_columns", None, "display.width", 200):
+        print(wb.compare(*results, labels=[label for label, _ in runs]).T.to_string())
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from workbench.reports import run_notebook
+
+    params = {k: _parse_value(v) for k, v in (args.parameter or [])}
+    nb, html = run_notebook(args.notebook, params, out_dir=args.out, name=args.name)
+    print(f"notebook: {nb}\nhtml:     {html}")
+    return 0
+
+
+def _list_models(args: argparse.Namespace) -> int:
+    from workbench import models
+
+    for name in models.names():
+        s = models.spec(name)
+        print(f"{s.name:12s} task={s.task:8s} {s.description}")
+    return 0
+
+
+def _list_tasks(args: argparse.Namespace) -> int:
+    from workbench import tasks
+
+    print("\n".join(tasks.names()))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="workbench", description="Measured model compression.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    m = sub.add_parser("measure", help="measure a zoo model (and optionally a plan applied to it)")
+    m.add_argument("--model", required=True, help="zoo model name (see `workbench models`)")
+    m.add_argument("--task", help="task name (default: the model's own task)")
+    m.add_argument("--plan", help="plan JSON file (wb.Plan.save) to apply and compare")
+    m.add_argument("--quick", action="store_true", help="primary metric on the quick subset, fewer timing runs")
+    m.add_argument("--threads", type=int, default=None, help="CPU threads for the measurement")
+    m.add_argument("--batch-size", type=int, default=None, help="batch size for latency and memory")
+    m.set_defaults(func=_measure)
+
+    r = sub.add_parser("report", help="run a notebook with papermill into reports/ as .ipynb and .html")
+    r.add_argument("notebook")
+    r.add_argument("-p", "--parameter", nargs=2, action="append", metavar=("NAME", "VALUE"),
+                   help="notebook parameter (repeatable); values are Python literals or strings")
+    r.add_argument("--out", default="reports", help="output folder (default: reports)")
+    r.add_argument("--name", default=None, help="output file stem (default: the notebook's)")
+    r.set_defaults(func=_report)
+
+    sub.add_parser("models", help="list the zoo models").set_defaults(func=_list_models)
+    sub.add_parser("tasks", help="list the tasks").set_defaults(func=_list_tasks)
+
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        print(f"workbench {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""Real bytes and peak memory of a model.
+
+- `size_bytes`: bytes of every parameter and buffer *as stored*: each distinct storage counted once
+  (tied or shared weights are not double-counted), with its own element size, so a packed int4
+  tensor (two values per uint8) costs half a byte per value plus its scales.
+- `peak_memory`: CUDA: ``torch.cuda.max_memory_allocated`` around one forward pass (weights included).
+  CPU: the resident parameter/buffer bytes plus the peak of the tensor allocations made during one
+  forward pass, replayed from the PyTorch profiler's allocator events (``profile_memory=True``).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["size_bytes", "bytes_by_dtype", "layer_table", "peak_memory", "PeakMemory"]
+
+
+def _storages(model: nn.Module):
+    seen = set()
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.device.type == "meta":
+            raise ValueError("the model has tensors on the meta device (no real bytes to count)")
+        st = t.untyped_storage()
+        key = (t.device, st.data_ptr())
+        if key in seen:
+            continue
+        seen.add(key)
+        yield t, st.nbytes()
+
+
+def size_bytes(model: nn.Module) -> int:
+    """Bytes of all parameters and buffers as stored (each storage once)."""
+    return sum(n for _, n in _storages(model))
+
+
+def bytes_by_dtype(model: nn.Module) -> dict[str, int]:
+    out: dict[str, int] = defaultdict(int)
+    for t, n in _storages(model):
+        out[str(t.dtype).removeprefix("torch.")] += n
+    return dict(out)
+
+
+def layer_table(model: nn.Module):
+    """One row per leaf module that owns tensors: name, type, parameters, bytes, dtypes (a DataFrame)."""
+    import pandas as pd
+
+    rows = []
+    for name, module in model.named_modules():
+        tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        if not tensors:
+            continue
+        params = sum(p.numel() for p in module.parameters(recurse=False))
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        weight = getattr(module, "weight", None)
+        rows.append({
+            "layer": name or "<root>",
+            "type": type(module).__name__,
+            "shape": tuple(weight.shape) if isinstance(weight, torch.Tensor) else None,
+            "params": params,
+            "bytes": nbytes,
+            "dtypes": ",".join(sorted({str(t.dtype).removeprefix("torch.") for t in tensors})),
+        })
+    return pd.DataFrame(rows, columns=["layer", "type", "shape", "params", "bytes", "dtypes"])
+
+
+@dataclass(frozen=True)
+class PeakMemory:
+    bytes: int
+    method: str
+
+
+@contextlib.contextmanager
+def _fd2_silenced():
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def _cpu_transient_peak(model: nn.Module, inputs: tuple) -> int:
+    """Peak bytes of CPU tensors allocated and alive at once during ``model(*inputs)``."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    # libkineto prints "profiler_start/stop" lines straight to file descriptor 2 on every use; keep
+    # them out of notebooks and terminals (Python exceptions still propagate normally).
+    with _fd2_silenced(), torch.inference_mode(), \
+            profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model(*inputs)
+    events = []
+
+    def walk(node):
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+            events.append((node.start_time_ns, node.extra_fields.alloc_size))
+        for child in node.children:
+            walk(child)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root)
+    events.sort()
+    current = peak = 0
+    for _, delta in events:
+        current += delta
+        peak = max(peak, current)
+    return peak
+
+
+def peak_memory(model: nn.Module, inputs: tuple) -> PeakMemory:
+    """Peak memory of one forward pass of ``model(*inputs)`` (see the module docstring)."""
+    from workbench.tasks.base import model_device
+
+    device = model_device(model)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        with torch.inference_mode():
+            model(*inputs)
+        torch.cuda.synchronize(device)
+        return PeakMemory(torch.cuda.max_memory_allocated(device), "cuda max_memory_allocated")
+    return PeakMemory(size_bytes(model) + _cpu_transient_peak(model, inputs),
+                      "weights + peak live CPU tensor bytes of one forward (torch profiler allocator events)")

@@ -1,0 +1,162 @@
+"""`Metrics` and `measure`: every number measured on the real model, never estimated."""
+from __future__ import annotations
+
+import datetime as _dt
+import platform
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from workbench.measurement.footprint import bytes_by_dtype, peak_memory, size_bytes
+from workbench.measurement.latency import num_threads, time_forward
+from workbench.tasks.base import Task, check_model, model_device
+
+__all__ = ["Metrics", "measure", "compare"]
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """What `measure` found. Quality metrics keep the task's direction (`higher_is_better`)."""
+
+    model: str
+    task: str
+    quality: dict[str, float]
+    primary: str
+    higher_is_better: dict[str, bool]
+    latency_ms: float
+    latency_p90_ms: float
+    latency_runs: int
+    batch_size: int
+    size_bytes: int
+    peak_memory_bytes: int
+    memory_method: str
+    dtypes: dict[str, int]
+    device: str
+    threads: int
+    torch_version: str
+    quick: bool
+    plans: list[dict] = field(default_factory=list)
+    timestamp: str = ""
+    host: str = ""
+
+    @property
+    def primary_value(self) -> float:
+        return self.quality[self.primary]
+
+    def to_dict(self) -> dict[str, Any]:
+        """A flat dict: one key per quality metric, plus the measurement fields."""
+        d = asdict(self)
+        quality = d.pop("quality")
+        d.pop("higher_is_better")
+        d["plans"] = self.plans
+        return {"model": d.pop("model"), "task": d.pop("task"), **quality, "primary": self.primary,
+                "primary_value": self.primary_value, **d}
+
+    def to_series(self):
+        import pandas as pd
+
+        return pd.Series(self.to_dict())
+
+    def to_frame(self):
+        """A one-row DataFrame (concatenate rows of several runs with ``pd.concat``)."""
+        import pandas as pd
+
+        return pd.DataFrame([self.to_dict()])
+
+    def better_than(self, other: "Metrics", metric: str | None = None) -> bool:
+        name = metric or self.primary
+        a, b = self.quality[name], other.quality[name]
+        return a > b if self.higher_is_better[name] else a < b
+
+    def __str__(self) -> str:
+        q = ", ".join(f"{k}={v:.4g}{'' if self.higher_is_better[k] else ' (lower is better)'}"
+                      for k, v in self.quality.items())
+        return (f"{self.model} on {self.task}: {q}; latency {self.latency_ms:.3g} ms (p90 {self.latency_p90_ms:.3g}, "
+                f"batch {self.batch_size}, {self.threads} threads, {self.device}); size {self.size_bytes / 2**20:.3f} MiB; "
+                f"peak memory {self.peak_memory_bytes / 2**20:.3f} MiB")
+
+
+def measure(model: nn.Module, task: Task | str, *, batch_size: int | None = None, quick: bool = False,
+            threads: int | None = None, name: str | None = None, progress: bool = True) -> Metrics:
+    """Measure quality, latency, size and peak memory of ``model`` on ``task``.
+
+    ``quick``: evaluate the primary metric on the task's fixed quick subset and time fewer runs.
+    ``threads``: CPU threads for the whole measurement (default: torch's current setting); recorded.
+    ``batch_size``: latency/memory batch (default: the task's).
+    ``progress``: show a progress bar over the three stages (quality, latency, memory).
+    """
+    from tqdm.auto import tqdm
+
+    from workbench import models, tasks
+    from workbench.plans.apply import applied_plans
+
+    check_model(model)
+    if isinstance(task, str):
+        task = tasks.load(task)
+    if not isinstance(task, Task):
+        raise TypeError(f"expected a wb.tasks.Task or a task name, got {type(task).__name__}")
+    bs = task.default_batch_size if batch_size is None else batch_size
+    if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    device = model_device(model)
+    was_training = model.training
+    model.eval()
+    try:
+        with num_threads(threads) as used, tqdm(total=3, desc=f"measure {task.name}", leave=False,
+                                                disable=not progress) as bar:
+            bar.set_postfix_str("quality")
+            quality = task.evaluate(model, quick=quick)
+            bar.update()
+            bar.set_postfix_str("latency")
+            inputs = tuple(t.to(device) for t in task.example_inputs(bs))
+            lat = time_forward(model, inputs, warmup=2 if quick else 3, min_runs=5 if quick else 10,
+                               max_runs=20 if quick else 100, budget_s=0.5 if quick else 2.0)
+            bar.update()
+            bar.set_postfix_str("memory")
+            mem = peak_memory(model, inputs)
+            bar.update()
+    finally:
+        model.train(was_training)
+    missing = [m.name for m in task.metrics if m.name not in quality and (not quick or m is task.primary)]
+    if missing:
+        raise RuntimeError(f"task {task.name!r} did not report metric(s) {missing}")
+    return Metrics(
+        model=name or models.source_of(model) or type(model).__name__,
+        task=task.name,
+        quality=quality,
+        primary=task.primary.name,
+        higher_is_better={m.name: m.higher_is_better for m in task.metrics if m.name in quality},
+        latency_ms=lat.median_ms,
+        latency_p90_ms=lat.p90_ms,
+        latency_runs=lat.runs,
+        batch_size=bs,
+        size_bytes=size_bytes(model),
+        peak_memory_bytes=mem.bytes,
+        memory_method=mem.method,
+        dtypes=bytes_by_dtype(model),
+        device=str(device) if device.type != "cuda" else f"{device} ({torch.cuda.get_device_name(device)})",
+        threads=used,
+        torch_version=torch.__version__,
+        quick=quick,
+        plans=[p.to_dict() for p in applied_plans(model)],
+        timestamp=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        host=platform.node(),
+    )
+
+
+def compare(*metrics: Metrics, labels: list[str] | None = None):
+    """A DataFrame with one row per `Metrics` (``labels`` name the rows), plus ratios to the first row."""
+    import pandas as pd
+
+    if not metrics:
+        raise ValueError("compare needs at least one Metrics")
+    rows = [m.to_dict() for m in metrics]
+    df = pd.DataFrame(rows, index=labels or [f"{i}: {m.model}" for i, m in enumerate(metrics)])
+    base = metrics[0]
+    df["size_ratio"] = df["size_bytes"] / base.size_bytes
+    df["speedup"] = base.latency_ms / df["latency_ms"]
+    cols = ["model", *base.quality.keys(), "latency_ms", "latency_p90_ms", "speedup", "size_bytes", "size_ratio",
+            "peak_memory_bytes", "batch_size", "threads", "device"]
+    return df[[c for c in cols if c in df.columns]]

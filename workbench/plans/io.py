@@ -1,0 +1,137 @@
+"""`save` / `load`: a compressed model as one safetensors file.
+
+The file holds the model's tensors (safetensors: no pickle, nothing executed on load) and, as string
+metadata, the applied plans as JSON plus the zoo name of the base model. `load` rebuilds the
+compressed structure on a base model (given, or the zoo model named in the file) from the plans
+alone (`build_skeleton`), checks that every tensor's name, shape and dtype match that structure
+exactly, and only then fills in the values.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from workbench.plans.apply import applied_plans, build_skeleton
+from workbench.plans.plan import Plan
+
+__all__ = ["save", "load", "FILE_FORMAT", "FILE_FORMAT_VERSION"]
+
+FILE_FORMAT = "workbench.model"
+FILE_FORMAT_VERSION = 1
+
+
+def save(model: nn.Module, path: str | os.PathLike) -> Path:
+    """Write ``model``'s tensors and its applied plans to ``path`` (a .safetensors file)."""
+    from safetensors.torch import save_model
+
+    from workbench.models import source_of
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"expected a torch.nn.Module to save, got {type(model).__name__}")
+    path = Path(path)
+    meta = {
+        "format": FILE_FORMAT,
+        "format_version": str(FILE_FORMAT_VERSION),
+        "plans": json.dumps([p.to_dict() for p in applied_plans(model)]),
+        "source": source_of(model) or "",
+        "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
+        "torch_version": torch.__version__,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_model(model, str(path), metadata=meta)
+    return path
+
+
+def _read_metadata(path: Path) -> dict[str, str]:
+    from safetensors import safe_open
+
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist")
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+    except Exception as e:  # safetensors raises its own error types for a malformed header
+        raise ValueError(f"{path} is not a safetensors file: {e}") from None
+    if meta.get("format") != FILE_FORMAT:
+        raise ValueError(f"{path} is a safetensors file but not one written by wb.save "
+                         f"(its metadata has no \"format\": \"{FILE_FORMAT}\")")
+    if meta.get("format_version") != str(FILE_FORMAT_VERSION):
+        raise ValueError(f"{path} has workbench file format version {meta.get('format_version')!r}; "
+                         f"this workbench reads version {FILE_FORMAT_VERSION}")
+    return meta
+
+
+def _plans_from(meta: dict[str, str], path: Path) -> list[Plan]:
+    try:
+        raw = json.loads(meta.get("plans", ""))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: the plans metadata is not valid JSON ({e})") from None
+    if not isinstance(raw, list):
+        raise ValueError(f"{path}: the plans metadata must be a JSON list")
+    try:
+        return [Plan.from_dict(p) for p in raw]
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path}: invalid plan in metadata: {e}") from None
+
+
+def load(path: str | os.PathLike, base: nn.Module | str | None = None) -> nn.Module:
+    """Rebuild the model saved at ``path`` on ``base`` (an nn.Module, a zoo name, or None for the
+    zoo model recorded in the file). ``base`` is not modified."""
+    from safetensors import safe_open
+    from safetensors.torch import load_model
+
+    from workbench import models
+
+    path = Path(path)
+    meta = _read_metadata(path)
+    plans = _plans_from(meta, path)
+    if base is None:
+        if not meta.get("source"):
+            raise ValueError(f"{path} was saved from a user model; pass base=<the uncompressed model>")
+        base = meta["source"]
+    if isinstance(base, str):
+        base = models.load(base)
+    if not isinstance(base, nn.Module):
+        raise TypeError(f"base must be an nn.Module or a zoo model name, got {type(base).__name__}")
+    if applied_plans(base):
+        raise ValueError("base must be the uncompressed model, but plans were already applied to it")
+    try:
+        model = build_skeleton(base, plans)
+    except ValueError as e:
+        raise ValueError(f"{path}: its plans do not fit the base model: {e}") from None
+
+    expected = model.state_dict()
+    with safe_open(str(path), "pt") as f:
+        stored = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+    problems = []
+    for key, t in expected.items():
+        if key not in stored:
+            # safetensors stores one copy of shared tensors; load_model restores the sharing
+            if not any(t.data_ptr() == o.data_ptr() for k2, o in expected.items() if k2 != key and k2 in stored):
+                problems.append(f"missing tensor {key!r}")
+            continue
+        shape, dtype = stored[key]
+        want = str(t.dtype).removeprefix("torch.")
+        if shape != tuple(t.shape) or not _same_dtype(dtype, want):
+            problems.append(f"{key!r}: file has {dtype} {list(shape)}, the model expects {want} {list(t.shape)}")
+    extra = sorted(set(stored) - set(expected))
+    if extra:
+        problems.append(f"unexpected tensors {extra[:5]}")
+    if problems:
+        raise ValueError(f"{path} does not match the model its plans describe: " + "; ".join(problems[:5]))
+    load_model(model, str(path), strict=True)
+    return model.eval() if not base.training else model
+
+
+_ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+              "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+              "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "U16": "uint16", "U32": "uint32",
+              "U64": "uint64"}
+
+
+def _same_dtype(stored: str, torch_name: str) -> bool:
+    return _ST_DTYPES.get(stored.upper(), stored.lower()) == torch_name

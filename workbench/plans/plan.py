@@ -1,0 +1,212 @@
+"""`Plan`: an ordered mapping from layer-name patterns to technique configs.
+
+Patterns, tried in order for each module name (the first pattern that matches a module decides it):
+
+- an exact module name, e.g. ``"encoder.layer.0.output.dense"``;
+- a glob (``fnmatch`` semantics, case-sensitive): ``*`` matches any run of characters, dots included,
+  ``?`` one character, ``[...]`` a set - e.g. ``"encoder.layer.*.intermediate.dense"``;
+- a regular expression prefixed with ``re:``, matched against the whole name (``re.fullmatch``).
+
+A config of ``None`` keeps the matching layers untouched, so ``{"classifier": None, "*": cfg}``
+compresses everything but the classifier. A pattern must select at least one layer its config can
+handle, otherwise `resolve` raises an error naming it: a typo never silently compresses nothing.
+"""
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Mapping
+
+from torch import nn
+
+from workbench.plans.registry import Config, config_from_dict, config_to_dict, handler_for
+
+__all__ = ["Plan", "Assignment", "PLAN_FORMAT_VERSION"]
+
+PLAN_FORMAT_VERSION = 1
+
+
+def _matcher(pattern: str):
+    if not isinstance(pattern, str) or not pattern:
+        raise ValueError(f"plan pattern must be a non-empty string, got {pattern!r}")
+    if pattern.startswith("re:"):
+        try:
+            rx = re.compile(pattern[3:])
+        except re.error as e:
+            raise ValueError(f"plan pattern {pattern!r} is not a valid regular expression: {e}") from None
+        return lambda name: rx.fullmatch(name) is not None
+    if any(c in pattern for c in "*?["):
+        rx = re.compile(fnmatch.translate(pattern))
+        return lambda name: rx.match(name) is not None
+    return lambda name: name == pattern
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """One resolved entry: which layer gets which config, and which pattern decided it."""
+
+    name: str
+    module_type: str
+    pattern: str
+    config: Config
+
+
+class Plan(Mapping[str, Config | None]):
+    """An ordered, immutable mapping ``pattern -> config`` (see the module docstring)."""
+
+    def __init__(self, entries: Mapping[str, Config | None] | Iterable[tuple[str, Config | None]] = ()):
+        items = list(entries.items()) if isinstance(entries, Mapping) else list(entries)
+        self._entries: dict[str, Config | None] = {}
+        self._matchers = {}
+        for pattern, config in items:
+            if pattern in self._entries:
+                raise ValueError(f"plan pattern {pattern!r} appears twice")
+            if config is not None:
+                if not isinstance(config, Config):
+                    raise TypeError(
+                        f"plan pattern {pattern!r}: expected a technique config (e.g. "
+                        f"wb.precision.Cast(torch.bfloat16)) or None, got {type(config).__name__}")
+                handler_for(config)
+            self._matchers[pattern] = _matcher(pattern)
+            self._entries[pattern] = config
+
+    # Mapping protocol
+    def __getitem__(self, pattern: str) -> Config | None:
+        return self._entries[pattern]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Plan) and list(self._entries.items()) == list(other._entries.items())
+
+    def __hash__(self) -> int:
+        return hash(self.to_json())
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{p!r}: {c!r}" for p, c in self._entries.items())
+        return f"Plan({{{inner}}})"
+
+    def __or__(self, other: "Plan") -> "Plan":
+        """``a | b``: the entries of ``a`` then those of ``b`` (``a`` wins where both match)."""
+        return Plan([*self._entries.items(), *((p, c) for p, c in other.items() if p not in self._entries)])
+
+    def match(self, name: str) -> tuple[str, Config | None] | None:
+        """The first (pattern, config) whose pattern matches ``name``, or None."""
+        for pattern, config in self._entries.items():
+            if self._matchers[pattern](name):
+                return pattern, config
+        return None
+
+    def resolve(self, model: nn.Module) -> list[Assignment]:
+        """Which layer of ``model`` gets which config, in module order.
+
+        Only modules the config's technique supports are assigned (a glob over ``encoder.*``
+        assigns its nn.Linear layers, not the containers around them), and a module nested inside an
+        already-assigned module is not assigned again.
+        """
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}")
+        used: dict[str, int] = {p: 0 for p in self._entries}
+        seen_types: dict[str, set[str]] = {p: set() for p in self._entries}
+        out: list[Assignment] = []
+        taken: list[str] = []
+        for name, module in model.named_modules():
+            if not name:
+                continue
+            hit = self.match(name)
+            if hit is None:
+                continue
+            pattern, config = hit
+            seen_types[pattern].add(type(module).__name__)
+            if config is None:
+                used[pattern] += 1
+                continue
+            if not handler_for(config).supports(module):
+                continue
+            if any(name.startswith(t + ".") for t in taken):
+                continue
+            used[pattern] += 1
+            taken.append(name)
+            out.append(Assignment(name, type(module).__name__, pattern, config))
+        for pattern, count in used.items():
+            if count == 0:
+                config = self._entries[pattern]
+                if seen_types[pattern]:
+                    raise ValueError(
+                        f"plan pattern {pattern!r} matches only layers that {type(config).__name__} "
+                        f"cannot handle ({', '.join(sorted(seen_types[pattern]))})")
+                raise ValueError(
+                    f"plan pattern {pattern!r} matches no layer of {type(model).__name__}; "
+                    f"some layer names: {_some_names(model)}")
+        return out
+
+    def describe(self, model: nn.Module):
+        """`resolve` as a DataFrame: layer, type, pattern, config."""
+        import pandas as pd
+
+        rows = [{"layer": a.name, "type": a.module_type, "pattern": a.pattern, "config": repr(a.config)}
+                for a in self.resolve(model)]
+        return pd.DataFrame(rows, columns=["layer", "type", "pattern", "config"])
+
+    # JSON
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": "workbench.plan",
+            "version": PLAN_FORMAT_VERSION,
+            "entries": [{"pattern": p, "config": None if c is None else config_to_dict(c)}
+                        for p, c in self._entries.items()],
+        }
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
+        if not isinstance(data, Mapping) or data.get("format") != "workbench.plan":
+            raise ValueError("not a workbench plan: expected an object with \"format\": \"workbench.plan\"")
+        version = data.get("version")
+        if version != PLAN_FORMAT_VERSION:
+            raise ValueError(f"unsupported plan format version {version!r}; this workbench reads "
+                             f"version {PLAN_FORMAT_VERSION}")
+        entries = data.get("entries")
+        if not isinstance(entries, list):
+            raise ValueError("plan 'entries' must be a list")
+        out = []
+        for i, e in enumerate(entries):
+            if not isinstance(e, Mapping) or set(e) != {"pattern", "config"}:
+                raise ValueError(f"plan entry {i} must have exactly 'pattern' and 'config', got {e!r}")
+            cfg = None if e["config"] is None else config_from_dict(e["config"], f"plan entry {i} ({e['pattern']!r})")
+            out.append((e["pattern"], cfg))
+        return cls(out)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"plan is not valid JSON: {e}") from None
+        return cls.from_dict(data)
+
+    def save(self, path) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(self.to_json(indent=2) + "\n")
+
+    @classmethod
+    def read(cls, path) -> "Plan":
+        with open(path, encoding="utf-8") as f:
+            try:
+                return cls.from_json(f.read())
+            except ValueError as e:
+                raise ValueError(f"{path}: {e}") from None
+
+
+def _some_names(model: nn.Module, limit: int = 8) -> str:
+    names = [n for n, m in model.named_modules() if n and not list(m.children())]
+    more = f", ... ({len(names)} leaf layers)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more

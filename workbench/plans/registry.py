@@ -1,0 +1,147 @@
+"""The technique registry: config type -> handler.
+
+Every technique (cast, quantization, pruning, low-rank, ...) describes one layer's change as a frozen
+dataclass *config* and registers a *handler* for that config type. `wb.apply` and `wb.load` only ever
+talk to handlers through this table, so adding a technique is a registration, never a new branch in
+the spine (and never a dispatch on strings).
+
+A config class is registered with `@register_config(handler)`; its JSON name is the class's
+``kind`` (defaults to ``"<module>.<ClassName>"``), which is what a saved plan records.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import typing
+from typing import Any, Callable, ClassVar, Protocol, Sequence
+
+import torch
+from torch import nn
+
+__all__ = [
+    "Config",
+    "Handler",
+    "register_config",
+    "handler_for",
+    "config_from_dict",
+    "config_to_dict",
+    "registered_kinds",
+]
+
+
+class Config:
+    """Base class of every technique config (a frozen dataclass).
+
+    Subclasses validate their fields in ``__post_init__`` and raise ``ValueError``/``TypeError``
+    naming the field at fault.
+    """
+
+    kind: ClassVar[str] = ""
+
+
+class Handler(Protocol):
+    """What a technique provides for its config type."""
+
+    def supports(self, module: nn.Module) -> bool:
+        """Whether this technique can replace ``module`` (e.g. only nn.Linear)."""
+
+    def needs_calibration(self, config: Config) -> bool:
+        """Whether ``apply`` needs the layer's calibration inputs."""
+
+    def apply(self, name: str, module: nn.Module, config: Config,
+              inputs: Sequence[tuple[torch.Tensor, ...]] | None) -> nn.Module:
+        """Return a *new* module implementing ``config`` for ``module`` (never mutate ``module``).
+
+        ``inputs`` are the layer's recorded calibration inputs when ``needs_calibration`` is true.
+        """
+
+    def skeleton(self, name: str, module: nn.Module, config: Config) -> nn.Module:
+        """Return a module with the compressed structure (shapes, dtypes, buffers) but no computation
+        of its values: `wb.load` fills it from a file. Must not need calibration data."""
+
+
+_HANDLERS: dict[type, Handler] = {}
+_KINDS: dict[str, type] = {}
+
+
+def register_config(handler: Handler, kind: str | None = None) -> Callable[[type], type]:
+    """Class decorator: register a frozen-dataclass config type with its handler."""
+
+    def deco(cls: type) -> type:
+        if not (dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen):
+            raise TypeError(f"{cls.__name__} must be a frozen dataclass to be registered as a config")
+        name = kind or f"{cls.__module__.removeprefix('workbench.')}.{cls.__name__}"
+        if name in _KINDS and _KINDS[name] is not cls:
+            raise ValueError(f"config kind {name!r} is already registered by {_KINDS[name].__qualname__}")
+        cls.kind = name
+        _KINDS[name] = cls
+        _HANDLERS[cls] = handler
+        return cls
+
+    return deco
+
+
+def handler_for(config: Config) -> Handler:
+    try:
+        return _HANDLERS[type(config)]
+    except KeyError:
+        raise TypeError(
+            f"{type(config).__qualname__} is not a registered technique config; registered: "
+            f"{sorted(_KINDS)}") from None
+
+
+def registered_kinds() -> list[str]:
+    return sorted(_KINDS)
+
+
+# --- JSON (de)serialisation of configs -------------------------------------------------------------
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, torch.dtype):
+        return {"dtype": str(value).removeprefix("torch.")}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, tuple):
+        return [_encode(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"cannot serialise config value {value!r} of type {type(value).__name__}")
+
+
+def _decode(value: Any, annotation: Any, where: str) -> Any:
+    if isinstance(value, dict) and set(value) == {"dtype"}:
+        dtype = getattr(torch, str(value["dtype"]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"{where}: unknown dtype {value['dtype']!r}")
+        return dtype
+    origin = typing.get_origin(annotation)
+    if isinstance(value, list):
+        return tuple(value) if origin in (tuple, None) or annotation is tuple else value
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return annotation(value)
+    return value
+
+
+def config_to_dict(config: Config) -> dict[str, Any]:
+    if not isinstance(config, Config) or not dataclasses.is_dataclass(config):
+        raise TypeError(f"expected a technique config, got {type(config).__name__}")
+    handler_for(config)  # raises if unregistered
+    return {"kind": config.kind,
+            **{f.name: _encode(getattr(config, f.name)) for f in dataclasses.fields(config)}}
+
+
+def config_from_dict(data: dict[str, Any], where: str = "config") -> Config:
+    """Rebuild a config from its JSON form. Only registered kinds can be built (no imports, no eval)."""
+    if not isinstance(data, dict) or "kind" not in data:
+        raise ValueError(f"{where}: expected an object with a 'kind' field, got {data!r}")
+    kind = data["kind"]
+    cls = _KINDS.get(kind)
+    if cls is None:
+        raise ValueError(f"{where}: unknown config kind {kind!r}; registered kinds: {registered_kinds()}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(data) - set(fields) - {"kind"}
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {sorted(unknown)} for {kind}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {k: _decode(v, hints.get(k), f"{where}.{k}") for k, v in data.items() if k != "kind"}
+    return cls(**kwargs)

@@ -1,0 +1,130 @@
+"""`Cast(dtype)`: store a layer's weights in fp16 / bf16 and run it in that dtype.
+
+Activations are cast to the layer's dtype on the way in and back to the caller's dtype on the way
+out, so a cast layer drops into an fp32 model anywhere. Supported layers: nn.Linear, nn.Conv1d/2d/3d
+and nn.Embedding (whose output returns in the original weight dtype, as indices carry no dtype).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workbench.plans.registry import Config, register_config
+
+__all__ = ["Cast", "CastLinear", "CastConv1d", "CastConv2d", "CastConv3d", "CastEmbedding"]
+
+CAST_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class CastLinear(nn.Linear):
+    """nn.Linear whose parameters are stored in a low-precision dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
+
+
+class _CastConvMixin:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._conv_forward(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
+
+
+class CastConv1d(_CastConvMixin, nn.Conv1d):
+    """nn.Conv1d stored and run in a low-precision dtype."""
+
+
+class CastConv2d(_CastConvMixin, nn.Conv2d):
+    """nn.Conv2d stored and run in a low-precision dtype."""
+
+
+class CastConv3d(_CastConvMixin, nn.Conv3d):
+    """nn.Conv3d stored and run in a low-precision dtype."""
+
+
+class CastEmbedding(nn.Embedding):
+    """nn.Embedding stored in a low-precision dtype; looks up, then returns ``output_dtype``."""
+
+    def __init__(self, *args, output_dtype: torch.dtype = torch.float32, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.output_dtype = output_dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).to(self.output_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, output_dtype={self.output_dtype}"
+
+
+_CONV = {nn.Conv1d: CastConv1d, nn.Conv2d: CastConv2d, nn.Conv3d: CastConv3d}
+
+
+def _new_param(t: torch.Tensor | None, dtype: torch.dtype, values: bool) -> nn.Parameter | None:
+    if t is None:
+        return None
+    data = t.detach().to(dtype).clone() if values else torch.empty(t.shape, dtype=dtype, device=t.device)
+    return nn.Parameter(data, requires_grad=t.requires_grad)
+
+
+def cast_module(module: nn.Module, dtype: torch.dtype, values: bool = True) -> nn.Module:
+    """A new cast copy of ``module`` (``values=False``: same structure, uninitialised values)."""
+    kind = type(module)
+    if kind is nn.Linear:
+        new = CastLinear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
+    elif kind in _CONV:
+        m = module
+        new = _CONV[kind](m.in_channels, m.out_channels, m.kernel_size, stride=m.stride, padding=m.padding,
+                          dilation=m.dilation, groups=m.groups, bias=m.bias is not None,
+                          padding_mode=m.padding_mode, device="meta")
+    elif kind is nn.Embedding:
+        m = module
+        new = CastEmbedding(m.num_embeddings, m.embedding_dim, padding_idx=m.padding_idx, max_norm=m.max_norm,
+                            norm_type=m.norm_type, scale_grad_by_freq=m.scale_grad_by_freq, sparse=m.sparse,
+                            output_dtype=m.weight.dtype, device="meta")
+    else:
+        raise TypeError(f"Cast supports nn.Linear, nn.Conv1d/2d/3d and nn.Embedding, not {kind.__name__}")
+    new.weight = _new_param(module.weight, dtype, values)
+    if getattr(module, "bias", None) is not None:
+        new.bias = _new_param(module.bias, dtype, values)
+    new.train(module.training)
+    return new
+
+
+class _CastHandler:
+    def supports(self, module: nn.Module) -> bool:
+        return type(module) in (nn.Linear, nn.Embedding, *_CONV)
+
+    def needs_calibration(self, config: "Cast") -> bool:
+        return False
+
+    def apply(self, name: str, module: nn.Module, config: "Cast",
+              inputs: Sequence[tuple[torch.Tensor, ...]] | None) -> nn.Module:
+        if not torch.isfinite(module.weight).all():
+            raise ValueError(f"weight of {name!r} contains NaN or Inf")
+        finfo = torch.finfo(config.dtype)
+        peak = module.weight.detach().abs().max().item() if module.weight.numel() else 0.0
+        if peak > finfo.max:
+            raise ValueError(f"weight of {name!r} has magnitude {peak:.3g}, beyond the {config.dtype} "
+                             f"range ({finfo.max:.3g}); casting would give Inf")
+        return cast_module(module, config.dtype)
+
+    def skeleton(self, name: str, module: nn.Module, config: "Cast") -> nn.Module:
+        return cast_module(module, config.dtype, values=False)
+
+
+@register_config(_CastHandler(), kind="precision.Cast")
+@dataclass(frozen=True)
+class Cast(Config):
+    """Store the layer's weights in ``dtype`` (fp16 or bf16) and compute in it."""
+
+    dtype: torch.dtype = torch.bfloat16
+
+    def __post_init__(self):
+        if isinstance(self.dtype, str):  # "bfloat16" / "float16" from a widget, a CLI or a parameters cell
+            named = getattr(torch, self.dtype.removeprefix("torch."), None)
+            if isinstance(named, torch.dtype):
+                object.__setattr__(self, "dtype", named)
+        if self.dtype not in CAST_DTYPES:
+            raise ValueError(f"Cast.dtype must be one of {[str(d) for d in CAST_DTYPES]}, got {self.dtype!r}")

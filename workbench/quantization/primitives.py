@@ -1,0 +1,230 @@
+"""Quantization numerics: pure functions, one place. Every quantized module and algorithm calls these.
+
+Integer affine quantization of a tensor ``x`` with ``b`` bits maps each value to
+
+    q = clamp(round(x * (1 / scale)) + zero_point, qmin, qmax)        x_hat = (q - zero_point) * scale
+
+with ``round`` half-to-even and the reciprocal taken in fp32, exactly as PyTorch's
+``quantize_per_channel`` / ``fake_quantize_per_channel_affine`` do (a test checks bit-identity).
+Ranges: signed ``[-2^(b-1), 2^(b-1) - 1]``, unsigned ``[0, 2^b - 1]``; b = 2..8.
+
+Granularity says which values share a (scale, zero_point):
+
+- `PerTensor()`: one pair for the whole tensor;
+- `PerChannel(axis)`: one pair per index along ``axis`` (weights: axis 0, the output channel);
+- `PerGroup(group_size)`: one pair per ``group_size`` consecutive values along the last (input) axis;
+- `PerToken()`: one pair per row of the last axis (activations: each token its own scale).
+
+Every granularity is a view of the tensor as ``(groups, values_per_group)``; the qparams are computed
+on that view (``to_groups`` / ``from_groups``). Floating formats: float8 e4m3fn / e5m2 with a scale, and
+NF4 (QLoRA's 16-value normal-float codebook, derived here from normal quantiles).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "PerTensor", "PerChannel", "PerGroup", "PerToken", "Granularity",
+    "qrange", "to_groups", "from_groups", "choose_qparams", "quantize", "dequantize", "fake_quantize",
+    "quantize_affine", "dequantize_affine", "float8_quantize", "float8_dequantize", "FLOAT8_DTYPES",
+    "nf4_codebook", "nf4_quantize", "nf4_dequantize", "sqnr",
+]
+
+EPS = torch.finfo(torch.float32).eps
+
+
+@dataclass(frozen=True)
+class PerTensor:
+    pass
+
+
+@dataclass(frozen=True)
+class PerChannel:
+    axis: int = 0
+
+
+@dataclass(frozen=True)
+class PerGroup:
+    group_size: int = 128
+
+    def __post_init__(self):
+        if not isinstance(self.group_size, int) or self.group_size < 1:
+            raise ValueError(f"group_size must be a positive int, got {self.group_size!r}")
+
+
+@dataclass(frozen=True)
+class PerToken:
+    pass
+
+
+Granularity = PerTensor | PerChannel | PerGroup | PerToken
+
+
+def qrange(bits: int, signed: bool) -> tuple[int, int]:
+    """(qmin, qmax) of a ``bits``-bit integer."""
+    if not isinstance(bits, int) or not 2 <= bits <= 8:
+        raise ValueError(f"integer quantization supports 2 to 8 bits, got {bits!r}")
+    return (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if signed else (0, (1 << bits) - 1)
+
+
+def to_groups(x: torch.Tensor, granularity: Granularity) -> torch.Tensor:
+    """View ``x`` as ``(groups, values_per_group)`` for ``granularity`` (a copy only for PerChannel(axis != -1))."""
+    if isinstance(granularity, PerTensor):
+        return x.reshape(1, -1)
+    if isinstance(granularity, PerToken):
+        return x.reshape(-1, x.shape[-1])
+    if isinstance(granularity, PerChannel):
+        axis = granularity.axis % x.ndim
+        return x.movedim(axis, 0).reshape(x.shape[axis], -1)
+    if isinstance(granularity, PerGroup):
+        g = granularity.group_size
+        if x.shape[-1] % g:
+            raise ValueError(f"group_size {g} does not divide the last dimension {x.shape[-1]} of a tensor "
+                             f"of shape {tuple(x.shape)}")
+        return x.reshape(-1, g)
+    raise TypeError(f"unknown granularity {granularity!r}")
+
+
+def from_groups(xg: torch.Tensor, shape: torch.Size | tuple[int, ...], granularity: Granularity) -> torch.Tensor:
+    """Inverse of `to_groups`."""
+    if isinstance(granularity, PerChannel):
+        axis = granularity.axis % len(shape)
+        moved = (shape[axis], *shape[:axis], *shape[axis + 1:])
+        return xg.reshape(moved).movedim(0, axis)
+    return xg.reshape(shape)
+
+
+def choose_qparams(xg: torch.Tensor, bits: int, symmetric: bool = True, signed: bool = True,
+                   min_val: torch.Tensor | None = None, max_val: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero point (each ``(groups, 1)``) for grouped values ``xg`` ``(groups, K)``.
+
+    Follows PyTorch's observers: the range always includes 0; symmetric uses
+    ``scale = max|x| / ((qmax - qmin) / 2)`` and zero point 0 (signed) or the mid-point (unsigned);
+    asymmetric uses ``scale = (max - min) / (qmax - qmin)``, ``zero_point = qmin - round(min / scale)``.
+    ``min_val`` / ``max_val`` override the ranges (clipping searches and observers pass them).
+    """
+    qmin, qmax = qrange(bits, signed)
+    lo = xg.amin(dim=1, keepdim=True) if min_val is None else min_val.reshape(-1, 1)
+    hi = xg.amax(dim=1, keepdim=True) if max_val is None else max_val.reshape(-1, 1)
+    lo = torch.clamp(lo.float(), max=0.0)
+    hi = torch.clamp(hi.float(), min=0.0)
+    if symmetric:
+        amax = torch.maximum(-lo, hi)
+        scale = torch.clamp(amax / ((qmax - qmin) / 2), min=EPS)
+        zp = torch.full_like(scale, 0 if signed else (qmin + qmax + 1) // 2, dtype=torch.int32)
+    else:
+        scale = torch.clamp((hi - lo) / float(qmax - qmin), min=EPS)
+        zp = torch.clamp(qmin - torch.round(lo / scale), qmin, qmax).to(torch.int32)
+    return scale, zp
+
+
+def quantize(xg: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int,
+             dtype: torch.dtype = torch.int8) -> torch.Tensor:
+    """Integer codes of grouped values (see the module docstring); ``dtype`` must hold [qmin, qmax]."""
+    q = torch.round(xg.float() * (1.0 / scale)) + zero_point
+    return torch.clamp(q, qmin, qmax).to(dtype)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return ((q.to(torch.int32) - zero_point).float() * scale).to(dtype)
+
+
+def _storage_dtype(qmin: int) -> torch.dtype:
+    return torch.int8 if qmin < 0 else torch.uint8
+
+
+def quantize_affine(x: torch.Tensor, bits: int, granularity: Granularity, symmetric: bool = True,
+                    signed: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize ``x``: returns (codes shaped like ``x``, scale ``(groups, 1)``, zero_point ``(groups, 1)``)."""
+    if not x.is_floating_point():
+        raise TypeError(f"can only quantize floating-point tensors, got {x.dtype}")
+    xg = to_groups(x, granularity)
+    scale, zp = choose_qparams(xg, bits, symmetric, signed)
+    qmin, qmax = qrange(bits, signed)
+    q = quantize(xg, scale, zp, qmin, qmax, _storage_dtype(qmin))
+    return from_groups(q, x.shape, granularity), scale, zp
+
+
+def dequantize_affine(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, granularity: Granularity,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    qg = to_groups(q, granularity)
+    return from_groups(dequantize(qg, scale, zero_point, dtype), q.shape, granularity)
+
+
+def fake_quantize(x: torch.Tensor, bits: int, granularity: Granularity, symmetric: bool = True,
+                  signed: bool = True) -> torch.Tensor:
+    """quantize -> dequantize in one step (same dtype as ``x``); no gradient rule (see QAT for the STE)."""
+    q, scale, zp = quantize_affine(x, bits, granularity, symmetric, signed)
+    return dequantize_affine(q, scale, zp, granularity, x.dtype)
+
+
+# --- float8 -----------------------------------------------------------------------------------------
+
+FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def float8_quantize(x: torch.Tensor, granularity: Granularity = PerChannel(0),
+                    dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 values shaped like ``x``, fp32 scale ``(groups, 1)``) with ``x ~ values * scale``; the scale maps
+    each group's max magnitude to the format's largest finite value."""
+    if dtype not in FLOAT8_DTYPES:
+        raise ValueError(f"float8 dtype must be one of {FLOAT8_DTYPES}, got {dtype}")
+    fmax = torch.finfo(dtype).max
+    xg = to_groups(x.float(), granularity)
+    scale = torch.clamp(xg.abs().amax(dim=1, keepdim=True) / fmax, min=EPS)
+    q = torch.clamp(xg / scale, -fmax, fmax).to(dtype)
+    return from_groups(q, x.shape, granularity), scale
+
+
+def float8_dequantize(q: torch.Tensor, scale: torch.Tensor, granularity: Granularity,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    qg = to_groups(q, granularity)
+    return from_groups((qg.float() * scale).to(dtype), q.shape, granularity)
+
+
+# --- NF4 ----------------------------------------------------------------------------------------------
+
+@functools.cache
+def nf4_codebook() -> torch.Tensor:
+    """The 16 NF4 values (QLoRA, Dettmers et al. 2023): quantiles of N(0, 1) with an exact zero,
+    8 positive and 7 negative levels, normalised to [-1, 1]."""
+    from scipy.stats import norm
+
+    offset = 0.9677083  # QLoRA's choice: the outermost quantile, (1 - 1/(2*15) + 1 - 1/(2*16)) / 2
+    pos = norm.ppf(torch.linspace(offset, 0.5, 9)[:-1].numpy())
+    neg = -norm.ppf(torch.linspace(offset, 0.5, 8)[:-1].numpy())
+    values = torch.tensor(sorted([*pos.tolist(), 0.0, *neg.tolist()]), dtype=torch.float64)
+    return (values / values.abs().max()).float()
+
+
+def nf4_quantize(x: torch.Tensor, group_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uint8 codes 0..15 shaped like ``x``, absmax scale ``(groups, 1)``); per-group along the last axis."""
+    gran = PerGroup(group_size)
+    xg = to_groups(x.float(), gran)
+    scale = torch.clamp(xg.abs().amax(dim=1, keepdim=True), min=EPS)
+    book = nf4_codebook().to(x.device)
+    normed = (xg / scale).unsqueeze(-1)                           # (G, K, 1)
+    codes = (normed - book).abs().argmin(dim=-1).to(torch.uint8)  # (G, K): nearest codebook entry
+    return from_groups(codes, x.shape, gran), scale
+
+
+def nf4_dequantize(codes: torch.Tensor, scale: torch.Tensor, group_size: int = 64,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    gran = PerGroup(group_size)
+    book = nf4_codebook().to(codes.device)
+    values = book[to_groups(codes, gran).long()] * scale
+    return from_groups(values.to(dtype), codes.shape, gran)
+
+
+def sqnr(reference: torch.Tensor, approx: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB: 20 log10(||ref|| / ||ref - approx||)."""
+    ref = reference.double()
+    noise = (ref - approx.double()).norm()
+    if noise == 0:
+        return float("inf")
+    return float(20 * torch.log10(ref.norm() / noise))

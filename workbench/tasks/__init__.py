@@ -1,0 +1,60 @@
+"""Tasks: ``wb.tasks.load(name)`` bundles evaluation data, a disjoint calibration split, the quality
+metrics (primary first, with their direction) and example inputs for latency.
+
+``digits`` and ``mnist1d`` (top-1 accuracy), ``tiny-lm`` (held-out perplexity, lower is better) and
+``minilm`` (embedding fidelity to fp32, plus four human-judgement benchmarks).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from workbench.tasks.base import MetricSpec, Task
+
+__all__ = ["Task", "MetricSpec", "names", "load"]
+
+
+def _digits() -> Task:
+    from workbench.tasks import data
+    from workbench.tasks.classification import ClassificationTask
+
+    return ClassificationTask("digits", data.digits, "(B, 64) pixels in [0, 1]")
+
+
+def _mnist1d() -> Task:
+    from workbench.tasks import data
+    from workbench.tasks.classification import ClassificationTask
+
+    return ClassificationTask("mnist1d", data.mnist1d, "(B, 40) signals")
+
+
+def _tiny_lm() -> Task:
+    from workbench.tasks.lm import CharLMTask
+
+    return CharLMTask()
+
+
+def _minilm() -> Task:
+    from workbench.tasks.sentence import SentenceTask
+
+    return SentenceTask()
+
+
+_TASKS: dict[str, Callable[[], Task]] = {
+    "digits": _digits,
+    "mnist1d": _mnist1d,
+    "tiny-lm": _tiny_lm,
+    "minilm": _minilm,
+}
+
+
+def names() -> list[str]:
+    return list(_TASKS)
+
+
+def load(name: str) -> Task:
+    """The task called ``name`` (see `names()`)."""
+    try:
+        factory = _TASKS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown task {name!r}; available tasks: {', '.join(_TASKS)}") from None
+    return factory()

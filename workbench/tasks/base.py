@@ -1,0 +1,84 @@
+"""The `Task` interface: evaluation data, a disjoint calibration split, metrics and latency inputs.
+
+A task never trains anything. It answers four questions about a model:
+
+- ``evaluate(model, quick=False) -> dict``: quality metrics (the primary one first);
+- ``calibration(n)``: ``n`` samples from a split disjoint from the evaluation data, as a list of
+  input batches (each a tuple of tensors to call ``model(*batch)`` with);
+- ``example_inputs(batch_size)``: a realistic input batch for latency and memory measurement;
+- ``metrics``: what each metric means and whether higher is better.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["MetricSpec", "Task", "model_device", "check_model"]
+
+Batch = tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str
+    higher_is_better: bool
+    description: str
+
+
+def check_model(model: object) -> nn.Module:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}")
+    return model
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter or buffer (CPU for a parameterless model)."""
+    for t in model.parameters():
+        return t.device
+    for t in model.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
+class Task(ABC):
+    """Base class; see the module docstring."""
+
+    name: str = ""
+    metrics: tuple[MetricSpec, ...] = ()
+    default_batch_size: int = 1
+
+    @property
+    def primary(self) -> MetricSpec:
+        return self.metrics[0]
+
+    def metric(self, name: str) -> MetricSpec:
+        for m in self.metrics:
+            if m.name == name:
+                return m
+        raise KeyError(f"task {self.name!r} has no metric {name!r}; its metrics: {[m.name for m in self.metrics]}")
+
+    @abstractmethod
+    def evaluate(self, model: nn.Module, quick: bool = False) -> dict[str, float]:
+        """Quality metrics of ``model`` on the evaluation split (``quick``: a fixed subset)."""
+
+    @abstractmethod
+    def calibration(self, n: int, batch_size: int | None = None) -> list[Batch]:
+        """``n`` calibration samples (disjoint from the evaluation data) as input batches."""
+
+    @abstractmethod
+    def example_inputs(self, batch_size: int | None = None) -> Batch:
+        """One input batch for latency and memory measurement."""
+
+    def __repr__(self) -> str:
+        return f"<Task {self.name!r}: {', '.join(m.name for m in self.metrics)}>"
+
+
+def check_count(n: int, available: int, what: str) -> int:
+    if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+        raise ValueError(f"{what}: the number of samples must be a positive int, got {n!r}")
+    if n > available:
+        raise ValueError(f"{what}: asked for {n} samples, but the split has only {available}")
+    return n

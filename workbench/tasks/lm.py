@@ -1,0 +1,75 @@
+"""tiny-lm: character-level language modelling on gensim's lee_background.cor.
+
+Quality is the perplexity (lower is better) of the held-out last 10 % of the text, scored on
+non-overlapping windows of the model's block size. Calibration windows come from the first 90 %.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workbench.tasks import data
+from workbench.tasks.base import MetricSpec, Task, check_count, check_model, model_device
+
+__all__ = ["CharLMTask", "perplexity"]
+
+
+def _windows(ids: np.ndarray, block: int) -> torch.Tensor:
+    n = (len(ids) - 1) // block
+    return torch.from_numpy(ids[: n * block + 1])
+
+
+def perplexity(model: nn.Module, ids: np.ndarray, block: int, max_windows: int | None = None,
+               batch_size: int = 32) -> float:
+    """exp(mean next-character cross-entropy) over non-overlapping windows of ``block`` characters."""
+    stream = _windows(ids, block)
+    n = (len(stream) - 1) // block
+    if max_windows is not None:
+        n = min(n, max_windows)
+    device = model_device(model)
+    total, count = 0.0, 0
+    with torch.inference_mode():
+        for i in range(0, n, batch_size):
+            rows = range(i, min(n, i + batch_size))
+            x = torch.stack([stream[r * block:(r + 1) * block] for r in rows]).to(device)          # (B, T)
+            y = torch.stack([stream[r * block + 1:(r + 1) * block + 1] for r in rows]).to(device)  # (B, T)
+            logits = model(x).float()                                                            # (B, T, V)
+            total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum").item()
+            count += y.numel()
+    return math.exp(total / count)
+
+
+class CharLMTask(Task):
+    name = "tiny-lm"
+    metrics = (MetricSpec("perplexity", False, "character-level perplexity of the held-out text (lower is better)"),)
+    default_batch_size = 1
+    quick_windows = 64
+
+    def __init__(self, block_size: int = 128):
+        self.block_size = block_size
+        self.corpus = data.char_corpus()
+
+    def evaluate(self, model: nn.Module, quick: bool = False) -> dict[str, float]:
+        check_model(model)
+        return {"perplexity": perplexity(model, self.corpus.test, self.block_size,
+                                         max_windows=self.quick_windows if quick else None)}
+
+    def calibration(self, n: int, batch_size: int | None = None) -> list[tuple[torch.Tensor, ...]]:
+        train = self.corpus.train
+        T = self.block_size
+        check_count(n, (len(train) - 1) // T, "tiny-lm calibration")
+        rng = np.random.default_rng(1)
+        starts = np.sort(rng.choice((len(train) - 1) // T, size=n, replace=False)) * T
+        x = torch.from_numpy(np.stack([train[s:s + T] for s in starts]))  # (n, T)
+        bs = batch_size or 8
+        return [(x[i:i + bs],) for i in range(0, n, bs)]
+
+    def example_inputs(self, batch_size: int | None = None) -> tuple[torch.Tensor, ...]:
+        bs = batch_size or self.default_batch_size
+        T = self.block_size
+        test = self.corpus.test
+        return (torch.from_numpy(np.stack([test[i * T:(i + 1) * T] for i in range(bs)])),)

@@ -1,0 +1,97 @@
+"""Reports: metrics recorded inside notebooks, papermill runs, and standalone HTML with offline plots.
+
+- `record(**values)` (in a notebook) displays the values under the ``application/vnd.workbench.metrics+json``
+  mime type, so tests and the golden-metric suite read them back from the executed notebook.
+- `recorded(path)` reads them back.
+- `run_notebook(path, parameters, out_dir)` executes a notebook with papermill into ``out_dir`` as .ipynb
+  and renders a standalone .html whose plotly charts carry plotly.js inline (no CDN needed).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+__all__ = ["record", "recorded", "run_notebook", "to_html", "METRICS_MIME"]
+
+METRICS_MIME = "application/vnd.workbench.metrics+json"
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "item") and callable(value.item):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    raise TypeError(f"record() takes numbers, strings and booleans, got {type(value).__name__}")
+
+
+def record(**values: Any) -> None:
+    """Record named values as an output of the current notebook cell."""
+    from IPython.display import display
+
+    data = {k: _jsonable(v) for k, v in values.items()}
+    text = "\n".join(f"{k} = {v}" for k, v in data.items())
+    display({METRICS_MIME: data, "text/plain": text}, raw=True)
+
+
+def recorded(path: str | os.PathLike) -> dict[str, Any]:
+    """All values recorded by `record` in an executed notebook (later values win)."""
+    import nbformat
+
+    nb = nbformat.read(str(path), as_version=4)
+    out: dict[str, Any] = {}
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            data = output.get("data", {})
+            if METRICS_MIME in data:
+                out.update(data[METRICS_MIME])
+    return out
+
+
+def to_html(notebook_path: str | os.PathLike, html_path: str | os.PathLike) -> Path:
+    """Render an executed notebook to standalone HTML; plotly figures become inline, offline charts."""
+    import nbformat
+    import plotly.io as pio
+    from nbconvert import HTMLExporter
+
+    nb = nbformat.read(str(notebook_path), as_version=4)
+    first = True
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            data = output.get("data", {})
+            if "application/vnd.plotly.v1+json" in data:
+                fig = pio.from_json(json.dumps(data["application/vnd.plotly.v1+json"]))
+                data["text/html"] = pio.to_html(fig, include_plotlyjs=first, full_html=False)
+                del data["application/vnd.plotly.v1+json"]
+                first = False
+    body, _ = HTMLExporter(template_name="lab").from_notebook_node(nb)
+    html_path = Path(html_path)
+    html_path.write_text(body, encoding="utf-8")
+    return html_path
+
+
+def run_notebook(notebook: str | os.PathLike, parameters: dict[str, Any] | None = None,
+                 out_dir: str | os.PathLike = "reports", name: str | None = None,
+                 html: bool = True, timeout: int = 1800) -> tuple[Path, Path | None]:
+    """Execute ``notebook`` with papermill into ``out_dir``; returns (executed .ipynb, .html or None).
+
+    Raises papermill's ``PapermillExecutionError`` (naming the failing cell) if a cell fails; the
+    executed notebook with the error is still written.
+    """
+    import papermill as pm
+
+    notebook = Path(notebook)
+    if not notebook.is_file():
+        raise FileNotFoundError(f"notebook {notebook} does not exist")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = name or notebook.stem
+    out_nb = out_dir / f"{stem}.ipynb"
+    pm.execute_notebook(str(notebook), str(out_nb), parameters=parameters or {}, kernel_name="python3",
+                        cwd=str(notebook.parent), progress_bar=False, execution_timeout=timeout)
+    out_html = to_html(out_nb, out_dir / f"{stem}.html") if html else None
+    return out_nb, out_html

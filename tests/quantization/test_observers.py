@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from workbench.quantization.observers import MSE, Histogram, MinMax, MovingAverageMinMax, Percentile
-from workbench.quantization.primitives import PerChannel, PerToken, dequantize, quantize, qrange, to_groups
+from workbench.quantization.primitives import PerChannel, PerToken, dequantize, quantize, qrange
 
 
 def heavy_tailed(n=20000, seed=0):

@@ -13,7 +13,7 @@ from workbench.measurement.footprint import bytes_by_dtype, peak_memory, size_by
 from workbench.measurement.latency import num_threads, time_forward
 from workbench.tasks.base import Task, check_model, model_device
 
-__all__ = ["Metrics", "measure", "compare"]
+__all__ = ["Metrics", "measure", "compare", "kernel_paths"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,7 @@ class Metrics:
     torch_version: str
     quick: bool
     plans: list[dict] = field(default_factory=list)
+    kernels: dict[str, int] = field(default_factory=dict)
     timestamp: str = ""
     host: str = ""
 
@@ -76,6 +77,18 @@ class Metrics:
         return (f"{self.model} on {self.task}: {q}; latency {self.latency_ms:.3g} ms (p90 {self.latency_p90_ms:.3g}, "
                 f"batch {self.batch_size}, {self.threads} threads, {self.device}); size {self.size_bytes / 2**20:.3f} MiB; "
                 f"peak memory {self.peak_memory_bytes / 2**20:.3f} MiB")
+
+
+def kernel_paths(model: nn.Module) -> dict[str, int]:
+    """How many layers ran each kernel path, e.g. ``{"DynamicLinear:cpu": 36}``; compressed modules
+    declare theirs in a ``kernel`` attribute (plain PyTorch layers are not listed)."""
+    out: dict[str, int] = {}
+    for module in model.modules():
+        path = getattr(module, "kernel", None)
+        if isinstance(path, str):
+            key = f"{type(module).__name__}:{path}"
+            out[key] = out.get(key, 0) + 1
+    return out
 
 
 def measure(model: nn.Module, task: Task | str, *, batch_size: int | None = None, quick: bool = False,
@@ -141,6 +154,7 @@ def measure(model: nn.Module, task: Task | str, *, batch_size: int | None = None
         torch_version=torch.__version__,
         quick=quick,
         plans=[p.to_dict() for p in applied_plans(model)],
+        kernels=kernel_paths(model),
         timestamp=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         host=platform.node(),
     )

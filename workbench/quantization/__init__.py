@@ -1,8 +1,13 @@
-"""Quantization: numerics (`primitives`), bit-packing (`packing`) and calibration observers (`observers`).
+"""Quantization: numerics (`primitives`), bit-packing (`packing`), calibration observers (`observers`),
+weight storage formats (`formats`), modules that store low-bit data (`modules`), GPTQ (`gptq`) and the
+plan configs (`configs`), available as ``wb.quant``:
 
-The quantized modules, PTQ algorithms (RTN, GPTQ, AWQ, SmoothQuant, HQQ) and QAT are built on these;
-see the quantization issue for what has landed.
+    wb.Plan({"encoder.*": wb.quant.WeightOnly(bits=4, group_size=64, method="gptq"),
+             "embeddings.word_embeddings": wb.quant.WeightOnly(bits=4, group_size=64)})
 """
 from workbench.quantization import observers, packing, primitives
+from workbench.quantization.configs import FP8, NF4, Dynamic, Method, WeightOnly
+from workbench.quantization.modules import DynamicLinear, WeightOnlyConv2d, WeightOnlyEmbedding, WeightOnlyLinear
 
-__all__ = ["primitives", "packing", "observers"]
+__all__ = ["primitives", "packing", "observers", "WeightOnly", "NF4", "FP8", "Dynamic", "Method",
+           "WeightOnlyLinear", "WeightOnlyEmbedding", "WeightOnlyConv2d", "DynamicLinear"]

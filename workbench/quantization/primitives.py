@@ -223,8 +223,8 @@ def nf4_dequantize(codes: torch.Tensor, scale: torch.Tensor, group_size: int = 6
 
 def sqnr(reference: torch.Tensor, approx: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio in dB: 20 log10(||ref|| / ||ref - approx||)."""
-    ref = reference.double()
-    noise = (ref - approx.double()).norm()
+    ref = reference.detach().double()
+    noise = (ref - approx.detach().double()).norm()
     if noise == 0:
         return float("inf")
     return float(20 * torch.log10(ref.norm() / noise))

@@ -1,0 +1,34 @@
+"""Quantization of the real MiniLM: storage and GPTQ vs RTN end to end (fidelity on held-out documents)."""
+import pytest
+
+import workbench as wb
+
+pytestmark = pytest.mark.slow
+Q = wb.quant
+
+
+def int4_plan(method):
+    return wb.Plan({"encoder.*": Q.WeightOnly(4, 64, method=method),
+                    "embeddings.word_embeddings": Q.WeightOnly(4, 64)})
+
+
+@pytest.fixture(scope="module")
+def results(minilm, minilm_task):
+    calib = minilm_task.calibration(32)
+    out = {"fp32": wb.measure(minilm, minilm_task, quick=True, threads=2, progress=False)}
+    for method in ("rtn", "gptq"):
+        q = wb.apply(minilm, int4_plan(method), calibration=calib, progress=False)
+        out[method] = wb.measure(q, minilm_task, quick=True, threads=2, progress=False)
+    return out
+
+
+def test_int4_g64_stores_under_30_percent(results):
+    ratio = results["rtn"].size_bytes / results["fp32"].size_bytes
+    assert ratio <= 0.30, ratio
+    assert results["rtn"].dtypes["uint8"] > results["rtn"].dtypes.get("float32", 0)
+
+
+def test_gptq_has_higher_fidelity_than_rtn(results):
+    rtn, gptq = results["rtn"].primary_value, results["gptq"].primary_value
+    assert 0.85 < rtn < gptq < 1.0, (rtn, gptq)
+    assert gptq - rtn > 0.01

@@ -1,0 +1,152 @@
+"""Quantized modules and configs: real low-bit storage, accuracy bounds, kernels, save/load, bad input."""
+import pytest
+import torch
+from torch import nn
+
+import workbench as wb
+from workbench.quantization import DynamicLinear, WeightOnlyConv2d, WeightOnlyEmbedding, WeightOnlyLinear
+from workbench.quantization.primitives import sqnr
+
+Q = wb.quant
+
+
+@pytest.fixture
+def lin():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(256, 96))
+
+
+@pytest.fixture
+def x():
+    return torch.randn(64, 256, generator=torch.Generator().manual_seed(1))
+
+
+# config, expected bytes of the quantized 96x256 layer (weight storage + fp32 bias), minimum output SQNR (dB)
+CASES = [
+    (Q.WeightOnly(8, None), 96 * 256 + 96 * 2 + 96 * 4, 45),
+    (Q.WeightOnly(4, 64), 96 * 128 + 96 * 4 * 2 + 96 * 4, 21),
+    (Q.WeightOnly(4, 64, symmetric=False), 96 * 128 + 96 * 4 * 3 + 96 * 4, 21),
+    (Q.WeightOnly(3, 64), 96 * 128 + 96 * 4 * 2 + 96 * 4, 15),     # 3-bit codes in 4-bit slots
+    (Q.WeightOnly(2, 32), 96 * 64 + 96 * 8 * 2 + 96 * 4, 8),
+    (Q.NF4(64), 96 * 128 + 96 * 4 * 2 + 96 * 4, 19),
+    (Q.FP8(), 96 * 256 + 96 * 4 + 96 * 4, 28),
+    (Q.FP8("float8_e5m2"), 96 * 256 + 96 * 4 + 96 * 4, 22),
+    (Q.Dynamic(), 96 * 256 + 96 * 4 + 96 * 4, 35),
+]
+
+
+@pytest.mark.parametrize("config, nbytes, min_sqnr", CASES, ids=lambda c: repr(c) if not isinstance(c, int) else "")
+def test_linear_storage_and_accuracy(lin, x, config, nbytes, min_sqnr):
+    q = wb.apply(lin, {"0": config})
+    assert wb.size_bytes(q) == nbytes                      # real bytes, as stored
+    with torch.no_grad():
+        assert sqnr(lin(x), q(x)) > min_sqnr
+
+
+def test_more_bits_less_error(lin, x):
+    with torch.no_grad():
+        errs = [sqnr(lin(x), wb.apply(lin, {"0": Q.WeightOnly(b, 64)})(x)) for b in (2, 3, 4, 8)]
+    assert errs == sorted(errs)
+
+
+def test_dynamic_cpu_kernel_matches_reference(lin, x):
+    ref = wb.apply(lin, {"0": Q.Dynamic(kernel="reference")})
+    cpu = wb.apply(lin, {"0": Q.Dynamic(kernel="cpu")})
+    assert cpu[0].kernel == "cpu" and ref[0].kernel == "reference"
+    with torch.no_grad():
+        torch.testing.assert_close(cpu(x), ref(x), rtol=1e-5, atol=1e-5)  # same integers, K*127^2 < 2^24
+        torch.testing.assert_close(cpu(x[:1]), ref(x[:1]), rtol=1e-5, atol=1e-5)  # batch 1
+    m = wb.measure(wb.apply(wb.models.load("digits-mlp"), {"fc*": Q.Dynamic(kernel="cpu")}), "digits", quick=True)
+    assert m.kernels == {"DynamicLinear:cpu": 3}
+    with pytest.raises(ValueError, match="Dynamic.kernel must be one of"):
+        Q.Dynamic(kernel="triton")
+
+
+def test_embedding_and_conv(x):
+    emb = nn.Sequential(nn.Embedding(1000, 64))
+    q = wb.apply(emb, {"0": Q.WeightOnly(4, 32)})
+    assert isinstance(q[0], WeightOnlyEmbedding)
+    idx = torch.tensor([[1, 5, 999], [0, 0, 3]])
+    out = q(idx)
+    assert out.shape == (2, 3, 64) and out.dtype == torch.float32
+    torch.testing.assert_close(out[0, 0], q[0].dequantized_weight()[1])
+    assert sqnr(emb(idx), out) > 20
+    assert wb.size_bytes(q) == 1000 * 32 + 1000 * 2 * 2
+
+    cnn = wb.models.load("digits-cnn")
+    q8 = wb.apply(cnn, {"conv*": Q.WeightOnly(8, None), "fc*": Q.WeightOnly(8, None)})
+    assert isinstance(q8.conv2, WeightOnlyConv2d) and isinstance(q8.fc1, WeightOnlyLinear)
+    task = wb.tasks.load("digits")
+    assert task.evaluate(q8)["accuracy"] >= task.evaluate(cnn)["accuracy"] - 0.005
+
+
+def test_mixed_plan_applies_measures_and_round_trips(tmp_path):
+    model = wb.models.load("tiny-lm")
+    plan = wb.Plan({
+        "h.0.*": None,                                    # untouched
+        "h.1.attn.*": Q.WeightOnly(8, None),
+        "h.1.mlp.*": Q.WeightOnly(4, 64, symmetric=False),
+        "h.2.*": Q.NF4(64),
+        "h.3.*": Q.Dynamic(),
+        "wte": Q.WeightOnly(4, 64),
+        "lm_head": Q.FP8(),
+    })
+    q = wb.apply(model, plan)
+    assert type(q.h[0].mlp.c_fc) is nn.Linear and isinstance(q.h[3].mlp.c_fc, DynamicLinear)
+    task = wb.tasks.load("tiny-lm")
+    base = wb.measure(model, task, quick=True)
+    m = wb.measure(q, task, quick=True)
+    assert m.size_bytes < 0.55 * base.size_bytes
+    assert base.quality["perplexity"] < m.quality["perplexity"] < base.quality["perplexity"] * 1.1
+    again = wb.load(wb.save(q, tmp_path / "q.safetensors"))
+    inputs = task.example_inputs(2)
+    with torch.no_grad():
+        assert torch.equal(again(*inputs), q(*inputs))
+    assert {k: v.dtype for k, v in again.state_dict().items()} == {k: v.dtype for k, v in q.state_dict().items()}
+
+
+def test_bad_input_leaves_model_unchanged(lin):
+    before = lin[0].weight.clone()
+    with pytest.raises(wb.ApplyError, match="group_size 100 does not divide the input dimension 256 of '0'"):
+        wb.apply(lin, {"0": Q.WeightOnly(4, 100)})
+    with pytest.raises(ValueError, match="supports 2, 3, 4 and 8 bits, got 5"):
+        Q.WeightOnly(5)
+    with pytest.raises(ValueError, match="method must be one of"):
+        Q.WeightOnly(4, method="magic")
+    with pytest.raises(ValueError, match="calibration data is required for 1 layer"):
+        wb.apply(lin, {"0": Q.WeightOnly(4, 64, method="gptq")})
+    with torch.no_grad():
+        lin[0].weight[3, 7] = float("inf")
+    with pytest.raises(wb.ApplyError, match=r"weight of '0' contains 1 NaN/Inf value\(s\)"):
+        wb.apply(lin, {"0": Q.WeightOnly(4, 64)})
+    with pytest.raises(wb.ApplyError, match="NaN/Inf"):
+        wb.apply(lin, {"0": Q.Dynamic()})
+    lin[0].weight.data[3, 7] = before[3, 7]
+    assert torch.equal(lin[0].weight, before)
+
+
+def test_gptq_beats_rtn_on_held_out_layer_output():
+    """tiny-lm MLP input projection, calibration windows from the training text, error on held-out text."""
+    model = wb.models.load("tiny-lm")
+    task = wb.tasks.load("tiny-lm")
+    from workbench.plans.apply import _capture_inputs
+
+    layer = "h.2.mlp.c_fc"
+    held = _capture_inputs(model, [layer], [task.example_inputs(8)])[layer][0][0]
+    lin = model.get_submodule(layer)
+    with torch.no_grad():
+        ref = lin(held)
+    results = {}
+    for bits in (4, 3):
+        for method in ("rtn", "gptq"):
+            q = wb.apply(model, {layer: Q.WeightOnly(bits, 64, method=method)}, calibration=task.calibration(64))
+            with torch.no_grad():
+                results[bits, method] = sqnr(ref, q.get_submodule(layer)(held))
+    for bits in (4, 3):
+        assert results[bits, "gptq"] > results[bits, "rtn"] + 0.5, results
+
+
+def test_quantized_configs_round_trip_json():
+    plan = wb.Plan({"a": Q.WeightOnly(3, None, False, "gptq", 0.05, True), "b": Q.NF4(32), "c": Q.FP8("float8_e5m2"),
+                    "d": Q.Dynamic(kernel="cpu")})
+    assert wb.Plan.from_json(plan.to_json()) == plan

@@ -1,0 +1,184 @@
+"""Quantization configs (frozen dataclasses registered with the plan registry) and their handlers.
+
+    wb.quant.WeightOnly(bits=4, group_size=64, method="gptq")   # Linear, Embedding, Conv2d
+    wb.quant.NF4(group_size=64)                                 # Linear, Embedding
+    wb.quant.FP8()                                              # Linear (float8 e4m3 weights, per-row scales)
+    wb.quant.Dynamic(bits=8, kernel="cpu")                      # Linear: W8A8, per-token activations
+
+Group sizes must divide the layer's input dimension: groups are never padded, and a layer whose
+dimension does not fit is refused with an error naming it (use a divisor, or ``group_size=None``
+for one group per output channel).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from workbench.plans.registry import Config, register_config
+from workbench.quantization import formats as fm
+from workbench.quantization.modules import KERNELS, DynamicLinear, WeightOnlyConv2d, WeightOnlyEmbedding, WeightOnlyLinear
+
+__all__ = ["Method", "WeightOnly", "NF4", "FP8", "Dynamic"]
+
+
+class Method(str, enum.Enum):
+    RTN = "rtn"    # round to nearest
+    GPTQ = "gptq"  # Hessian-aware error feedback (needs calibration)
+
+
+def _check_divides(name: str, fmt, K: int) -> None:
+    g = getattr(fmt, "group_size", None)
+    if g is not None and K % g:
+        raise ValueError(f"group_size {g} does not divide the input dimension {K} of {name!r}; use a divisor of "
+                         f"{K} or group_size=None")
+
+
+def _weight_rows(module: nn.Module) -> int:
+    if isinstance(module, nn.Embedding):
+        return module.embedding_dim
+    return module.weight[0].numel()
+
+
+class _WeightHandler:
+    """Shared by WeightOnly, NF4 and FP8: build the module for Linear / Embedding / Conv2d."""
+
+    types: tuple[type, ...] = (nn.Linear, nn.Embedding, nn.Conv2d)
+
+    def supports(self, module: nn.Module) -> bool:
+        return type(module) in self.types
+
+    def needs_calibration(self, config) -> bool:
+        return getattr(config, "method", Method.RTN) is Method.GPTQ
+
+    def apply(self, name: str, module: nn.Module, config, inputs: Sequence[tuple[torch.Tensor, ...]] | None):
+        fmt = config.format()
+        _check_divides(name, fmt, _weight_rows(module))
+        if isinstance(module, nn.Embedding):
+            return WeightOnlyEmbedding.from_float(module, fmt, name)
+        if isinstance(module, nn.Conv2d):
+            return WeightOnlyConv2d.from_float(module, fmt, name)
+        tensors = None
+        if getattr(config, "method", Method.RTN) is Method.GPTQ:
+            from workbench.quantization.gptq import gptq_quantize
+
+            fm.check_finite(name, module.weight)
+            tensors = gptq_quantize(module.weight.detach(), inputs, fmt, damp=config.damp,
+                                    act_order=config.act_order, name=name)
+        return WeightOnlyLinear.from_float(module, fmt, name, tensors=tensors)
+
+    def skeleton(self, name: str, module: nn.Module, config):
+        fmt = config.format()
+        _check_divides(name, fmt, _weight_rows(module))
+        if isinstance(module, nn.Embedding):
+            return WeightOnlyEmbedding(module.num_embeddings, module.embedding_dim, fmt, padding_idx=module.padding_idx,
+                                       output_dtype=module.weight.dtype, device=module.weight.device)
+        if isinstance(module, nn.Conv2d):
+            args = {"weight_shape": tuple(module.weight.shape), "stride": module.stride, "padding": module.padding,
+                    "dilation": module.dilation, "groups": module.groups}
+            return WeightOnlyConv2d(args, fmt, module.bias is not None, device=module.weight.device)
+        return WeightOnlyLinear(module.in_features, module.out_features, fmt, module.bias is not None,
+                                device=module.weight.device, bias_dtype=module.weight.dtype)
+
+
+class _LinearOnly(_WeightHandler):
+    types = (nn.Linear,)
+
+
+class _LinearEmbedding(_WeightHandler):
+    types = (nn.Linear, nn.Embedding)
+
+
+@register_config(_WeightHandler(), kind="quant.WeightOnly")
+@dataclass(frozen=True)
+class WeightOnly(Config):
+    """Integer weight-only quantization: ``bits`` in {2, 3, 4, 8}; ``group_size`` along the input dimension
+    (None: per output channel); symmetric or asymmetric (with a zero point); ``method`` RTN or GPTQ."""
+
+    bits: int = 4
+    group_size: int | None = 64
+    symmetric: bool = True
+    method: Method = Method.RTN
+    damp: float = 0.01        # GPTQ: fraction of the mean Hessian diagonal added for stability
+    act_order: bool = False   # GPTQ: quantize columns in order of decreasing Hessian diagonal
+
+    def __post_init__(self):
+        if isinstance(self.method, str) and not isinstance(self.method, Method):
+            try:
+                object.__setattr__(self, "method", Method(self.method))
+            except ValueError:
+                raise ValueError(f"WeightOnly.method must be one of {[m.value for m in Method]}, "
+                                 f"got {self.method!r}") from None
+        if not isinstance(self.bits, int) or isinstance(self.bits, bool):
+            raise ValueError(f"WeightOnly.bits must be an int, got {self.bits!r}")
+        fm.validate(self.format())
+        if not 0 < self.damp < 1:
+            raise ValueError(f"WeightOnly.damp must be in (0, 1), got {self.damp!r}")
+
+    def format(self) -> fm.IntFormat:
+        return fm.IntFormat(self.bits, self.group_size, self.symmetric)
+
+
+@register_config(_LinearEmbedding(), kind="quant.NF4")
+@dataclass(frozen=True)
+class NF4(Config):
+    """4-bit NormalFloat weights (QLoRA codebook) with an absmax scale per ``group_size`` values."""
+
+    group_size: int = 64
+
+    def __post_init__(self):
+        fm.validate(self.format())
+
+    def format(self) -> fm.NF4Format:
+        return fm.NF4Format(self.group_size)
+
+
+@register_config(_LinearOnly(), kind="quant.FP8")
+@dataclass(frozen=True)
+class FP8(Config):
+    """float8 weights (e4m3fn or e5m2) with one fp32 scale per output channel."""
+
+    dtype: torch.dtype = torch.float8_e4m3fn
+
+    def __post_init__(self):
+        if isinstance(self.dtype, str):
+            named = getattr(torch, self.dtype.removeprefix("torch."), None)
+            if isinstance(named, torch.dtype):
+                object.__setattr__(self, "dtype", named)
+        fm.validate(self.format())
+
+    def format(self) -> fm.FP8Format:
+        return fm.FP8Format(self.dtype)
+
+
+class _DynamicHandler:
+    def supports(self, module: nn.Module) -> bool:
+        return type(module) is nn.Linear
+
+    def needs_calibration(self, config) -> bool:
+        return False
+
+    def apply(self, name, module, config, inputs):
+        return DynamicLinear.from_float(module, name, kernel=config.kernel)
+
+    def skeleton(self, name, module, config):
+        return DynamicLinear(module.in_features, module.out_features, module.bias is not None,
+                             device=module.weight.device, kernel=config.kernel)
+
+
+@register_config(_DynamicHandler(), kind="quant.Dynamic")
+@dataclass(frozen=True)
+class Dynamic(Config):
+    """W8A8 dynamic quantization of a Linear: int8 per-channel weights, int8 per-token activations."""
+
+    bits: int = 8
+    kernel: str = "reference"  # "reference" (fp32 math, any device) or "cpu" (torch._int_mm)
+
+    def __post_init__(self):
+        if self.bits != 8:
+            raise ValueError(f"Dynamic quantization supports 8 bits, got {self.bits!r}")
+        if self.kernel not in KERNELS:
+            raise ValueError(f"Dynamic.kernel must be one of {KERNELS}, got {self.kernel!r}")

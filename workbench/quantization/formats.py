@@ -1,0 +1,175 @@
+"""Weight storage formats: how a float weight matrix becomes the bytes a quantized module keeps.
+
+A format encodes a 2-D weight ``(rows, K)`` (Linear: ``(out, in)``; Embedding: ``(num, dim)``; Conv:
+``(out, in * kh * kw)``) into named tensors, and decodes them back. Groups run along K.
+
+| format | tensors | bytes per value |
+|---|---|---|
+| `IntFormat(bits, group_size, symmetric)` | ``qweight`` uint8 packed codes, ``scale`` fp16 per group, ``zero`` uint8 per group (asymmetric only) | bits/8 + 2/g (+1/g) |
+| `NF4Format(group_size)` | ``qweight`` uint8, two codes per byte; ``scale`` fp16 absmax per group | 0.5 + 2/g |
+| `FP8Format(dtype)` | ``qweight`` float8; ``scale`` fp32 per row | 1 + 4/K |
+
+Integer codes are stored unsigned (``u = q - qmin``), with the zero point in the same unsigned space;
+3-bit codes sit in 4-bit slots (there is no byte-aligned 3-bit layout), so they cost 4 bits. Scales are
+rounded to fp16 *before* the codes are computed, so stored scales and codes are consistent.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workbench.quantization import packing
+from workbench.quantization.primitives import (
+    FLOAT8_DTYPES, PerChannel, choose_qparams, float8_quantize, nf4_codebook, qrange, quantize,
+)
+
+__all__ = ["IntFormat", "NF4Format", "FP8Format", "WeightFormat", "encode", "decode", "decode_rows", "empty",
+           "validate", "check_finite", "int_qparams", "int_codes", "pack_int"]
+
+
+@dataclass(frozen=True)
+class IntFormat:
+    bits: int = 4
+    group_size: int | None = 64  # None: one group per row (per-channel)
+    symmetric: bool = True
+
+    @property
+    def slot_bits(self) -> int:
+        return 4 if self.bits == 3 else self.bits
+
+
+@dataclass(frozen=True)
+class NF4Format:
+    group_size: int = 64
+
+
+@dataclass(frozen=True)
+class FP8Format:
+    dtype: torch.dtype = torch.float8_e4m3fn
+
+
+WeightFormat = IntFormat | NF4Format | FP8Format
+
+
+def check_finite(name: str, w: torch.Tensor) -> None:
+    if not torch.isfinite(w).all():
+        bad = int((~torch.isfinite(w)).sum())
+        raise ValueError(f"weight of {name!r} contains {bad} NaN/Inf value(s); refusing to quantize it")
+
+
+def _group_size(fmt, K: int) -> int:
+    g = K if getattr(fmt, "group_size", None) is None else fmt.group_size
+    if K % g:
+        raise ValueError(f"group_size {g} does not divide the input dimension {K}; choose a divisor of {K} "
+                         f"(groups are not padded)")
+    return g
+
+
+def int_qparams(w: torch.Tensor, fmt: IntFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp16-representable scale and unsigned zero point, each ``(rows, K // g)``."""
+    rows, K = w.shape
+    g = _group_size(fmt, K)
+    wg = w.float().reshape(-1, g)                                     # (rows * K/g, g)
+    scale, zp = choose_qparams(wg, fmt.bits, fmt.symmetric, signed=True)
+    scale = scale.to(torch.float16).float().clamp(min=torch.finfo(torch.float16).tiny)
+    qmin, _ = qrange(fmt.bits, True)
+    return scale.reshape(rows, K // g), (zp - qmin).reshape(rows, K // g)
+
+
+def int_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: IntFormat) -> torch.Tensor:
+    """Unsigned codes ``(rows, K)`` of ``w`` for given per-group scale / zero (used by RTN and GPTQ)."""
+    rows, K = w.shape
+    g = K // scale.shape[1]
+    u = quantize(w.float().reshape(-1, g), scale.reshape(-1, 1), zero.reshape(-1, 1), 0, (1 << fmt.bits) - 1,
+                 torch.uint8)
+    return u.reshape(rows, K)
+
+
+def pack_int(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: IntFormat) -> dict[str, torch.Tensor]:
+    out = {"qweight": packing.pack(codes, fmt.slot_bits), "scale": scale.to(torch.float16)}
+    if not fmt.symmetric:
+        out["zero"] = zero.to(torch.uint8)
+    return out
+
+
+def encode(w: torch.Tensor, fmt: WeightFormat) -> dict[str, torch.Tensor]:
+    """Round-to-nearest encoding of a 2-D weight."""
+    if w.ndim != 2:
+        raise ValueError(f"expected a 2-D weight, got shape {tuple(w.shape)}")
+    if isinstance(fmt, IntFormat):
+        scale, zero = int_qparams(w, fmt)
+        return pack_int(int_codes(w, scale, zero, fmt), scale, zero, fmt)
+    if isinstance(fmt, NF4Format):
+        rows, K = w.shape
+        g = _group_size(fmt, K)
+        wg = w.float().reshape(-1, g)
+        scale = wg.abs().amax(dim=1, keepdim=True).to(torch.float16).float().clamp(min=torch.finfo(torch.float16).tiny)
+        book = nf4_codebook().to(w.device)
+        codes = ((wg / scale).unsqueeze(-1) - book).abs().argmin(dim=-1).to(torch.uint8)   # (G, g)
+        return {"qweight": packing.pack(codes.reshape(rows, K), 4), "scale": scale.reshape(rows, K // g).half()}
+    if isinstance(fmt, FP8Format):
+        q, scale = float8_quantize(w, PerChannel(0), fmt.dtype)
+        return {"qweight": q, "scale": scale}
+    raise TypeError(f"unknown weight format {fmt!r}")
+
+
+def empty(shape: tuple[int, int], fmt: WeightFormat, device=None) -> dict[str, torch.Tensor]:
+    """Correctly shaped and typed, uninitialised tensors of ``fmt`` (what `wb.load` fills)."""
+    rows, K = shape
+    if isinstance(fmt, IntFormat):
+        g = _group_size(fmt, K)
+        out = {"qweight": torch.empty(packing.packed_shape((rows, K), fmt.slot_bits), dtype=torch.uint8, device=device),
+               "scale": torch.empty(rows, K // g, dtype=torch.float16, device=device)}
+        if not fmt.symmetric:
+            out["zero"] = torch.empty(rows, K // g, dtype=torch.uint8, device=device)
+        return out
+    if isinstance(fmt, NF4Format):
+        g = _group_size(fmt, K)
+        return {"qweight": torch.empty(rows, K // 2, dtype=torch.uint8, device=device),
+                "scale": torch.empty(rows, K // g, dtype=torch.float16, device=device)}
+    if isinstance(fmt, FP8Format):
+        return {"qweight": torch.empty(rows, K, dtype=fmt.dtype, device=device),
+                "scale": torch.empty(rows, 1, dtype=torch.float32, device=device)}
+    raise TypeError(f"unknown weight format {fmt!r}")
+
+
+def decode_rows(t: dict[str, torch.Tensor], fmt: WeightFormat, K: int, dtype: torch.dtype) -> torch.Tensor:
+    """Dequantize the rows held in ``t`` (all rows, or a gathered subset for embeddings) to ``(rows, K)``."""
+    q = t["qweight"]
+    rows = q.shape[0]
+    if isinstance(fmt, IntFormat):
+        codes = packing.unpack(q, fmt.slot_bits)                                   # (rows, K) uint8
+        scale = t["scale"].float()                                                 # (rows, G)
+        G = scale.shape[1]
+        zero = t["zero"].float() if "zero" in t else torch.full_like(scale, float(1 << (fmt.bits - 1)))
+        w = (codes.reshape(rows, G, K // G).float() - zero.unsqueeze(-1)) * scale.unsqueeze(-1)
+        return w.reshape(rows, K).to(dtype)
+    if isinstance(fmt, NF4Format):
+        codes = packing.unpack(q, 4)
+        scale = t["scale"].float()
+        G = scale.shape[1]
+        w = nf4_codebook().to(q.device)[codes.long()].reshape(rows, G, K // G) * scale.unsqueeze(-1)
+        return w.reshape(rows, K).to(dtype)
+    if isinstance(fmt, FP8Format):
+        return (q.float() * t["scale"]).to(dtype)
+    raise TypeError(f"unknown weight format {fmt!r}")
+
+
+def decode(t: dict[str, torch.Tensor], fmt: WeightFormat, K: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return decode_rows(t, fmt, K, dtype)
+
+
+def validate(fmt: WeightFormat) -> None:
+    if isinstance(fmt, IntFormat):
+        if fmt.bits not in (2, 3, 4, 8):
+            raise ValueError(f"weight-only integer quantization supports 2, 3, 4 and 8 bits, got {fmt.bits!r}")
+        if fmt.group_size is not None and (not isinstance(fmt.group_size, int) or fmt.group_size < 1):
+            raise ValueError(f"group_size must be a positive int or None (per-channel), got {fmt.group_size!r}")
+    elif isinstance(fmt, NF4Format):
+        if not isinstance(fmt.group_size, int) or fmt.group_size < 1:
+            raise ValueError(f"group_size must be a positive int, got {fmt.group_size!r}")
+    elif isinstance(fmt, FP8Format):
+        if fmt.dtype not in FLOAT8_DTYPES:
+            raise ValueError(f"fp8 dtype must be one of {FLOAT8_DTYPES}, got {fmt.dtype!r}")
+

@@ -1,0 +1,104 @@
+"""GPTQ (Frantar et al., 2022): quantize a Linear weight column by column, feeding each column's rounding
+error back into the columns not yet quantized, weighted by the inverse Hessian of the layer's inputs.
+
+For a layer ``y = x W^T`` and calibration inputs X, the layer-output error of a quantized W' is
+``tr((W - W') H (W - W')^T)`` with ``H = 2 X^T X / n``. Processing columns in blocks of ``block_size``:
+
+    for each column j (in order, or by decreasing H_jj with act_order):
+        q_j   = quant(w_j)                         # RTN with the column's group scale / zero
+        e_j   = (w_j - q_j) / [H^-1]_jj            # scaled rounding error (Cholesky factor of H^-1)
+        W[:, j+1:] -= e_j [H^-1]_{j, j+1:}         # error feedback to the remaining columns
+
+Group scales are chosen from the *updated* weights when a group starts (plain order) or from the original
+weights up front (act_order, "static groups", so the stored groups stay contiguous). The result is the
+same storage as round-to-nearest (`formats.IntFormat`): only the codes (and scales) differ.
+
+Inputs are captured from the float model (not re-propagated through already-quantized layers).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from workbench.quantization import formats as fm
+
+__all__ = ["hessian", "gptq_quantize"]
+
+
+def hessian(inputs: Sequence[tuple[torch.Tensor, ...]] | None, in_features: int, name: str = "layer") -> torch.Tensor:
+    """H = 2/n sum x x^T over every calibration token (float64, ``(in, in)``)."""
+    if not inputs:
+        raise ValueError(f"GPTQ needs calibration inputs for {name!r}, and none were recorded")
+    H = torch.zeros(in_features, in_features, dtype=torch.float64)
+    n = 0
+    for batch in inputs:
+        x = batch[0]
+        if x.shape[-1] != in_features:
+            raise ValueError(f"calibration input of {name!r} has last dimension {x.shape[-1]}, expected {in_features}")
+        x = x.reshape(-1, in_features).to(device="cpu", dtype=torch.float64)   # (tokens, in)
+        H += x.T @ x
+        n += x.shape[0]
+    return H * (2.0 / n)
+
+
+def gptq_quantize(weight: torch.Tensor, inputs, fmt: fm.IntFormat, damp: float = 0.01, act_order: bool = False,
+                  block_size: int = 128, name: str = "layer") -> dict[str, torch.Tensor]:
+    """GPTQ-quantize ``weight`` ``(out, in)``; returns the `formats.IntFormat` tensors."""
+    if not isinstance(fmt, fm.IntFormat):
+        raise TypeError(f"GPTQ quantizes to integer formats, got {fmt!r}")
+    device = weight.device
+    W = weight.detach().to("cpu", torch.float64).clone()                      # (out, K)
+    rows, K = W.shape
+    g = K if fmt.group_size is None else fmt.group_size
+    if K % g:
+        raise ValueError(f"group_size {g} does not divide the input dimension {K} of {name!r}")
+    H = hessian(inputs, K, name)
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+
+    perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(K)
+    static = act_order or fmt.group_size is None
+    if static:  # group parameters from the original weights, indexed by original column
+        scale_all, zero_all = fm.int_qparams(W.float(), fmt)                  # (out, G)
+    else:
+        scale_all = torch.empty(rows, K // g)
+        zero_all = torch.empty(rows, K // g, dtype=torch.int32)
+    W, H = W[:, perm], H[perm][:, perm]
+
+    H += torch.eye(K, dtype=torch.float64) * (damp * torch.mean(torch.diag(H)))
+    try:
+        L = torch.linalg.cholesky(H)
+        Hinv = torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)   # upper Cholesky factor of H^-1
+    except torch.linalg.LinAlgError:
+        raise ValueError(f"the Hessian of {name!r} is not positive definite even with damp={damp}; "
+                         f"use more calibration data or a larger damp") from None
+
+    maxq = (1 << fmt.bits) - 1
+    codes = torch.empty(rows, K, dtype=torch.uint8)
+    for i1 in range(0, K, block_size):
+        i2 = min(i1 + block_size, K)
+        W1 = W[:, i1:i2].clone()
+        Err1 = torch.zeros_like(W1)
+        Hinv1 = Hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            orig = int(perm[col])
+            grp = orig // g
+            if not static and orig % g == 0:  # a new group starts: choose its scale from the updated weights
+                s, z = fm.int_qparams(W1[:, i:i + g].float() if i + g <= i2 - i1 else
+                                      torch.cat([W1[:, i:], W[:, i2:col + g]], dim=1).float(), fm.IntFormat(
+                                          fmt.bits, None, fmt.symmetric))
+                scale_all[:, grp], zero_all[:, grp] = s[:, 0], z[:, 0]
+            s = scale_all[:, grp].double()
+            z = zero_all[:, grp].double()
+            w = W1[:, i]
+            u = torch.clamp(torch.round(w.float() * (1.0 / s.float())).double() + z, 0, maxq)
+            q = (u - z) * s
+            codes[:, orig] = u.to(torch.uint8)
+            err = (w - q) / Hinv1[i, i]
+            W1[:, i:] -= err.unsqueeze(1) * Hinv1[i, i:].unsqueeze(0)
+            Err1[:, i] = err
+        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+    return {k: v.to(device) for k, v in fm.pack_int(codes, scale_all.float(), zero_all, fmt).items()}

@@ -1,0 +1,202 @@
+"""Modules that really store low-bit data (so `measure().size_bytes` drops for real).
+
+- `WeightOnlyLinear`, `WeightOnlyEmbedding`, `WeightOnlyConv2d`: a weight in one of the `formats`
+  (int8/int4/int3/int2, NF4, fp8) plus a float bias; activations stay in floating point.
+- `DynamicLinear`: W8A8 - int8 per-channel weights, activations quantized per token at run time.
+
+Each module has a pure-PyTorch ``reference`` path (dequantize, then a float matmul) that runs anywhere.
+Faster paths are chosen explicitly with ``kernel=`` and recorded in ``module.kernel``:
+`DynamicLinear` has ``"cpu"`` (``torch._int_mm``: int8 x int8 -> int32 on the CPU). `wb.measure`
+reports the kernels that ran. There is no silent fallback: asking for a path that cannot run raises.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workbench.quantization import formats as fm
+from workbench.quantization.primitives import PerToken, choose_qparams, quantize, to_groups
+
+__all__ = ["WeightOnlyLinear", "WeightOnlyEmbedding", "WeightOnlyConv2d", "DynamicLinear", "KERNELS"]
+
+KERNELS = ("reference", "cpu")
+
+
+class _PackedWeight(nn.Module):
+    """Holds a format's tensors as buffers (saved by state_dict, counted by size_bytes)."""
+
+    def _init_weight(self, rows: int, K: int, fmt: fm.WeightFormat, tensors: dict[str, torch.Tensor] | None,
+                     device=None) -> None:
+        fm.validate(fmt)
+        self.fmt = fmt
+        self.K = K
+        expected = fm.empty((rows, K), fmt, device="meta")
+        tensors = tensors if tensors is not None else fm.empty((rows, K), fmt, device=device)
+        if set(tensors) != set(expected):
+            raise ValueError(f"{type(self).__name__}: expected tensors {sorted(expected)}, got {sorted(tensors)}")
+        for name, t in tensors.items():
+            e = expected[name]
+            if t.shape != e.shape or t.dtype != e.dtype:
+                raise ValueError(f"{type(self).__name__}.{name}: expected {e.dtype} {tuple(e.shape)}, got "
+                                 f"{t.dtype} {tuple(t.shape)}")
+            self.register_buffer(name, t)
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        return {name: buf for name, buf in self.named_buffers(recurse=False) if name in ("qweight", "scale", "zero")}
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight the module computes with, as a float ``(rows, K)`` matrix."""
+        return fm.decode(self._tensors(), self.fmt, self.K, dtype)
+
+
+class WeightOnlyLinear(_PackedWeight):
+    """y = x W^T + b with W stored in a low-bit format and dequantized on the fly (``reference``)."""
+
+    def __init__(self, in_features: int, out_features: int, fmt: fm.WeightFormat, bias: bool = True,
+                 tensors: dict[str, torch.Tensor] | None = None, device=None, bias_dtype=torch.float32):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self._init_weight(out_features, in_features, fmt, tensors, device)
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=bias_dtype, device=device)) if bias else None
+        self.kernel = "reference"
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, fmt: fm.WeightFormat, name: str = "linear",
+                   tensors: dict[str, torch.Tensor] | None = None) -> "WeightOnlyLinear":
+        w = linear.weight.detach()
+        fm.check_finite(name, w)
+        tensors = fm.encode(w, fmt) if tensors is None else tensors
+        new = cls(linear.in_features, linear.out_features, fmt, linear.bias is not None, tensors,
+                  bias_dtype=w.dtype)
+        if linear.bias is not None:
+            new.bias.data.copy_(linear.bias.detach())
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., in)
+        return F.linear(x, self.dequantized_weight(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, kernel={self.kernel}"
+
+
+class WeightOnlyEmbedding(_PackedWeight):
+    """Embedding table in a low-bit format; only the looked-up rows are dequantized."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, fmt: fm.WeightFormat,
+                 tensors: dict[str, torch.Tensor] | None = None, padding_idx: int | None = None,
+                 output_dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
+        self.output_dtype = output_dtype
+        self._init_weight(num_embeddings, embedding_dim, fmt, tensors, device)
+        self.kernel = "reference"
+
+    @classmethod
+    def from_float(cls, emb: nn.Embedding, fmt: fm.WeightFormat, name: str = "embedding") -> "WeightOnlyEmbedding":
+        if emb.max_norm is not None:
+            raise ValueError(f"{name!r}: embeddings with max_norm renormalise their weights in place and cannot be "
+                             f"stored quantized")
+        w = emb.weight.detach()
+        fm.check_finite(name, w)
+        return cls(emb.num_embeddings, emb.embedding_dim, fmt, fm.encode(w, fmt), emb.padding_idx, w.dtype)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:  # idx: (...) int64
+        flat = idx.reshape(-1)
+        rows = {name: t.index_select(0, flat) for name, t in self._tensors().items()}  # gather, then dequantize
+        out = fm.decode_rows(rows, self.fmt, self.K, self.output_dtype)                # (N, dim)
+        return out.reshape(*idx.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, fmt={self.fmt}"
+
+
+class WeightOnlyConv2d(_PackedWeight):
+    """Conv2d whose weight ``(out, in/groups, kh, kw)`` is stored as ``(out, in/groups * kh * kw)`` low-bit rows."""
+
+    def __init__(self, conv_args: dict, fmt: fm.WeightFormat, bias: bool = True,
+                 tensors: dict[str, torch.Tensor] | None = None, device=None):
+        super().__init__()
+        self.conv_args = dict(conv_args)
+        out_c, in_c, kh, kw = conv_args["weight_shape"]
+        self._init_weight(out_c, in_c * kh * kw, fmt, tensors, device)
+        self.bias = nn.Parameter(torch.zeros(out_c, device=device)) if bias else None
+        self.kernel = "reference"
+
+    @classmethod
+    def from_float(cls, conv: nn.Conv2d, fmt: fm.WeightFormat, name: str = "conv") -> "WeightOnlyConv2d":
+        if conv.padding_mode != "zeros":
+            raise ValueError(f"{name!r}: only zero padding is supported, got padding_mode={conv.padding_mode!r}")
+        w = conv.weight.detach()
+        fm.check_finite(name, w)
+        args = {"weight_shape": tuple(w.shape), "stride": conv.stride, "padding": conv.padding,
+                "dilation": conv.dilation, "groups": conv.groups}
+        new = cls(args, fmt, conv.bias is not None, fm.encode(w.reshape(w.shape[0], -1), fmt))
+        if conv.bias is not None:
+            new.bias.data.copy_(conv.bias.detach())
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, C, H, W)
+        a = self.conv_args
+        w = self.dequantized_weight(x.dtype).reshape(a["weight_shape"])
+        return F.conv2d(x, w, None if self.bias is None else self.bias.to(x.dtype), a["stride"], a["padding"],
+                        a["dilation"], a["groups"])
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per-token quantization of activations: (codes (M, K) int8, scale (M, 1) fp32)."""
+    xg = to_groups(x, PerToken()).float()                          # (M, K)
+    scale, zp = choose_qparams(xg, 8, symmetric=True)
+    return quantize(xg, scale, zp, -128, 127, torch.int8), scale
+
+
+class DynamicLinear(nn.Module):
+    """W8A8 Linear: int8 per-output-channel weights; activations quantized per token at run time.
+
+    y = (q_x q_w^T) * s_x s_w^T + b, with the integer product accumulated in int32.
+    ``kernel="cpu"`` uses ``torch._int_mm``; ``"reference"`` does the same math in fp32.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
+                 kernel: str = "reference"):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("qweight_t", torch.empty(in_features, out_features, dtype=torch.int8, device=device))
+        self.register_buffer("scale", torch.empty(1, out_features, dtype=torch.float32, device=device))
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None
+        self.set_kernel(kernel)
+
+    def set_kernel(self, kernel: str) -> "DynamicLinear":
+        if kernel not in KERNELS:
+            raise ValueError(f"DynamicLinear kernel must be one of {KERNELS}, got {kernel!r}")
+        if kernel == "cpu" and self.qweight_t.device.type != "cpu":
+            raise ValueError(f"kernel='cpu' needs the module on the CPU, it is on {self.qweight_t.device}")
+        self.kernel = kernel
+        return self
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, name: str = "linear", kernel: str = "reference") -> "DynamicLinear":
+        w = linear.weight.detach().float()
+        fm.check_finite(name, w)
+        scale, zp = choose_qparams(w, 8, symmetric=True)                 # (out, 1) per output channel
+        q = quantize(w, scale, zp, -128, 127, torch.int8)                 # (out, in)
+        new = cls(linear.in_features, linear.out_features, linear.bias is not None, kernel=kernel)
+        new.qweight_t.copy_(q.t())
+        new.scale.copy_(scale.t())
+        if linear.bias is not None:
+            new.bias.data.copy_(linear.bias.detach())
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., in)
+        qx, sx = quantize_per_token(x)                                    # (M, in) int8, (M, 1)
+        if self.kernel == "cpu":
+            acc = torch._int_mm(qx, self.qweight_t).float()               # (M, out) int32 -> fp32
+        else:
+            acc = qx.float() @ self.qweight_t.float()                     # same integers, exact in fp32 below 2^24
+        y = acc * sx * self.scale
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}"

@@ -32,3 +32,12 @@ def test_gptq_has_higher_fidelity_than_rtn(results):
     rtn, gptq = results["rtn"].primary_value, results["gptq"].primary_value
     assert 0.85 < rtn < gptq < 1.0, (rtn, gptq)
     assert gptq - rtn > 0.01
+
+
+def test_smoothquant_w8a8_beats_plain_w8a8(minilm, minilm_task, results):
+    calib = minilm_task.calibration(32)
+    plain = wb.apply(minilm, {"encoder.*": Q.Dynamic()}, progress=False)
+    smooth = wb.apply(minilm, {"encoder.*": Q.Dynamic(smooth_alpha=0.5)}, calibration=calib, progress=False)
+    loss_plain = 1 - minilm_task.fidelity(plain, quick=True)
+    loss_smooth = 1 - minilm_task.fidelity(smooth, quick=True)
+    assert 0 < loss_smooth < 0.6 * loss_plain, (loss_plain, loss_smooth)

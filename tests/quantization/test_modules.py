@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 import workbench as wb
-from workbench.quantization import DynamicLinear, WeightOnlyConv2d, WeightOnlyEmbedding, WeightOnlyLinear
+from workbench.quantization import W8A8Linear, WeightOnlyConv2d, WeightOnlyEmbedding, WeightOnlyLinear
 from workbench.quantization.primitives import sqnr
 
 Q = wb.quant
@@ -57,7 +57,7 @@ def test_dynamic_cpu_kernel_matches_reference(lin, x):
         torch.testing.assert_close(cpu(x), ref(x), rtol=1e-5, atol=1e-5)  # same integers, K*127^2 < 2^24
         torch.testing.assert_close(cpu(x[:1]), ref(x[:1]), rtol=1e-5, atol=1e-5)  # batch 1
     m = wb.measure(wb.apply(wb.models.load("digits-mlp"), {"fc*": Q.Dynamic(kernel="cpu")}), "digits", quick=True)
-    assert m.kernels == {"DynamicLinear:cpu": 3}
+    assert m.kernels == {"W8A8Linear:cpu": 3}
     with pytest.raises(ValueError, match="Dynamic.kernel must be one of"):
         Q.Dynamic(kernel="triton")
 
@@ -92,7 +92,7 @@ def test_mixed_plan_applies_measures_and_round_trips(tmp_path):
         "lm_head": Q.FP8(),
     })
     q = wb.apply(model, plan)
-    assert type(q.h[0].mlp.c_fc) is nn.Linear and isinstance(q.h[3].mlp.c_fc, DynamicLinear)
+    assert type(q.h[0].mlp.c_fc) is nn.Linear and isinstance(q.h[3].mlp.c_fc, W8A8Linear)
     task = wb.tasks.load("tiny-lm")
     base = wb.measure(model, task, quick=True)
     m = wb.measure(q, task, quick=True)
@@ -150,3 +150,42 @@ def test_quantized_configs_round_trip_json():
     plan = wb.Plan({"a": Q.WeightOnly(3, None, False, "gptq", 0.05, True), "b": Q.NF4(32), "c": Q.FP8("float8_e5m2"),
                     "d": Q.Dynamic(kernel="cpu")})
     assert wb.Plan.from_json(plan.to_json()) == plan
+
+
+def test_static_w8a8_and_smoothquant_on_a_layer_with_outlier_channels():
+    torch.manual_seed(0)
+    lin = nn.Sequential(nn.Linear(128, 64))
+    scale = torch.ones(128)
+    scale[:4] = 40.0                                     # a few outlier input channels, as in transformers
+    calib = [torch.randn(256, 128) * scale for _ in range(4)]
+    held = torch.randn(512, 128) * scale
+    with torch.no_grad():
+        ref = lin(held)
+        plain = sqnr(ref, wb.apply(lin, {"0": Q.Static()}, calibration=calib)(held))
+        smooth = wb.apply(lin, {"0": Q.Static(smooth_alpha=0.5)}, calibration=calib)
+        assert smooth[0].static and hasattr(smooth[0], "smooth") and smooth[0].smooth[:4].min() > 1
+        assert sqnr(ref, smooth(held)) > plain + 3
+        dyn = sqnr(ref, wb.apply(lin, {"0": Q.Dynamic()})(held))
+        dyn_smooth = sqnr(ref, wb.apply(lin, {"0": Q.Dynamic(smooth_alpha=0.5)}, calibration=calib)(held))
+        assert dyn_smooth > dyn + 3
+    for obs in ("minmax", "moving_average", "percentile", "mse", "histogram"):
+        q = wb.apply(lin, {"0": Q.Static(observer=obs)}, calibration=calib)
+        assert q[0].act_scale > 0
+    with pytest.raises(ValueError, match="Static.observer must be one of"):
+        Q.Static(observer="max")
+    with pytest.raises(ValueError, match="smooth_alpha must be in"):
+        Q.Dynamic(smooth_alpha=1.5)
+    with pytest.raises(ValueError, match="calibration data is required"):
+        wb.apply(lin, {"0": Q.Static()})
+
+
+def test_static_round_trips(tmp_path):
+    model = wb.models.load("digits-mlp")
+    task = wb.tasks.load("digits")
+    q = wb.apply(model, {"fc*": Q.Static(observer="percentile", smooth_alpha=0.5, kernel="cpu")},
+                 calibration=task.calibration(256))
+    assert task.evaluate(q)["accuracy"] >= task.evaluate(model)["accuracy"] - 0.01
+    again = wb.load(wb.save(q, tmp_path / "s.safetensors"))
+    x = task.example_inputs(16)[0]
+    with torch.no_grad():
+        assert torch.equal(again(x), q(x))

@@ -80,7 +80,7 @@ class Metrics:
 
 
 def kernel_paths(model: nn.Module) -> dict[str, int]:
-    """How many layers ran each kernel path, e.g. ``{"DynamicLinear:cpu": 36}``; compressed modules
+    """How many layers ran each kernel path, e.g. ``{"W8A8Linear:cpu": 36}``; compressed modules
     declare theirs in a ``kernel`` attribute (plain PyTorch layers are not listed)."""
     out: dict[str, int] = {}
     for module in model.modules():

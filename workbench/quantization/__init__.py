@@ -6,8 +6,8 @@ plan configs (`configs`), available as ``wb.quant``:
              "embeddings.word_embeddings": wb.quant.WeightOnly(bits=4, group_size=64)})
 """
 from workbench.quantization import observers, packing, primitives
-from workbench.quantization.configs import FP8, NF4, Dynamic, Method, WeightOnly
-from workbench.quantization.modules import DynamicLinear, WeightOnlyConv2d, WeightOnlyEmbedding, WeightOnlyLinear
+from workbench.quantization.configs import FP8, NF4, Dynamic, Method, Static, WeightOnly
+from workbench.quantization.modules import W8A8Linear, WeightOnlyConv2d, WeightOnlyEmbedding, WeightOnlyLinear
 
-__all__ = ["primitives", "packing", "observers", "WeightOnly", "NF4", "FP8", "Dynamic", "Method",
-           "WeightOnlyLinear", "WeightOnlyEmbedding", "WeightOnlyConv2d", "DynamicLinear"]
+__all__ = ["primitives", "packing", "observers", "WeightOnly", "NF4", "FP8", "Dynamic", "Static", "Method",
+           "WeightOnlyLinear", "WeightOnlyEmbedding", "WeightOnlyConv2d", "W8A8Linear"]

@@ -4,6 +4,7 @@
     wb.quant.NF4(group_size=64)                                 # Linear, Embedding
     wb.quant.FP8()                                              # Linear (float8 e4m3 weights, per-row scales)
     wb.quant.Dynamic(bits=8, kernel="cpu")                      # Linear: W8A8, per-token activations
+    wb.quant.Static(observer="percentile", smooth_alpha=0.5)    # Linear: W8A8, calibrated activations
 
 Group sizes must divide the layer's input dimension: groups are never padded, and a layer whose
 dimension does not fit is refused with an error naming it (use a divisor, or ``group_size=None``
@@ -20,9 +21,10 @@ from torch import nn
 
 from workbench.plans.registry import Config, register_config
 from workbench.quantization import formats as fm
-from workbench.quantization.modules import KERNELS, DynamicLinear, WeightOnlyConv2d, WeightOnlyEmbedding, WeightOnlyLinear
+from workbench.quantization.modules import KERNELS, W8A8Linear, WeightOnlyConv2d, WeightOnlyEmbedding, WeightOnlyLinear
+from workbench.quantization.observers import OBSERVERS
 
-__all__ = ["Method", "WeightOnly", "NF4", "FP8", "Dynamic"]
+__all__ = ["Method", "WeightOnly", "NF4", "FP8", "Dynamic", "Static"]
 
 
 class Method(str, enum.Enum):
@@ -154,31 +156,79 @@ class FP8(Config):
         return fm.FP8Format(self.dtype)
 
 
-class _DynamicHandler:
+class _W8A8Handler:
+    """Dynamic and Static W8A8 of nn.Linear, optionally SmoothQuant-smoothed."""
+
     def supports(self, module: nn.Module) -> bool:
         return type(module) is nn.Linear
 
     def needs_calibration(self, config) -> bool:
-        return False
+        return isinstance(config, Static) or config.smooth_alpha is not None
 
     def apply(self, name, module, config, inputs):
-        return DynamicLinear.from_float(module, name, kernel=config.kernel)
+        from workbench.quantization.smoothquant import activation_absmax, smoothing_factors
+
+        fm.check_finite(name, module.weight)
+        smooth = None
+        if config.smooth_alpha is not None:
+            smooth = smoothing_factors(activation_absmax(inputs, module.in_features, name), module.weight,
+                                       config.smooth_alpha).to(module.weight.device)
+        act_scale = None
+        if isinstance(config, Static):
+            if not inputs:
+                raise ValueError(f"static quantization of {name!r} needs calibration inputs, and none were recorded")
+            observer = OBSERVERS[config.observer]()
+            for batch in inputs:
+                x = batch[0].float()
+                observer.observe(x / smooth if smooth is not None else x)
+            act_scale, _ = observer.qparams(8, symmetric=True)
+            act_scale = act_scale.reshape(()).to(module.weight.device)
+        return W8A8Linear.from_float(module, name, kernel=config.kernel, act_scale=act_scale, smooth=smooth)
 
     def skeleton(self, name, module, config):
-        return DynamicLinear(module.in_features, module.out_features, module.bias is not None,
-                             device=module.weight.device, kernel=config.kernel)
+        return W8A8Linear(module.in_features, module.out_features, module.bias is not None,
+                          static=isinstance(config, Static), smooth=config.smooth_alpha is not None,
+                          device=module.weight.device, kernel=config.kernel)
 
 
-@register_config(_DynamicHandler(), kind="quant.Dynamic")
+def _check_w8a8(config) -> None:
+    if config.bits != 8:
+        raise ValueError(f"{type(config).__name__} quantization supports 8 bits, got {config.bits!r}")
+    if config.kernel not in KERNELS:
+        raise ValueError(f"{type(config).__name__}.kernel must be one of {KERNELS}, got {config.kernel!r}")
+    if config.smooth_alpha is not None and not 0.0 <= config.smooth_alpha <= 1.0:
+        raise ValueError(f"{type(config).__name__}.smooth_alpha must be in [0, 1] or None, got {config.smooth_alpha!r}")
+
+
+_W8A8 = _W8A8Handler()
+
+
+@register_config(_W8A8, kind="quant.Dynamic")
 @dataclass(frozen=True)
 class Dynamic(Config):
-    """W8A8 dynamic quantization of a Linear: int8 per-channel weights, int8 per-token activations."""
+    """W8A8 of a Linear: int8 per-channel weights, int8 activations quantized per token at run time.
+    ``smooth_alpha``: SmoothQuant migration strength (needs calibration), None for plain W8A8."""
 
     bits: int = 8
     kernel: str = "reference"  # "reference" (fp32 math, any device) or "cpu" (torch._int_mm)
+    smooth_alpha: float | None = None
 
     def __post_init__(self):
-        if self.bits != 8:
-            raise ValueError(f"Dynamic quantization supports 8 bits, got {self.bits!r}")
-        if self.kernel not in KERNELS:
-            raise ValueError(f"Dynamic.kernel must be one of {KERNELS}, got {self.kernel!r}")
+        _check_w8a8(self)
+
+
+@register_config(_W8A8, kind="quant.Static")
+@dataclass(frozen=True)
+class Static(Config):
+    """W8A8 of a Linear with one per-tensor activation scale calibrated by ``observer`` (one of
+    ``minmax``, ``moving_average``, ``percentile``, ``mse``, ``histogram``)."""
+
+    bits: int = 8
+    observer: str = "minmax"
+    kernel: str = "reference"
+    smooth_alpha: float | None = None
+
+    def __post_init__(self):
+        _check_w8a8(self)
+        if self.observer not in OBSERVERS:
+            raise ValueError(f"Static.observer must be one of {sorted(OBSERVERS)}, got {self.observer!r}")

@@ -2,11 +2,12 @@
 
 - `WeightOnlyLinear`, `WeightOnlyEmbedding`, `WeightOnlyConv2d`: a weight in one of the `formats`
   (int8/int4/int3/int2, NF4, fp8) plus a float bias; activations stay in floating point.
-- `DynamicLinear`: W8A8 - int8 per-channel weights, activations quantized per token at run time.
+- `W8A8Linear`: int8 per-channel weights and int8 activations, quantized per token at run time
+  (dynamic) or with a calibrated scale (static), optionally SmoothQuant-smoothed.
 
 Each module has a pure-PyTorch ``reference`` path (dequantize, then a float matmul) that runs anywhere.
 Faster paths are chosen explicitly with ``kernel=`` and recorded in ``module.kernel``:
-`DynamicLinear` has ``"cpu"`` (``torch._int_mm``: int8 x int8 -> int32 on the CPU). `wb.measure`
+`W8A8Linear` has ``"cpu"`` (``torch._int_mm``: int8 x int8 -> int32 on the CPU). `wb.measure`
 reports the kernels that ran. There is no silent fallback: asking for a path that cannot run raises.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch import nn
 from workbench.quantization import formats as fm
 from workbench.quantization.primitives import PerToken, choose_qparams, quantize, to_groups
 
-__all__ = ["WeightOnlyLinear", "WeightOnlyEmbedding", "WeightOnlyConv2d", "DynamicLinear", "KERNELS"]
+__all__ = ["WeightOnlyLinear", "WeightOnlyEmbedding", "WeightOnlyConv2d", "W8A8Linear", "KERNELS"]
 
 KERNELS = ("reference", "cpu")
 
@@ -150,53 +151,80 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize(xg, scale, zp, -128, 127, torch.int8), scale
 
 
-class DynamicLinear(nn.Module):
-    """W8A8 Linear: int8 per-output-channel weights; activations quantized per token at run time.
+def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 quantization of activations with a calibrated scale: (codes (M, K), scale (M, 1))."""
+    xg = to_groups(x, PerToken()).float()                          # (M, K)
+    q = quantize(xg, scale.reshape(1, 1), torch.zeros(1, 1, dtype=torch.int32), -128, 127, torch.int8)
+    return q, scale.reshape(1, 1).expand(xg.shape[0], 1)
 
-    y = (q_x q_w^T) * s_x s_w^T + b, with the integer product accumulated in int32.
-    ``kernel="cpu"`` uses ``torch._int_mm``; ``"reference"`` does the same math in fp32.
+
+class W8A8Linear(nn.Module):
+    """W8A8 Linear: int8 per-output-channel weights and int8 activations.
+
+    y = (q_x q_w^T) * s_x s_w^T + b, the integer product accumulated in int32. Activations are quantized
+    per token at run time (``static=False``, "dynamic") or with one calibrated per-tensor scale
+    (``static=True``, buffer ``act_scale``). With a ``smooth`` vector (SmoothQuant, Xiao et al. 2023) the
+    module computes ``(x / smooth) (W * smooth)^T``: the same product, with activation outliers migrated into
+    the weights, which quantize more easily. (Here the division is applied in the module rather than folded
+    into the previous LayerNorm, so it works on any Linear; the numerics are those of the folded form.)
+    ``kernel="cpu"`` multiplies with ``torch._int_mm``; ``"reference"`` does the same math in fp32.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
-                 kernel: str = "reference"):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, static: bool = False,
+                 smooth: bool = False, device=None, kernel: str = "reference"):
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
+        self.in_features, self.out_features, self.static = in_features, out_features, static
         self.register_buffer("qweight_t", torch.empty(in_features, out_features, dtype=torch.int8, device=device))
         self.register_buffer("scale", torch.empty(1, out_features, dtype=torch.float32, device=device))
+        if static:
+            self.register_buffer("act_scale", torch.empty((), dtype=torch.float32, device=device))
+        if smooth:
+            self.register_buffer("smooth", torch.empty(in_features, dtype=torch.float32, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None
         self.set_kernel(kernel)
 
-    def set_kernel(self, kernel: str) -> "DynamicLinear":
+    def set_kernel(self, kernel: str) -> "W8A8Linear":
         if kernel not in KERNELS:
-            raise ValueError(f"DynamicLinear kernel must be one of {KERNELS}, got {kernel!r}")
+            raise ValueError(f"W8A8Linear kernel must be one of {KERNELS}, got {kernel!r}")
         if kernel == "cpu" and self.qweight_t.device.type != "cpu":
             raise ValueError(f"kernel='cpu' needs the module on the CPU, it is on {self.qweight_t.device}")
         self.kernel = kernel
         return self
 
     @classmethod
-    def from_float(cls, linear: nn.Linear, name: str = "linear", kernel: str = "reference") -> "DynamicLinear":
+    def from_float(cls, linear: nn.Linear, name: str = "linear", kernel: str = "reference",
+                   act_scale: torch.Tensor | None = None, smooth: torch.Tensor | None = None) -> "W8A8Linear":
         w = linear.weight.detach().float()
         fm.check_finite(name, w)
+        if smooth is not None:
+            w = w * smooth.reshape(1, -1)                                 # migrate: W' = W diag(s)
         scale, zp = choose_qparams(w, 8, symmetric=True)                 # (out, 1) per output channel
         q = quantize(w, scale, zp, -128, 127, torch.int8)                 # (out, in)
-        new = cls(linear.in_features, linear.out_features, linear.bias is not None, kernel=kernel)
+        new = cls(linear.in_features, linear.out_features, linear.bias is not None, static=act_scale is not None,
+                  smooth=smooth is not None, kernel=kernel)
         new.qweight_t.copy_(q.t())
         new.scale.copy_(scale.t())
+        if act_scale is not None:
+            new.act_scale.copy_(act_scale)
+        if smooth is not None:
+            new.smooth.copy_(smooth)
         if linear.bias is not None:
             new.bias.data.copy_(linear.bias.detach())
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., in)
-        qx, sx = quantize_per_token(x)                                    # (M, in) int8, (M, 1)
+        xs = x / self.smooth if hasattr(self, "smooth") else x
+        qx, sx = quantize_per_tensor(xs, self.act_scale) if self.static else quantize_per_token(xs)  # (M, in), (M, 1)
         if self.kernel == "cpu":
             acc = torch._int_mm(qx, self.qweight_t).float()               # (M, out) int32 -> fp32
         else:
-            acc = qx.float() @ self.qweight_t.float()                     # same integers, exact in fp32 below 2^24
+            acc = qx.float() @ self.qweight_t.float()                     # same integers in fp32
         y = acc * sx * self.scale
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}"
+        mode = "static" if self.static else "dynamic"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, activations={mode}, "
+                f"smooth={hasattr(self, 'smooth')}, kernel={self.kernel}")

@@ -27,7 +27,7 @@ def assert_unchanged(model, snap):
 class _Probe:
     seen: dict = {}
 
-    def supports(self, module):
+    def supports(self, module, config):
         return type(module) is nn.Linear
 
     def needs_calibration(self, config):

@@ -16,7 +16,7 @@ def int4_plan(method):
 def results(minilm, minilm_task):
     calib = minilm_task.calibration(32)
     out = {"fp32": wb.measure(minilm, minilm_task, quick=True, threads=2, progress=False)}
-    for method in ("rtn", "gptq"):
+    for method in ("rtn", "gptq", "awq"):
         q = wb.apply(minilm, int4_plan(method), calibration=calib, progress=False)
         out[method] = wb.measure(q, minilm_task, quick=True, threads=2, progress=False)
     return out
@@ -28,10 +28,11 @@ def test_int4_g64_stores_under_30_percent(results):
     assert results["rtn"].dtypes["uint8"] > results["rtn"].dtypes.get("float32", 0)
 
 
-def test_gptq_has_higher_fidelity_than_rtn(results):
-    rtn, gptq = results["rtn"].primary_value, results["gptq"].primary_value
-    assert 0.85 < rtn < gptq < 1.0, (rtn, gptq)
-    assert gptq - rtn > 0.01
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_calibrated_ptq_has_higher_fidelity_than_rtn(results, method):
+    rtn, better = results["rtn"].primary_value, results[method].primary_value
+    assert 0.85 < rtn < better < 1.0, (rtn, better)
+    assert better - rtn > 0.01
 
 
 def test_smoothquant_w8a8_beats_plain_w8a8(minilm, minilm_task, results):

@@ -127,7 +127,7 @@ class Plan(Mapping[str, Config | None]):
             if config is None:
                 used[pattern] += 1
                 continue
-            if not handler_for(config).supports(module):
+            if not handler_for(config).supports(module, config):
                 continue
             if any(name.startswith(t + ".") for t in taken):
                 continue

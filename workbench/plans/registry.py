@@ -42,8 +42,8 @@ class Config:
 class Handler(Protocol):
     """What a technique provides for its config type."""
 
-    def supports(self, module: nn.Module) -> bool:
-        """Whether this technique can replace ``module`` (e.g. only nn.Linear)."""
+    def supports(self, module: nn.Module, config: Config) -> bool:
+        """Whether this technique, with this config, can replace ``module`` (e.g. only nn.Linear)."""
 
     def needs_calibration(self, config: Config) -> bool:
         """Whether ``apply`` needs the layer's calibration inputs."""

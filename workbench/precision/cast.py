@@ -93,7 +93,7 @@ def cast_module(module: nn.Module, dtype: torch.dtype, values: bool = True) -> n
 
 
 class _CastHandler:
-    def supports(self, module: nn.Module) -> bool:
+    def supports(self, module: nn.Module, config: "Cast") -> bool:
         return type(module) in (nn.Linear, nn.Embedding, *_CONV)
 
     def needs_calibration(self, config: "Cast") -> bool:

@@ -28,8 +28,13 @@ __all__ = ["Method", "WeightOnly", "NF4", "FP8", "Dynamic", "Static"]
 
 
 class Method(str, enum.Enum):
-    RTN = "rtn"    # round to nearest
-    GPTQ = "gptq"  # Hessian-aware error feedback (needs calibration)
+    RTN = "rtn"    # round to nearest (data-free)
+    GPTQ = "gptq"  # Hessian-aware error feedback (needs calibration; nn.Linear)
+    AWQ = "awq"    # activation-aware per-input-channel scaling (needs calibration; nn.Linear)
+    HQQ = "hqq"    # half-quadratic zero-point optimisation (data-free; nn.Linear; symmetric=False)
+
+
+_CALIBRATED = (Method.GPTQ, Method.AWQ)
 
 
 def _check_divides(name: str, fmt, K: int) -> None:
@@ -50,11 +55,13 @@ class _WeightHandler:
 
     types: tuple[type, ...] = (nn.Linear, nn.Embedding, nn.Conv2d)
 
-    def supports(self, module: nn.Module) -> bool:
+    def supports(self, module: nn.Module, config) -> bool:
+        if getattr(config, "method", Method.RTN) is not Method.RTN:  # the algorithms are written for Linear
+            return type(module) is nn.Linear
         return type(module) in self.types
 
     def needs_calibration(self, config) -> bool:
-        return getattr(config, "method", Method.RTN) is Method.GPTQ
+        return getattr(config, "method", Method.RTN) in _CALIBRATED
 
     def apply(self, name: str, module: nn.Module, config, inputs: Sequence[tuple[torch.Tensor, ...]] | None):
         fmt = config.format()
@@ -63,14 +70,23 @@ class _WeightHandler:
             return WeightOnlyEmbedding.from_float(module, fmt, name)
         if isinstance(module, nn.Conv2d):
             return WeightOnlyConv2d.from_float(module, fmt, name)
-        tensors = None
-        if getattr(config, "method", Method.RTN) is Method.GPTQ:
+        method = getattr(config, "method", Method.RTN)
+        fm.check_finite(name, module.weight)
+        tensors = smooth = None
+        if method is Method.GPTQ:
             from workbench.quantization.gptq import gptq_quantize
 
-            fm.check_finite(name, module.weight)
             tensors = gptq_quantize(module.weight.detach(), inputs, fmt, damp=config.damp,
                                     act_order=config.act_order, name=name)
-        return WeightOnlyLinear.from_float(module, fmt, name, tensors=tensors)
+        elif method is Method.AWQ:
+            from workbench.quantization.awq import awq_search
+
+            tensors, smooth, _ = awq_search(module.weight.detach(), inputs, fmt, name=name)
+        elif method is Method.HQQ:
+            from workbench.quantization.hqq import hqq_quantize
+
+            tensors = hqq_quantize(module.weight.detach(), fmt)
+        return WeightOnlyLinear.from_float(module, fmt, name, tensors=tensors, smooth=smooth)
 
     def skeleton(self, name: str, module: nn.Module, config):
         fmt = config.format()
@@ -83,7 +99,8 @@ class _WeightHandler:
                     "dilation": module.dilation, "groups": module.groups}
             return WeightOnlyConv2d(args, fmt, module.bias is not None, device=module.weight.device)
         return WeightOnlyLinear(module.in_features, module.out_features, fmt, module.bias is not None,
-                                device=module.weight.device, bias_dtype=module.weight.dtype)
+                                device=module.weight.device, bias_dtype=module.weight.dtype,
+                                smooth=getattr(config, "method", Method.RTN) is Method.AWQ)
 
 
 class _LinearOnly(_WeightHandler):
@@ -98,7 +115,8 @@ class _LinearEmbedding(_WeightHandler):
 @dataclass(frozen=True)
 class WeightOnly(Config):
     """Integer weight-only quantization: ``bits`` in {2, 3, 4, 8}; ``group_size`` along the input dimension
-    (None: per output channel); symmetric or asymmetric (with a zero point); ``method`` RTN or GPTQ."""
+    (None: per output channel); symmetric or asymmetric (with a zero point); ``method`` one of
+    rtn, gptq, awq, hqq (the last three for nn.Linear; hqq needs ``symmetric=False``)."""
 
     bits: int = 4
     group_size: int | None = 64
@@ -116,12 +134,14 @@ class WeightOnly(Config):
                                  f"got {self.method!r}") from None
         if not isinstance(self.bits, int) or isinstance(self.bits, bool):
             raise ValueError(f"WeightOnly.bits must be an int, got {self.bits!r}")
+        if self.method is Method.HQQ and self.symmetric:
+            raise ValueError("method='hqq' optimises zero points: pass symmetric=False")
         fm.validate(self.format())
         if not 0 < self.damp < 1:
             raise ValueError(f"WeightOnly.damp must be in (0, 1), got {self.damp!r}")
 
     def format(self) -> fm.IntFormat:
-        return fm.IntFormat(self.bits, self.group_size, self.symmetric)
+        return fm.IntFormat(self.bits, self.group_size, self.symmetric, float_zero=self.method is Method.HQQ)
 
 
 @register_config(_LinearEmbedding(), kind="quant.NF4")
@@ -159,7 +179,7 @@ class FP8(Config):
 class _W8A8Handler:
     """Dynamic and Static W8A8 of nn.Linear, optionally SmoothQuant-smoothed."""
 
-    def supports(self, module: nn.Module) -> bool:
+    def supports(self, module: nn.Module, config) -> bool:
         return type(module) is nn.Linear
 
     def needs_calibration(self, config) -> bool:

@@ -5,7 +5,7 @@ A format encodes a 2-D weight ``(rows, K)`` (Linear: ``(out, in)``; Embedding: `
 
 | format | tensors | bytes per value |
 |---|---|---|
-| `IntFormat(bits, group_size, symmetric)` | ``qweight`` uint8 packed codes, ``scale`` fp16 per group, ``zero`` uint8 per group (asymmetric only) | bits/8 + 2/g (+1/g) |
+| `IntFormat(bits, group_size, symmetric, float_zero)` | ``qweight`` uint8 packed codes, ``scale`` fp16 per group, ``zero`` per group (asymmetric only: uint8 code, or fp16 for HQQ) | bits/8 + 2/g (+1/g or 2/g) |
 | `NF4Format(group_size)` | ``qweight`` uint8, two codes per byte; ``scale`` fp16 absmax per group | 0.5 + 2/g |
 | `FP8Format(dtype)` | ``qweight`` float8; ``scale`` fp32 per row | 1 + 4/K |
 
@@ -33,6 +33,7 @@ class IntFormat:
     bits: int = 4
     group_size: int | None = 64  # None: one group per row (per-channel)
     symmetric: bool = True
+    float_zero: bool = False     # HQQ: a real-valued (fp16) zero point per group instead of an integer code
 
     @property
     def slot_bits(self) -> int:
@@ -89,7 +90,7 @@ def int_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: Int
 def pack_int(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: IntFormat) -> dict[str, torch.Tensor]:
     out = {"qweight": packing.pack(codes, fmt.slot_bits), "scale": scale.to(torch.float16)}
     if not fmt.symmetric:
-        out["zero"] = zero.to(torch.uint8)
+        out["zero"] = zero.to(torch.float16 if fmt.float_zero else torch.uint8)
     return out
 
 
@@ -122,7 +123,8 @@ def empty(shape: tuple[int, int], fmt: WeightFormat, device=None) -> dict[str, t
         out = {"qweight": torch.empty(packing.packed_shape((rows, K), fmt.slot_bits), dtype=torch.uint8, device=device),
                "scale": torch.empty(rows, K // g, dtype=torch.float16, device=device)}
         if not fmt.symmetric:
-            out["zero"] = torch.empty(rows, K // g, dtype=torch.uint8, device=device)
+            out["zero"] = torch.empty(rows, K // g, dtype=torch.float16 if fmt.float_zero else torch.uint8,
+                                      device=device)
         return out
     if isinstance(fmt, NF4Format):
         g = _group_size(fmt, K)
@@ -166,6 +168,8 @@ def validate(fmt: WeightFormat) -> None:
             raise ValueError(f"weight-only integer quantization supports 2, 3, 4 and 8 bits, got {fmt.bits!r}")
         if fmt.group_size is not None and (not isinstance(fmt.group_size, int) or fmt.group_size < 1):
             raise ValueError(f"group_size must be a positive int or None (per-channel), got {fmt.group_size!r}")
+        if fmt.float_zero and fmt.symmetric:
+            raise ValueError("a float zero point needs asymmetric quantization (symmetric=False)")
     elif isinstance(fmt, NF4Format):
         if not isinstance(fmt.group_size, int) or fmt.group_size < 1:
             raise ValueError(f"group_size must be a positive int, got {fmt.group_size!r}")

@@ -55,26 +55,36 @@ class WeightOnlyLinear(_PackedWeight):
     """y = x W^T + b with W stored in a low-bit format and dequantized on the fly (``reference``)."""
 
     def __init__(self, in_features: int, out_features: int, fmt: fm.WeightFormat, bias: bool = True,
-                 tensors: dict[str, torch.Tensor] | None = None, device=None, bias_dtype=torch.float32):
+                 tensors: dict[str, torch.Tensor] | None = None, device=None, bias_dtype=torch.float32,
+                 smooth: bool = False):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self._init_weight(out_features, in_features, fmt, tensors, device)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=bias_dtype, device=device)) if bias else None
+        if smooth:  # AWQ: the stored weight is W * s per input channel; inputs are divided by s
+            self.register_buffer("smooth", torch.ones(in_features, device=device))
         self.kernel = "reference"
 
     @classmethod
     def from_float(cls, linear: nn.Linear, fmt: fm.WeightFormat, name: str = "linear",
-                   tensors: dict[str, torch.Tensor] | None = None) -> "WeightOnlyLinear":
+                   tensors: dict[str, torch.Tensor] | None = None,
+                   smooth: torch.Tensor | None = None) -> "WeightOnlyLinear":
+        """Round-to-nearest unless ``tensors`` (from GPTQ, AWQ, HQQ) are given. ``smooth``: per-input-channel
+        factors already multiplied into the weight that ``tensors`` encode."""
         w = linear.weight.detach()
         fm.check_finite(name, w)
         tensors = fm.encode(w, fmt) if tensors is None else tensors
         new = cls(linear.in_features, linear.out_features, fmt, linear.bias is not None, tensors,
-                  bias_dtype=w.dtype)
+                  bias_dtype=w.dtype, smooth=smooth is not None)
+        if smooth is not None:
+            new.smooth.copy_(smooth)
         if linear.bias is not None:
             new.bias.data.copy_(linear.bias.detach())
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., in)
+        if hasattr(self, "smooth"):
+            x = x / self.smooth.to(x.dtype)
         return F.linear(x, self.dequantized_weight(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
     def extra_repr(self) -> str:

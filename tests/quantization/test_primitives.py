@@ -119,7 +119,8 @@ def test_pack_unpack_identity(bits):
 def test_pack_layout_and_errors():
     assert packing.pack(torch.tensor([[1, 2]]), 4).tolist() == [[0x21]]  # low nibble first
     assert packing.pack(torch.tensor([[3, 0, 1, 2]]), 2).tolist() == [[0b10_01_00_11]]
-    with pytest.raises(ValueError, match="must be a multiple of 2"):
-        packing.pack(torch.zeros(3, 5, dtype=torch.uint8), 4)
+    odd = torch.randint(0, 16, (3, 9), dtype=torch.uint8)          # e.g. a 1x3x3 conv kernel per row
+    assert packing.pack(odd, 4).shape == (3, 5)
+    assert torch.equal(packing.unpack(packing.pack(odd, 4), 4, 9), odd)
     with pytest.raises(ValueError, match="packing supports"):
         packing.pack(torch.zeros(3, 6, dtype=torch.uint8), 3)

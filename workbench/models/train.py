@@ -25,24 +25,10 @@ __all__ = ["train", "TRAINABLE"]
 
 
 def _train_classifier(model: torch.nn.Module, split: data.Split, *, epochs: int, lr: float,
-                      batch_size: int = 64, weight_decay: float = 1e-4, seed: int = 0) -> float:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.from_numpy(split.x_train)
-    y = torch.from_numpy(split.y_train)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-    steps = epochs * math.ceil(len(x) / batch_size)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps)
-    model.train()
-    for _ in tqdm(range(epochs), desc="epochs"):
-        perm = torch.randperm(len(x), generator=g)
-        for i in range(0, len(x), batch_size):
-            idx = perm[i:i + batch_size]
-            loss = F.cross_entropy(model(x[idx]), y[idx])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-    model.eval()
+                      batch_size: int = 64, seed: int = 0) -> float:
+    from workbench.training import fit_classifier
+
+    fit_classifier(model, split, epochs=epochs, lr=lr, batch_size=batch_size, seed=seed)
     with torch.inference_mode():
         pred = model(torch.from_numpy(split.x_test)).argmax(-1).numpy()
     return float((pred == split.y_test).mean())

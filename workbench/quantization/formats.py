@@ -128,7 +128,7 @@ def empty(shape: tuple[int, int], fmt: WeightFormat, device=None) -> dict[str, t
         return out
     if isinstance(fmt, NF4Format):
         g = _group_size(fmt, K)
-        return {"qweight": torch.empty(rows, K // 2, dtype=torch.uint8, device=device),
+        return {"qweight": torch.empty(packing.packed_shape((rows, K), 4), dtype=torch.uint8, device=device),
                 "scale": torch.empty(rows, K // g, dtype=torch.float16, device=device)}
     if isinstance(fmt, FP8Format):
         return {"qweight": torch.empty(rows, K, dtype=fmt.dtype, device=device),
@@ -141,14 +141,14 @@ def decode_rows(t: dict[str, torch.Tensor], fmt: WeightFormat, K: int, dtype: to
     q = t["qweight"]
     rows = q.shape[0]
     if isinstance(fmt, IntFormat):
-        codes = packing.unpack(q, fmt.slot_bits)                                   # (rows, K) uint8
+        codes = packing.unpack(q, fmt.slot_bits, K)                                # (rows, K) uint8
         scale = t["scale"].float()                                                 # (rows, G)
         G = scale.shape[1]
         zero = t["zero"].float() if "zero" in t else torch.full_like(scale, float(1 << (fmt.bits - 1)))
         w = (codes.reshape(rows, G, K // G).float() - zero.unsqueeze(-1)) * scale.unsqueeze(-1)
         return w.reshape(rows, K).to(dtype)
     if isinstance(fmt, NF4Format):
-        codes = packing.unpack(q, 4)
+        codes = packing.unpack(q, 4, K)
         scale = t["scale"].float()
         G = scale.shape[1]
         w = nf4_codebook().to(q.device)[codes.long()].reshape(rows, G, K // G) * scale.unsqueeze(-1)

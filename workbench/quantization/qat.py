@@ -1,0 +1,201 @@
+"""Quantization-aware training: `prepare` inserts fake quantization, any training loop trains, `convert`
+produces the same real quantized modules as post-training quantization.
+
+    qmodel = wb.qat.prepare(model, wb.Plan({"conv*": wb.quant.WeightOnly(2, None), "fc*": ...}))
+    wb.training.fit_classifier(qmodel, task, epochs=3, lr=1e-3)       # or your own loop
+    small = wb.qat.convert(qmodel)                                    # WeightOnlyConv2d / WeightOnlyLinear ...
+
+Fake quantization rounds in the forward pass and lets gradients through the rounding unchanged (the
+straight-through estimator), except where values were clamped to the grid's ends (zero gradient there).
+Weights follow `WeightOnly` configs (integer formats, per channel or per group) and `Dynamic` configs
+(int8 weights per channel + int8 activations per token). With ``learnable_scales=True`` the weight scales
+of `WeightOnly` layers are parameters trained by the same loss (LSQ, Esser et al. 2020, with its gradient
+scaling); `convert` then stores those learned scales. Fake quantization uses exactly the grid `convert`
+stores (fp16 scales included), so the converted model computes what was trained. Supported layers: nn.Linear and nn.Conv2d.
+"""
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workbench.plans.apply import PLANS_ATTR, applied_plans
+from workbench.plans.plan import Plan
+from workbench.quantization import formats as fm
+from workbench.quantization.configs import Dynamic, Method, WeightOnly
+from workbench.quantization.modules import W8A8Linear, WeightOnlyConv2d, WeightOnlyLinear
+from workbench.quantization.primitives import choose_qparams, qrange
+
+__all__ = ["prepare", "convert", "fake_quantize_ste", "QATLinear", "QATConv2d"]
+
+
+def fake_quantize_ste(xg: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
+    """Grouped values ``(G, K)`` -> quantized-dequantized values, with straight-through gradients.
+
+    Gradients reach ``xg`` where the value was inside the grid (clamped values get none) and reach ``scale``
+    when it requires grad (LSQ)."""
+    xs = xg * (1.0 / scale)                                   # the reciprocal, exactly as `primitives.quantize`
+    rounded = xs + (torch.round(xs) - xs).detach()           # round forward, identity backward
+    q = torch.clamp(rounded + zero, qmin, qmax)
+    return (q - zero) * scale
+
+
+def _grad_scale(t: torch.Tensor, factor: float) -> torch.Tensor:
+    """Value of ``t``, gradient multiplied by ``factor`` (LSQ's step-size gradient scaling)."""
+    return (t - t * factor).detach() + t * factor
+
+
+class _QATMixin:
+    """Shared by QATLinear / QATConv2d: fake-quantized weight (and optionally activations)."""
+
+    def _setup(self, config, learnable_scales: bool) -> None:
+        self.qconfig = config
+        w2d = self.weight.detach().reshape(self.weight.shape[0], -1)
+        if isinstance(config, WeightOnly):
+            self.bits, self.group_size, self.symmetric = config.bits, config.group_size, config.symmetric
+            self.act_quant = False
+        else:  # Dynamic: int8 per-channel weights, int8 per-token activations
+            self.bits, self.group_size, self.symmetric = 8, None, True
+            self.act_quant = True
+        K = w2d.shape[1]
+        if self.group_size is not None and K % self.group_size:
+            raise ValueError(f"group_size {self.group_size} does not divide the input dimension {K}")
+        self.weight_scale = None
+        if learnable_scales and not self.act_quant:  # W8A8 stores min/max scales: nothing to learn there
+            scale, _ = choose_qparams(self._groups(w2d), self.bits, self.symmetric)
+            self.weight_scale = nn.Parameter(scale)                                # (G, 1)
+
+    def _groups(self, w2d: torch.Tensor) -> torch.Tensor:
+        g = w2d.shape[1] if self.group_size is None else self.group_size
+        return w2d.reshape(-1, g)
+
+    def fake_weight(self) -> torch.Tensor:
+        w2d = self.weight.reshape(self.weight.shape[0], -1)
+        wg = self._groups(w2d)                                                     # (G, g)
+        qmin, qmax = qrange(self.bits, True)
+        scale, zero = choose_qparams(wg.detach(), self.bits, self.symmetric)
+        if self.weight_scale is not None:
+            scale = _grad_scale(self.weight_scale.abs() + 1e-12, 1.0 / math.sqrt(wg.shape[1] * qmax))
+        if not self.act_quant:  # weight-only formats store fp16 scales: train on exactly that grid (STE)
+            scale = scale + (scale.to(torch.float16).float().clamp(min=torch.finfo(torch.float16).tiny)
+                             - scale).detach()
+        return fake_quantize_ste(wg, scale, zero.float(), qmin, qmax).reshape(self.weight.shape)
+
+    def fake_input(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.act_quant:
+            return x
+        xg = x.reshape(-1, x.shape[-1])
+        scale, zero = choose_qparams(xg.detach(), 8, symmetric=True)
+        return fake_quantize_ste(xg, scale, zero.float(), -128, 127).reshape(x.shape)
+
+
+class QATLinear(_QATMixin, nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.fake_input(x), self.fake_weight(), self.bias)
+
+
+class QATConv2d(_QATMixin, nn.Conv2d):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._conv_forward(x, self.fake_weight(), self.bias)
+
+
+def _qat_module(name: str, module: nn.Module, config, learnable_scales: bool) -> nn.Module:
+    if isinstance(config, WeightOnly):
+        if config.method is not Method.RTN:
+            raise ValueError(f"{name!r}: QAT trains the weights; use method='rtn' (got {config.method.value!r})")
+    elif isinstance(config, Dynamic):
+        if config.smooth_alpha is not None:
+            raise ValueError(f"{name!r}: SmoothQuant is a post-training method; use Dynamic() without smooth_alpha")
+    else:
+        raise TypeError(f"{name!r}: QAT supports WeightOnly and Dynamic configs, got {type(config).__name__}")
+    fm.check_finite(name, module.weight)
+    if type(module) is nn.Linear:
+        new = QATLinear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
+    elif type(module) is nn.Conv2d and not isinstance(config, Dynamic):
+        m = module
+        new = QATConv2d(m.in_channels, m.out_channels, m.kernel_size, stride=m.stride, padding=m.padding,
+                        dilation=m.dilation, groups=m.groups, bias=m.bias is not None, padding_mode=m.padding_mode,
+                        device="meta")
+    else:
+        raise TypeError(f"{name!r}: QAT with {type(config).__name__} supports nn.Linear"
+                        f"{' and nn.Conv2d' if isinstance(config, WeightOnly) else ''}, not {type(module).__name__}")
+    new.weight = nn.Parameter(module.weight.detach().clone())
+    if module.bias is not None:
+        new.bias = nn.Parameter(module.bias.detach().clone())
+    new._setup(config, learnable_scales)
+    return new
+
+
+QAT_PLAN_ATTR = "_workbench_qat_plan"
+
+
+def prepare(model: nn.Module, plan: Plan, learnable_scales: bool = False) -> nn.Module:
+    """A copy of ``model`` with fake quantization on the layers ``plan`` selects (ready to train)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}")
+    plan = plan if isinstance(plan, Plan) else Plan(plan)
+    target = copy.deepcopy(model)
+    replacements = {}
+    for a in plan.resolve(target):
+        replacements[a.name] = _qat_module(a.name, target.get_submodule(a.name), a.config, learnable_scales)
+    for name, new in replacements.items():
+        target.set_submodule(name, new)
+    object.__setattr__(target, QAT_PLAN_ATTR, plan)
+    return target
+
+
+def _real_module(name: str, qat: nn.Module) -> nn.Module:
+    config = qat.qconfig
+    with torch.no_grad():
+        if isinstance(qat, QATLinear):
+            plain = nn.Linear(qat.in_features, qat.out_features, bias=qat.bias is not None)
+        else:
+            plain = nn.Conv2d(qat.in_channels, qat.out_channels, qat.kernel_size, stride=qat.stride,
+                              padding=qat.padding, dilation=qat.dilation, groups=qat.groups,
+                              bias=qat.bias is not None)
+        plain.weight.copy_(qat.weight)
+        if qat.bias is not None:
+            plain.bias.copy_(qat.bias)
+        if isinstance(config, Dynamic):
+            return W8A8Linear.from_float(plain, name, kernel=config.kernel)
+        fmt = config.format()
+        if qat.weight_scale is None:  # the same round-to-nearest as PTQ, on the trained weights
+            tensors = None
+        else:  # store the learned scales (rounded to fp16, as every stored scale is)
+            w2d = plain.weight.reshape(plain.weight.shape[0], -1)
+            rows, K = w2d.shape
+            scale = qat.weight_scale.detach().abs().reshape(rows, -1).to(torch.float16).float()
+            scale = scale.clamp(min=torch.finfo(torch.float16).tiny)
+            _, zero = fm.int_qparams(w2d, fmt)
+            if fmt.symmetric:
+                zero = torch.full_like(zero, 1 << (fmt.bits - 1))
+            tensors = fm.pack_int(fm.int_codes(w2d, scale, zero, fmt), scale, zero, fmt)
+        if isinstance(plain, nn.Conv2d):
+            if tensors is None:
+                return WeightOnlyConv2d.from_float(plain, fmt, name)
+            args = {"weight_shape": tuple(plain.weight.shape), "stride": plain.stride, "padding": plain.padding,
+                    "dilation": plain.dilation, "groups": plain.groups}
+            new = WeightOnlyConv2d(args, fmt, plain.bias is not None, tensors)
+            if plain.bias is not None:
+                new.bias.data.copy_(plain.bias)
+            return new
+        return WeightOnlyLinear.from_float(plain, fmt, name, tensors=tensors)
+
+
+def convert(model: nn.Module) -> nn.Module:
+    """A copy of a `prepare`d (and trained) model with real quantized modules in place of the fake ones.
+    The result records the plan, so `wb.save` / `wb.load` work as for PTQ."""
+    plan = getattr(model, QAT_PLAN_ATTR, None)
+    if plan is None:
+        raise ValueError("convert expects a model returned by wb.qat.prepare")
+    target = copy.deepcopy(model)
+    replacements = {name: _real_module(name, m) for name, m in target.named_modules()
+                    if isinstance(m, (QATLinear, QATConv2d))}
+    for name, new in replacements.items():
+        target.set_submodule(name, new)
+    target.__dict__.pop(QAT_PLAN_ATTR, None)
+    object.__setattr__(target, PLANS_ATTR, (*applied_plans(model), plan))
+    return target.eval()

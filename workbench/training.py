@@ -1,0 +1,62 @@
+"""A small, honest training loop for the classification tasks (zoo training, QAT, fine-tuning).
+
+``fit_classifier(model, task, epochs=..., lr=...)`` trains with AdamW and a one-cycle schedule on the task's
+training split (the calibration data comes from the same split; the test split is never touched), shows a
+tqdm progress bar, can be interrupted (Ctrl-C / the notebook's stop button: the model keeps the weights of
+the last finished step and is left in eval mode), and returns the per-epoch mean loss.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+__all__ = ["fit_classifier"]
+
+
+def fit_classifier(model: nn.Module, task, *, epochs: int, lr: float, batch_size: int = 64,
+                   weight_decay: float = 1e-4, seed: int = 0, progress: bool = True) -> list[float]:
+    """Train ``model`` on ``task``'s training split (a classification task, or a `tasks.data.Split`)."""
+    from workbench.tasks.base import check_model, model_device
+
+    check_model(model)
+    split = getattr(task, "split", task)
+    if not hasattr(split, "x_train"):
+        raise TypeError(f"fit_classifier needs a classification task (digits, mnist1d) or a Split, got {task!r}")
+    if not isinstance(epochs, int) or epochs < 1:
+        raise ValueError(f"epochs must be a positive int, got {epochs!r}")
+    if not lr > 0:
+        raise ValueError(f"lr must be positive, got {lr!r}")
+    device = model_device(model)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.from_numpy(split.x_train).to(device)
+    y = torch.from_numpy(split.y_train).to(device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    steps = epochs * math.ceil(len(x) / batch_size)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps)
+    history: list[float] = []
+    model.train()
+    try:
+        for _ in tqdm(range(epochs), desc="epochs", disable=not progress, leave=False):
+            perm = torch.randperm(len(x), generator=g).to(device)
+            total, count = 0.0, 0
+            for i in range(0, len(x), batch_size):
+                idx = perm[i:i + batch_size]
+                loss = F.cross_entropy(model(x[idx]), y[idx])
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"the loss became {loss.item()} at epoch {len(history) + 1}; "
+                                             f"try a smaller lr")
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                sched.step()
+                total += loss.item() * len(idx)
+                count += len(idx)
+            history.append(total / count)
+    finally:
+        model.eval()
+    return history

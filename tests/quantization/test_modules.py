@@ -220,3 +220,19 @@ def test_static_round_trips(tmp_path):
     x = task.example_inputs(16)[0]
     with torch.no_grad():
         assert torch.equal(again(x), q(x))
+
+
+def test_static_w8a8_cnn(tmp_path):
+    model = wb.models.load("digits-cnn")
+    task = wb.tasks.load("digits")
+    plan = wb.Plan({"conv*": Q.Static(observer="percentile"), "fc*": Q.Static(kernel="cpu")})
+    q = wb.apply(model, plan, calibration=task.calibration(256))
+    assert type(q.conv2).__name__ == "W8A8Conv2d" and q.conv2.qweight.dtype == torch.int8
+    assert task.evaluate(q)["accuracy"] >= task.evaluate(model)["accuracy"] - 0.01
+    assert wb.size_bytes(q) < 0.3 * wb.size_bytes(model)
+    again = wb.load(wb.save(q, tmp_path / "c.safetensors"))
+    x = task.example_inputs(8)[0]
+    with torch.no_grad():
+        assert torch.equal(again(x), q(x))
+    with pytest.raises(ValueError, match="matches only layers that Static cannot handle"):
+        wb.apply(model, {"conv1": Q.Static(smooth_alpha=0.5)}, calibration=task.calibration(8))

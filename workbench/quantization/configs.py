@@ -21,7 +21,7 @@ from torch import nn
 
 from workbench.plans.registry import Config, register_config
 from workbench.quantization import formats as fm
-from workbench.quantization.modules import KERNELS, W8A8Linear, WeightOnlyConv2d, WeightOnlyEmbedding, WeightOnlyLinear
+from workbench.quantization.modules import KERNELS, W8A8Conv2d, W8A8Linear, WeightOnlyConv2d, WeightOnlyEmbedding, WeightOnlyLinear
 from workbench.quantization.observers import OBSERVERS
 
 __all__ = ["Method", "WeightOnly", "NF4", "FP8", "Dynamic", "Static"]
@@ -177,9 +177,11 @@ class FP8(Config):
 
 
 class _W8A8Handler:
-    """Dynamic and Static W8A8 of nn.Linear, optionally SmoothQuant-smoothed."""
+    """Dynamic and Static W8A8 of nn.Linear (optionally SmoothQuant-smoothed); Static also for nn.Conv2d."""
 
     def supports(self, module: nn.Module, config) -> bool:
+        if isinstance(config, Static) and config.smooth_alpha is None and config.kernel == "reference":
+            return type(module) in (nn.Linear, nn.Conv2d)
         return type(module) is nn.Linear
 
     def needs_calibration(self, config) -> bool:
@@ -189,23 +191,33 @@ class _W8A8Handler:
         from workbench.quantization.smoothquant import activation_absmax, smoothing_factors
 
         fm.check_finite(name, module.weight)
+        if isinstance(module, nn.Conv2d):
+            return W8A8Conv2d.from_float(module, self._act_scale(name, config, inputs, None), name)
         smooth = None
         if config.smooth_alpha is not None:
             smooth = smoothing_factors(activation_absmax(inputs, module.in_features, name), module.weight,
                                        config.smooth_alpha).to(module.weight.device)
-        act_scale = None
-        if isinstance(config, Static):
-            if not inputs:
-                raise ValueError(f"static quantization of {name!r} needs calibration inputs, and none were recorded")
-            observer = OBSERVERS[config.observer]()
-            for batch in inputs:
-                x = batch[0].float()
-                observer.observe(x / smooth if smooth is not None else x)
-            act_scale, _ = observer.qparams(8, symmetric=True)
-            act_scale = act_scale.reshape(()).to(module.weight.device)
+        act_scale = self._act_scale(name, config, inputs, smooth) if isinstance(config, Static) else None
         return W8A8Linear.from_float(module, name, kernel=config.kernel, act_scale=act_scale, smooth=smooth)
 
+    @staticmethod
+    def _act_scale(name, config, inputs, smooth) -> torch.Tensor:
+        if not inputs:
+            raise ValueError(f"static quantization of {name!r} needs calibration inputs, and none were recorded")
+        observer = OBSERVERS[config.observer]()
+        for batch in inputs:
+            x = batch[0].float()
+            if smooth is not None:
+                x = x / smooth.to(x.device)
+            observer.observe(x)
+        act_scale, _ = observer.qparams(8, symmetric=True)
+        return act_scale.reshape(()).to(inputs[0][0].device)
+
     def skeleton(self, name, module, config):
+        if isinstance(module, nn.Conv2d):
+            args = {"weight_shape": tuple(module.weight.shape), "stride": module.stride, "padding": module.padding,
+                    "dilation": module.dilation, "groups": module.groups}
+            return W8A8Conv2d(args, module.bias is not None, device=module.weight.device)
         return W8A8Linear(module.in_features, module.out_features, module.bias is not None,
                           static=isinstance(config, Static), smooth=config.smooth_alpha is not None,
                           device=module.weight.device, kernel=config.kernel)
@@ -240,8 +252,8 @@ class Dynamic(Config):
 @register_config(_W8A8, kind="quant.Static")
 @dataclass(frozen=True)
 class Static(Config):
-    """W8A8 of a Linear with one per-tensor activation scale calibrated by ``observer`` (one of
-    ``minmax``, ``moving_average``, ``percentile``, ``mse``, ``histogram``)."""
+    """W8A8 of a Linear (or, without smoothing, a Conv2d) with one per-tensor activation scale calibrated by
+    ``observer`` (one of ``minmax``, ``moving_average``, ``percentile``, ``mse``, ``histogram``)."""
 
     bits: int = 8
     observer: str = "minmax"

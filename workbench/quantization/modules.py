@@ -4,6 +4,7 @@
   (int8/int4/int3/int2, NF4, fp8) plus a float bias; activations stay in floating point.
 - `W8A8Linear`: int8 per-channel weights and int8 activations, quantized per token at run time
   (dynamic) or with a calibrated scale (static), optionally SmoothQuant-smoothed.
+- `W8A8Conv2d`: static W8A8 convolution (int8 per-channel weights, calibrated activation scale).
 
 Each module has a pure-PyTorch ``reference`` path (dequantize, then a float matmul) that runs anywhere.
 Faster paths are chosen explicitly with ``kernel=`` and recorded in ``module.kernel``:
@@ -19,7 +20,7 @@ from torch import nn
 from workbench.quantization import formats as fm
 from workbench.quantization.primitives import PerToken, choose_qparams, quantize, to_groups
 
-__all__ = ["WeightOnlyLinear", "WeightOnlyEmbedding", "WeightOnlyConv2d", "W8A8Linear", "KERNELS"]
+__all__ = ["WeightOnlyLinear", "WeightOnlyEmbedding", "WeightOnlyConv2d", "W8A8Linear", "W8A8Conv2d", "KERNELS"]
 
 KERNELS = ("reference", "cpu")
 
@@ -238,3 +239,48 @@ class W8A8Linear(nn.Module):
         mode = "static" if self.static else "dynamic"
         return (f"in_features={self.in_features}, out_features={self.out_features}, activations={mode}, "
                 f"smooth={hasattr(self, 'smooth')}, kernel={self.kernel}")
+
+
+class W8A8Conv2d(nn.Module):
+    """Static W8A8 Conv2d: int8 weights per output channel, int8 activations with one calibrated scale.
+
+    ``kernel="reference"`` only: activations are quantized and dequantized with the stored scale and the
+    convolution runs on the dequantized int8 weights (the same numbers an integer kernel would produce).
+    """
+
+    def __init__(self, conv_args: dict, bias: bool = True, device=None):
+        super().__init__()
+        self.conv_args = dict(conv_args)
+        shape = conv_args["weight_shape"]
+        self.register_buffer("qweight", torch.empty(shape, dtype=torch.int8, device=device))
+        self.register_buffer("scale", torch.empty(shape[0], 1, 1, 1, dtype=torch.float32, device=device))
+        self.register_buffer("act_scale", torch.empty((), dtype=torch.float32, device=device))
+        self.bias = nn.Parameter(torch.zeros(shape[0], device=device)) if bias else None
+        self.kernel = "reference"
+
+    @classmethod
+    def from_float(cls, conv: nn.Conv2d, act_scale: torch.Tensor, name: str = "conv") -> "W8A8Conv2d":
+        if conv.padding_mode != "zeros":
+            raise ValueError(f"{name!r}: only zero padding is supported, got padding_mode={conv.padding_mode!r}")
+        w = conv.weight.detach().float()
+        fm.check_finite(name, w)
+        w2d = w.reshape(w.shape[0], -1)
+        scale, zp = choose_qparams(w2d, 8, symmetric=True)                   # (out, 1)
+        q = quantize(w2d, scale, zp, -128, 127, torch.int8).reshape(w.shape)
+        args = {"weight_shape": tuple(w.shape), "stride": conv.stride, "padding": conv.padding,
+                "dilation": conv.dilation, "groups": conv.groups}
+        new = cls(args, conv.bias is not None)
+        new.qweight.copy_(q)
+        new.scale.copy_(scale.reshape(-1, 1, 1, 1))
+        new.act_scale.copy_(act_scale.reshape(()))
+        if conv.bias is not None:
+            new.bias.data.copy_(conv.bias.detach())
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, C, H, W)
+        a = self.conv_args
+        s = self.act_scale
+        xq = torch.clamp(torch.round(x.float() * (1.0 / s)), -128, 127) * s   # int8 grid, dequantized
+        w = self.qweight.float() * self.scale
+        y = F.conv2d(xq, w, self.bias, a["stride"], a["padding"], a["dilation"], a["groups"])
+        return y.to(x.dtype)

@@ -1,5 +1,6 @@
 """Quantization of the real MiniLM: storage and GPTQ vs RTN end to end (fidelity on held-out documents)."""
 import pytest
+import torch
 
 import workbench as wb
 
@@ -42,3 +43,24 @@ def test_smoothquant_w8a8_beats_plain_w8a8(minilm, minilm_task, results):
     loss_plain = 1 - minilm_task.fidelity(plain, quick=True)
     loss_smooth = 1 - minilm_task.fidelity(smooth, quick=True)
     assert 0 < loss_smooth < 0.6 * loss_plain, (loss_plain, loss_smooth)
+
+
+@pytest.mark.parametrize("bits", [4, 3])
+def test_gptq_and_awq_lower_layer_output_error_on_held_out_text(minilm, minilm_task, bits):
+    """FFN output projection of layer 3: calibration documents 0-31, error on held-out documents."""
+    from workbench.plans.apply import _capture_inputs, normalize_calibration
+    from workbench.quantization.primitives import sqnr
+
+    layer = "encoder.layer.3.output.dense"
+    calib = minilm_task.calibration(32)
+    held = _capture_inputs(minilm, [layer], [minilm_task.example_inputs(8)])[layer][0][0]
+    lin = minilm.get_submodule(layer)
+    inputs = _capture_inputs(minilm, [layer], normalize_calibration(calib, minilm))[layer]
+    with torch.no_grad():
+        ref = lin(held)
+        err = {}
+        for method in ("rtn", "gptq", "awq"):
+            q = wb.apply(torch.nn.Sequential(lin), {"0": Q.WeightOnly(bits, 64, method=method)},
+                         calibration=[b[0] for b in inputs], progress=False)
+            err[method] = sqnr(ref, q(held))
+    assert err["gptq"] > err["rtn"] + 1.0 and err["awq"] > err["rtn"] + 1.0, err

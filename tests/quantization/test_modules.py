@@ -236,3 +236,14 @@ def test_static_w8a8_cnn(tmp_path):
         assert torch.equal(again(x), q(x))
     with pytest.raises(ValueError, match="matches only layers that Static cannot handle"):
         wb.apply(model, {"conv1": Q.Static(smooth_alpha=0.5)}, calibration=task.calibration(8))
+
+
+def test_fast_per_token_quantization_matches_primitives():
+    from workbench.quantization.modules import quantize_per_token
+    from workbench.quantization.primitives import PerToken, quantize_affine
+
+    x = torch.randn(3, 7, 40) * torch.logspace(-3, 2, 40)
+    x[0, 0] = 0.0  # an all-zero token
+    q, s = quantize_per_token(x)
+    ref_q, ref_s, ref_z = quantize_affine(x, 8, PerToken(), symmetric=True)
+    assert torch.equal(q, ref_q.reshape(-1, 40)) and torch.equal(s, ref_s) and (ref_z == 0).all()

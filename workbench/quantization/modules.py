@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workbench.quantization import formats as fm
-from workbench.quantization.primitives import PerToken, choose_qparams, quantize, to_groups
+from workbench.quantization.primitives import EPS, PerToken, choose_qparams, quantize, to_groups
 
 __all__ = ["WeightOnlyLinear", "WeightOnlyEmbedding", "WeightOnlyConv2d", "W8A8Linear", "W8A8Conv2d", "KERNELS"]
 
@@ -155,11 +155,22 @@ class WeightOnlyConv2d(_PackedWeight):
                         a["dilation"], a["groups"])
 
 
+_ROUND_MAGIC = 12582912.0  # 1.5 * 2**23
+
+
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per-token quantization of activations: (codes (M, K) int8, scale (M, 1) fp32)."""
+    """Symmetric int8 per-token quantization of activations: (codes (M, K) int8, scale (M, 1) fp32).
+
+    The same numbers as ``choose_qparams(x, 8, symmetric=True)`` + ``quantize`` (a test checks), in fewer
+    passes over the activations: scale = max|x| / 127.5 per row, codes = clamp(round(x / scale))."""
     xg = to_groups(x, PerToken()).float()                          # (M, K)
-    scale, zp = choose_qparams(xg, 8, symmetric=True)
-    return quantize(xg, scale, zp, -128, 127, torch.int8), scale
+    lo, hi = xg.amin(dim=1, keepdim=True), xg.amax(dim=1, keepdim=True)  # (aminmax(dim) is 10x slower here)
+    scale = (torch.maximum(-lo, hi) / 127.5).clamp_(min=EPS)
+    r = xg * (1.0 / scale)                                         # |r| <= 127.5
+    # round half to even by adding and removing 1.5 * 2^23 (fp32's ulp is 1 there): the same result as
+    # torch.round for |r| < 2^22, and several times faster than aten::round on the CPU
+    r.add_(_ROUND_MAGIC).sub_(_ROUND_MAGIC)
+    return r.clamp_(-128, 127).to(torch.int8), scale
 
 
 def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,9 +241,9 @@ class W8A8Linear(nn.Module):
             acc = torch._int_mm(qx, self.qweight_t).float()               # (M, out) int32 -> fp32
         else:
             acc = qx.float() @ self.qweight_t.float()                     # same integers in fp32
-        y = acc * sx * self.scale
+        y = acc.mul_(sx).mul_(self.scale)                                 # in place: a fresh (M, out) buffer
         if self.bias is not None:
-            y = y + self.bias
+            y.add_(self.bias)
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:

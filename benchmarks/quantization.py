@@ -1,0 +1,68 @@
+"""Quantization results on the zoo: ``python -m benchmarks.quantization [--models tiny-lm minilm] [--calib 64]``
+
+For each model: fp32, then weight-only int4/int3 g64 with RTN, GPTQ, AWQ and HQQ on every Linear of the
+transformer blocks (MiniLM also quantizes its word embeddings with RTN), then W8A8 dynamic with and
+without SmoothQuant - each measured with `wb.measure` (quality on the task's evaluation data, real bytes),
+plus the time `wb.apply` took. Prints a table and returns it as a DataFrame.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import workbench as wb
+
+Q = wb.quant
+BLOCKS = {"tiny-lm": "h.*", "minilm": "encoder.*"}
+
+
+def candidate_plans(model_name: str, bits_list=(4, 3), methods=("rtn", "gptq", "awq", "hqq")):
+    blocks = BLOCKS[model_name]
+    for bits in bits_list:
+        for method in methods:
+            entries = {blocks: Q.WeightOnly(bits, 64, symmetric=method != "hqq", method=method)}
+            if model_name == "minilm":
+                entries["embeddings.word_embeddings"] = Q.WeightOnly(bits, 64)
+            yield f"W{bits} g64 {method}", wb.Plan(entries)
+    yield "W8A8 dynamic", wb.Plan({blocks: Q.Dynamic()})
+    yield "W8A8 dynamic + SmoothQuant 0.5", wb.Plan({blocks: Q.Dynamic(smooth_alpha=0.5)})
+
+
+def bench_quantization(models=("tiny-lm", "minilm"), calib: int = 64, quick: bool = False, threads: int = 2,
+                       bits_list=(4, 3), methods=("rtn", "gptq", "awq", "hqq")):
+    import pandas as pd
+
+    rows = []
+    for name in models:
+        model = wb.models.load(name)
+        task = wb.tasks.load(wb.models.spec(name).task)
+        calibration = task.calibration(calib)
+        base = wb.measure(model, task, quick=quick, threads=threads, progress=False)
+        rows.append({"model": name, "plan": "fp32", task.primary.name: base.primary_value,
+                     "size_bytes": base.size_bytes, "size_ratio": 1.0, "apply_s": 0.0})
+        for label, plan in candidate_plans(name, bits_list, methods):
+            t0 = time.perf_counter()
+            with wb.measurement.num_threads(threads):
+                q = wb.apply(model, plan, calibration=calibration, progress=False)
+            took = time.perf_counter() - t0
+            m = wb.measure(q, task, quick=quick, threads=threads, progress=False)
+            rows.append({"model": name, "plan": label, task.primary.name: m.primary_value,
+                         "size_bytes": m.size_bytes, "size_ratio": m.size_bytes / base.size_bytes, "apply_s": took})
+    return pd.DataFrame(rows)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", nargs="+", default=["tiny-lm", "minilm"], choices=list(BLOCKS))
+    p.add_argument("--calib", type=int, default=64)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--threads", type=int, default=2)
+    a = p.parse_args(argv)
+    torch.manual_seed(0)
+    print(bench_quantization(a.models, a.calib, a.quick, a.threads).to_string(index=False))
+
+
+if __name__ == "__main__":
+    main()

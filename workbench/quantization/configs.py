@@ -21,7 +21,7 @@ from torch import nn
 
 from workbench.plans.registry import Config, register_config
 from workbench.quantization import formats as fm
-from workbench.quantization.modules import KERNELS, W8A8Conv2d, W8A8Linear, WeightOnlyConv2d, WeightOnlyEmbedding, WeightOnlyLinear
+from workbench.quantization.modules import KERNELS, W8A8Conv2d, conv_args, W8A8Linear, WeightOnlyConv2d, WeightOnlyEmbedding, WeightOnlyLinear
 from workbench.quantization.observers import OBSERVERS
 
 __all__ = ["Method", "WeightOnly", "NF4", "FP8", "Dynamic", "Static"]
@@ -95,9 +95,7 @@ class _WeightHandler:
             return WeightOnlyEmbedding(module.num_embeddings, module.embedding_dim, fmt, padding_idx=module.padding_idx,
                                        output_dtype=module.weight.dtype, device=module.weight.device)
         if isinstance(module, nn.Conv2d):
-            args = {"weight_shape": tuple(module.weight.shape), "stride": module.stride, "padding": module.padding,
-                    "dilation": module.dilation, "groups": module.groups}
-            return WeightOnlyConv2d(args, fmt, module.bias is not None, device=module.weight.device)
+            return WeightOnlyConv2d(conv_args(module), fmt, module.bias is not None, device=module.weight.device)
         return WeightOnlyLinear(module.in_features, module.out_features, fmt, module.bias is not None,
                                 device=module.weight.device, bias_dtype=module.weight.dtype,
                                 smooth=getattr(config, "method", Method.RTN) is Method.AWQ)
@@ -215,9 +213,7 @@ class _W8A8Handler:
 
     def skeleton(self, name, module, config):
         if isinstance(module, nn.Conv2d):
-            args = {"weight_shape": tuple(module.weight.shape), "stride": module.stride, "padding": module.padding,
-                    "dilation": module.dilation, "groups": module.groups}
-            return W8A8Conv2d(args, module.bias is not None, device=module.weight.device)
+            return W8A8Conv2d(conv_args(module), module.bias is not None, device=module.weight.device)
         return W8A8Linear(module.in_features, module.out_features, module.bias is not None,
                           static=isinstance(config, Static), smooth=config.smooth_alpha is not None,
                           device=module.weight.device, kernel=config.kernel)

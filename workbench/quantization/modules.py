@@ -20,9 +20,17 @@ from torch import nn
 from workbench.quantization import formats as fm
 from workbench.quantization.primitives import EPS, PerToken, choose_qparams, quantize, to_groups
 
-__all__ = ["WeightOnlyLinear", "WeightOnlyEmbedding", "WeightOnlyConv2d", "W8A8Linear", "W8A8Conv2d", "KERNELS"]
+__all__ = ["conv_args", "WeightOnlyLinear", "WeightOnlyEmbedding", "WeightOnlyConv2d", "W8A8Linear", "W8A8Conv2d", "KERNELS"]
 
 KERNELS = ("reference", "cpu")
+
+
+def conv_args(conv: nn.Conv2d) -> dict:
+    """What a quantized Conv2d needs to rebuild its convolution: weight shape, stride, padding, ..."""
+    if conv.padding_mode != "zeros":
+        raise ValueError(f"only zero padding is supported, got padding_mode={conv.padding_mode!r}")
+    return {"weight_shape": tuple(conv.weight.shape), "stride": conv.stride, "padding": conv.padding,
+            "dilation": conv.dilation, "groups": conv.groups}
 
 
 class _PackedWeight(nn.Module):
@@ -126,24 +134,20 @@ class WeightOnlyEmbedding(_PackedWeight):
 class WeightOnlyConv2d(_PackedWeight):
     """Conv2d whose weight ``(out, in/groups, kh, kw)`` is stored as ``(out, in/groups * kh * kw)`` low-bit rows."""
 
-    def __init__(self, conv_args: dict, fmt: fm.WeightFormat, bias: bool = True,
+    def __init__(self, args: dict, fmt: fm.WeightFormat, bias: bool = True,
                  tensors: dict[str, torch.Tensor] | None = None, device=None):
         super().__init__()
-        self.conv_args = dict(conv_args)
-        out_c, in_c, kh, kw = conv_args["weight_shape"]
+        self.conv_args = dict(args)
+        out_c, in_c, kh, kw = args["weight_shape"]
         self._init_weight(out_c, in_c * kh * kw, fmt, tensors, device)
         self.bias = nn.Parameter(torch.zeros(out_c, device=device)) if bias else None
         self.kernel = "reference"
 
     @classmethod
     def from_float(cls, conv: nn.Conv2d, fmt: fm.WeightFormat, name: str = "conv") -> "WeightOnlyConv2d":
-        if conv.padding_mode != "zeros":
-            raise ValueError(f"{name!r}: only zero padding is supported, got padding_mode={conv.padding_mode!r}")
         w = conv.weight.detach()
         fm.check_finite(name, w)
-        args = {"weight_shape": tuple(w.shape), "stride": conv.stride, "padding": conv.padding,
-                "dilation": conv.dilation, "groups": conv.groups}
-        new = cls(args, fmt, conv.bias is not None, fm.encode(w.reshape(w.shape[0], -1), fmt))
+        new = cls(conv_args(conv), fmt, conv.bias is not None, fm.encode(w.reshape(w.shape[0], -1), fmt))
         if conv.bias is not None:
             new.bias.data.copy_(conv.bias.detach())
         return new
@@ -259,10 +263,10 @@ class W8A8Conv2d(nn.Module):
     convolution runs on the dequantized int8 weights (the same numbers an integer kernel would produce).
     """
 
-    def __init__(self, conv_args: dict, bias: bool = True, device=None):
+    def __init__(self, args: dict, bias: bool = True, device=None):
         super().__init__()
-        self.conv_args = dict(conv_args)
-        shape = conv_args["weight_shape"]
+        self.conv_args = dict(args)
+        shape = args["weight_shape"]
         self.register_buffer("qweight", torch.empty(shape, dtype=torch.int8, device=device))
         self.register_buffer("scale", torch.empty(shape[0], 1, 1, 1, dtype=torch.float32, device=device))
         self.register_buffer("act_scale", torch.empty((), dtype=torch.float32, device=device))
@@ -271,15 +275,12 @@ class W8A8Conv2d(nn.Module):
 
     @classmethod
     def from_float(cls, conv: nn.Conv2d, act_scale: torch.Tensor, name: str = "conv") -> "W8A8Conv2d":
-        if conv.padding_mode != "zeros":
-            raise ValueError(f"{name!r}: only zero padding is supported, got padding_mode={conv.padding_mode!r}")
+        args = conv_args(conv)
         w = conv.weight.detach().float()
         fm.check_finite(name, w)
         w2d = w.reshape(w.shape[0], -1)
         scale, zp = choose_qparams(w2d, 8, symmetric=True)                   # (out, 1)
         q = quantize(w2d, scale, zp, -128, 127, torch.int8).reshape(w.shape)
-        args = {"weight_shape": tuple(w.shape), "stride": conv.stride, "padding": conv.padding,
-                "dilation": conv.dilation, "groups": conv.groups}
         new = cls(args, conv.bias is not None)
         new.qweight.copy_(q)
         new.scale.copy_(scale.reshape(-1, 1, 1, 1))

@@ -14,7 +14,8 @@ no models or data loaded.
 """
 from workbench import measurement, models, plots, precision, reports, tasks
 from workbench import quantization as quant
-from workbench import training
+from workbench import lowrank, training
+from workbench import pruning as prune
 from workbench.quantization import qat
 from workbench.measurement import Metrics, compare, layer_table, measure, size_bytes
 from workbench.plans import ApplyError, Plan, applied_plans, apply
@@ -22,5 +23,5 @@ from workbench.plans.io import load, save
 
 __version__ = "0.1.0"
 
-__all__ = ["models", "tasks", "precision", "quant", "qat", "training", "measurement", "plots", "reports", "measure", "Metrics", "compare", "layer_table", "size_bytes",
+__all__ = ["models", "tasks", "precision", "quant", "qat", "prune", "lowrank", "training", "measurement", "plots", "reports", "measure", "Metrics", "compare", "layer_table", "size_bytes",
            "Plan", "apply", "applied_plans", "ApplyError", "save", "load", "__version__"]

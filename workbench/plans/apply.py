@@ -141,10 +141,12 @@ def apply(model: nn.Module, plan: Plan | Mapping[str, Config | None], calibratio
     target = model if inplace else copy.deepcopy(model)
     inputs = _capture_inputs(target, [a.name for a in needing], batches) if needing else {}
     replacements: dict[str, nn.Module] = {}
+    resolved: list[tuple[str, Config]] = []
     for a in tqdm(assignments, desc="apply", disable=not progress or len(assignments) < 2, leave=False):
         module = target.get_submodule(a.name)
+        handler = handler_for(a.config)
         try:
-            new = handler_for(a.config).apply(a.name, module, a.config, inputs.get(a.name))
+            new = handler.apply(a.name, module, a.config, inputs.get(a.name))
         except (KeyboardInterrupt, ApplyError):
             raise
         except Exception as e:
@@ -152,8 +154,14 @@ def apply(model: nn.Module, plan: Plan | Mapping[str, Config | None], calibratio
         if not isinstance(new, nn.Module):
             raise ApplyError(a.name, a.config, TypeError(f"handler returned {type(new).__name__}, not a module"))
         replacements[a.name] = new
+        concrete = getattr(handler, "resolved", None)
+        if concrete is not None and (c := concrete(a.config, new)) != a.config:
+            resolved.append((a.name, c))
     _swap(target, replacements)
-    object.__setattr__(target, PLANS_ATTR, (*applied_plans(model), plan))
+    # A config whose structure depends on the data (e.g. a rank chosen by an energy threshold) is recorded
+    # as the concrete per-layer config, ahead of the user's patterns, so wb.load rebuilds the same shapes.
+    recorded = Plan([*resolved, *((p, c) for p, c in plan.items() if p not in dict(resolved))]) if resolved else plan
+    object.__setattr__(target, PLANS_ATTR, (*applied_plans(model), recorded))
     return target
 
 

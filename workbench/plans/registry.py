@@ -59,6 +59,9 @@ class Handler(Protocol):
         """Return a module with the compressed structure (shapes, dtypes, buffers) but no computation
         of its values: `wb.load` fills it from a file. Must not need calibration data."""
 
+    # Optional: ``resolved(config, new_module) -> Config`` - the concrete config that rebuilds exactly the
+    # structure of ``new_module`` (e.g. SVD(energy=0.9) -> SVD(rank=37)); `apply` records it per layer.
+
 
 _HANDLERS: dict[type, Handler] = {}
 _KINDS: dict[str, type] = {}

@@ -1,8 +1,10 @@
 """Pruning (`wb.prune`): unstructured magnitude / random, N:M semi-structured, global thresholds, masks
-kept for fine-tuning or made permanent (dense zeros or CSR storage). See `configs` for the plan configs."""
+kept for fine-tuning or made permanent (dense zeros or CSR storage) - see `configs` - and structured pruning
+that physically removes channels and fixes their dependents (`channels`, see `structured`)."""
 from workbench.pruning import masks
+from workbench.pruning.structured import channel_importance, channels
 from workbench.pruning.configs import NM, Magnitude, Random, finalize, global_plan, sparsity_of
 from workbench.pruning.modules import PrunedConv2d, PrunedLinear, SparseLinear
 
-__all__ = ["masks", "Magnitude", "Random", "NM", "global_plan", "finalize", "sparsity_of", "PrunedLinear",
+__all__ = ["masks", "channels", "channel_importance", "Magnitude", "Random", "NM", "global_plan", "finalize", "sparsity_of", "PrunedLinear",
            "PrunedConv2d", "SparseLinear"]

@@ -1,0 +1,82 @@
+"""Structured pruning: channels really removed, dependents fixed, clear errors, recovery by fine-tuning."""
+import pytest
+import torch
+from torch import nn
+
+import workbench as wb
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return wb.tasks.load("digits")
+
+
+def test_zero_amount_is_identity(digits):
+    model = wb.models.load("digits-cnn")
+    x = digits.example_inputs(4)
+    same = wb.prune.channels(model, {"conv*": 0.0, "fc1": 0.0}, example_inputs=x)
+    with torch.no_grad():
+        assert torch.equal(same(*x), model(*x))
+
+
+def test_channels_removed_and_dependents_fixed(digits):
+    model = wb.models.load("digits-cnn")
+    x = digits.example_inputs(4)
+    small = wb.prune.channels(model, {"conv3": 0.5, "conv1": 0.25, "fc1": 0.5}, example_inputs=x)
+    assert small.conv1.out_channels == 24 and small.bn1.num_features == 24 and small.conv2.in_channels == 24
+    assert small.conv3.out_channels == 32 and small.bn3.running_mean.shape == (32,)
+    assert small.fc1.in_features == 32 * 2 * 2 and small.fc1.out_features == 64 and small.fc2.in_features == 64
+    assert model.conv3.out_channels == 64  # the input model is untouched
+    assert small(*x).shape == (4, 10)
+    # the kept channels compute exactly what they computed before
+    keep = torch.sort(torch.topk(model.conv1.weight.detach().abs().reshape(32, -1).sum(1), 24).indices).values
+    with torch.no_grad():
+        a = model.bn1(model.conv1(x[0].view(-1, 1, 8, 8)))[:, keep]
+        b = small.bn1(small.conv1(x[0].view(-1, 1, 8, 8)))
+    torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("criterion", ["l1", "l2", "taylor"])
+def test_fine_tune_recovers(digits, criterion):
+    model = wb.models.load("digits-cnn")
+    labels = digits.calibration_labels(256)
+    calib = [(b[0], labels[i * 128:(i + 1) * 128]) for i, b in enumerate(digits.calibration(256))]
+    small = wb.prune.channels(model, {"conv*": 0.25, "fc1": 0.25}, criterion=criterion,
+                              example_inputs=digits.example_inputs(2), calibration=calib)
+    assert wb.size_bytes(small) < 0.6 * wb.size_bytes(model)
+    wb.training.fit_classifier(small, digits, epochs=3, lr=1e-3, progress=False)
+    assert digits.evaluate(small)["accuracy"] >= digits.evaluate(model)["accuracy"] - 0.01
+
+
+def test_structured_errors(digits):
+    class Residual(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.b(x + self.a(x))
+
+    with pytest.raises(ValueError, match=r"cannot resolve the layers that depend on 'a'.*add"):
+        wb.prune.channels(Residual(), {"a": 0.5})
+    mlp = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match="would remove all of its 4 channels"):
+        wb.prune.channels(mlp, {"0": 0.9})
+    with pytest.raises(ValueError, match=r"cannot resolve the layers that depend on '2'.*output"):
+        wb.prune.channels(mlp, {"2": 0.5})
+    with pytest.raises(ValueError, match="matches no nn.Linear / nn.Conv2d layer"):
+        wb.prune.channels(mlp, {"fc": 0.5})
+    with pytest.raises(ValueError, match=r"amount for '0' must be in \[0, 1\)"):
+        wb.prune.channels(mlp, {"0": 1.0})
+    with pytest.raises(ValueError, match="criterion must be"):
+        wb.prune.channels(mlp, {"0": 0.5}, criterion="l3")
+    with pytest.raises(ValueError, match="pass example_inputs"):
+        wb.prune.channels(wb.models.load("digits-cnn"), {"conv3": 0.5})
+
+
+def test_structured_benchmark_smoke():
+    from benchmarks.pruning import bench_structured
+
+    df = bench_structured(batch=4, threads=1, mlp=(32, 64), cnn_size=16)
+    assert len(df) == 3 and (df["pruned_ms"] > 0).all()
+    assert df.loc[0, "params_ratio"] < 0.6 and df.loc[1, "params_ratio"] == 1.0

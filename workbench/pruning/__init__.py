@@ -2,9 +2,10 @@
 kept for fine-tuning or made permanent (dense zeros or CSR storage) - see `configs` - and structured pruning
 that physically removes channels and fixes their dependents (`channels`, see `structured`)."""
 from workbench.pruning import masks
+from workbench.pruning.schedules import gradual_prune, polynomial_sparsity, sweep
 from workbench.pruning.structured import channel_importance, channels
 from workbench.pruning.configs import NM, Magnitude, Random, finalize, global_plan, sparsity_of
 from workbench.pruning.modules import PrunedConv2d, PrunedLinear, SparseLinear
 
-__all__ = ["masks", "channels", "channel_importance", "Magnitude", "Random", "NM", "global_plan", "finalize", "sparsity_of", "PrunedLinear",
+__all__ = ["masks", "channels", "channel_importance", "polynomial_sparsity", "gradual_prune", "sweep", "Magnitude", "Random", "NM", "global_plan", "finalize", "sparsity_of", "PrunedLinear",
            "PrunedConv2d", "SparseLinear"]

@@ -80,11 +80,14 @@ class _PruneHandler:
         return False
 
     def apply(self, name, module, config, inputs):
-        w2d = module.weight.detach().reshape(module.weight.shape[0], -1)
+        w = module.weight.detach()
+        if hasattr(module, "mask"):  # pruning a pruned layer: what is pruned scores 0 and stays pruned
+            w = w * module.mask
+        w2d = w.reshape(w.shape[0], -1)
         if not torch.isfinite(w2d).all():
             raise ValueError(f"weight of {name!r} contains NaN or Inf")
         mask = _mask_for(config, w2d)
-        if hasattr(module, "mask"):  # pruning a pruned layer: never revive what was pruned
+        if hasattr(module, "mask"):
             mask &= module.mask.reshape(w2d.shape)
         plain = _plain(module)
         return _build(plain, config, mask)

@@ -40,9 +40,10 @@ def test_channels_removed_and_dependents_fixed(digits):
 def test_fine_tune_recovers(digits, criterion):
     model = wb.models.load("digits-cnn")
     labels = digits.calibration_labels(256)
-    calib = [(b[0], labels[i * 128:(i + 1) * 128]) for i, b in enumerate(digits.calibration(256))]
+    calib = digits.calibration(256, batch_size=128)
     small = wb.prune.channels(model, {"conv*": 0.25, "fc1": 0.25}, criterion=criterion,
-                              example_inputs=digits.example_inputs(2), calibration=calib)
+                              example_inputs=digits.example_inputs(2), calibration=calib,
+                              labels=[labels[:128], labels[128:]])
     assert wb.size_bytes(small) < 0.6 * wb.size_bytes(model)
     wb.training.fit_classifier(small, digits, epochs=3, lr=1e-3, progress=False)
     assert digits.evaluate(small)["accuracy"] >= digits.evaluate(model)["accuracy"] - 0.01
@@ -80,3 +81,41 @@ def test_structured_benchmark_smoke():
     df = bench_structured(batch=4, threads=1, mlp=(32, 64), cnn_size=16)
     assert len(df) == 3 and (df["pruned_ms"] > 0).all()
     assert df.loc[0, "params_ratio"] < 0.6 and df.loc[1, "params_ratio"] == 1.0
+
+
+def test_tiny_lm_ffn_neurons_with_explicit_consumers():
+    model = wb.models.load("tiny-lm")
+    task = wb.tasks.load("tiny-lm")
+    consumers = wb.prune.transformer_ffn_consumers(model)
+    assert consumers["h.0.mlp.c_fc"] == ["h.0.mlp.c_proj"] and len(consumers) == 4
+    small = wb.prune.channels(model, {"h.*.mlp.c_fc": 0.5}, criterion="taylor", calibration=task.calibration(8),
+                              consumers=consumers)
+    assert small.h[0].mlp.c_fc.out_features == 384 and small.h[0].mlp.c_proj.in_features == 384
+    base = task.evaluate(model, quick=True)["perplexity"]
+    assert base < task.evaluate(small, quick=True)["perplexity"] < 3 * base
+    with pytest.raises(ValueError, match="consumers= does not say which layers read the channels of 'h.0.attn.c_attn'"):
+        wb.prune.channels(model, {"h.0.attn.c_attn": 0.5}, consumers=consumers)
+
+
+@pytest.mark.slow
+def test_minilm_heads_and_ffn_neurons(minilm, minilm_task):
+    calib = minilm_task.calibration(16, batch_size=8)
+    importance = wb.prune.head_importance(minilm, calib)
+    assert len(importance) == 6 and all(v.shape == (12,) and (v >= 0).all() for v in importance.values())
+    fewer = wb.prune.attention_heads(minilm, 2, calib, importance=importance)
+    sa = fewer.encoder.layer[0].attention.self
+    assert sa.query.out_features == sa.key.out_features == sa.value.out_features == 10 * 32
+    assert fewer.encoder.layer[0].attention.output.dense.in_features == 320
+    assert minilm.encoder.layer[0].attention.self.query.out_features == 384   # untouched
+    fid_heads = minilm_task.fidelity(fewer, quick=True)
+    # the least important heads cost far less than the same number of the most important ones
+    worst = wb.prune.attention_heads(minilm, 2, calib, importance={k: -v for k, v in importance.items()})
+    assert fid_heads > minilm_task.fidelity(worst, quick=True) + 0.02
+    assert fid_heads > 0.9
+    consumers = wb.prune.transformer_ffn_consumers(minilm)
+    fid = {c: minilm_task.fidelity(wb.prune.channels(minilm, {"encoder.layer.*.intermediate.dense": 0.5},
+                                                     criterion=c, calibration=calib, consumers=consumers), quick=True)
+           for c in ("l2", "taylor")}
+    assert fid["taylor"] > fid["l2"] and fid["taylor"] > 0.6, fid
+    with pytest.raises(ValueError, match="would remove every head"):
+        wb.prune.attention_heads(minilm, 12, calib, importance=importance)

@@ -7,8 +7,8 @@ ranked by ``criterion``:
 
 - ``"l1"`` / ``"l2"``: the norm of each channel's weights;
 - ``"taylor"``: first-order Taylor importance of the channel's activations (Molchanov et al. 2017): per sample
-  |sum over positions of a_c * dL/da_c|, summed over ``calibration`` = [(inputs, labels), ...] batches, with
-  cross-entropy gradients.
+  |sum over positions of a_c * dL/da_c|, summed over ``calibration`` batches; L is the cross-entropy against
+  ``labels`` or, without labels, the output projected on a fixed random direction.
 
 The dependents are found by tracing the model with torch.fx and walking forward from the producer through
 channel-wise operations (activations, dropout, pooling, BatchNorm - whose statistics are pruned too) and
@@ -29,7 +29,7 @@ from torch import nn
 
 from workbench.plans.plan import _matcher
 
-__all__ = ["channels", "channel_importance"]
+__all__ = ["channels", "channel_importance", "transformer_ffn_consumers", "attention_heads", "head_importance"]
 
 _CHANNELWISE_MODULES = (nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.Dropout,
                         nn.Identity, nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d, nn.AvgPool2d, nn.AdaptiveAvgPool2d)
@@ -108,8 +108,13 @@ def _dependents(gm: fx.GraphModule, producer: str) -> _Dependents:
     return deps
 
 
-def channel_importance(model: nn.Module, layer: str, criterion: str = "l1", calibration=None) -> torch.Tensor:
-    """Importance of each output channel of ``layer`` (higher = keep)."""
+def channel_importance(model: nn.Module, layer: str, criterion: str = "l1", calibration=None,
+                       labels=None) -> torch.Tensor:
+    """Importance of each output channel of ``layer`` (higher = keep).
+
+    ``taylor`` uses the cross-entropy against ``labels`` (one tensor per calibration batch) when given; without
+    labels (e.g. a sentence encoder) it uses the model output projected on a fixed random direction, so the
+    score estimates how much removing the channel moves the output to first order."""
     module = model.get_submodule(layer)
     w = module.weight.detach().reshape(module.weight.shape[0], -1)
     if criterion == "l1":
@@ -119,7 +124,9 @@ def channel_importance(model: nn.Module, layer: str, criterion: str = "l1", cali
     if criterion != "taylor":
         raise ValueError(f"criterion must be 'l1', 'l2' or 'taylor', got {criterion!r}")
     if not calibration:
-        raise ValueError("the taylor criterion needs calibration=[(inputs, labels), ...] batches")
+        raise ValueError("the taylor criterion needs calibration batches (and labels for a classifier)")
+    if labels is not None and len(labels) != len(calibration):
+        raise ValueError(f"got {len(labels)} label tensors for {len(calibration)} calibration batches")
     store = {}
 
     def hook(mod, args, out):
@@ -131,11 +138,22 @@ def channel_importance(model: nn.Module, layer: str, criterion: str = "l1", cali
     was_training = model.training
     model.eval()
     try:
-        for inputs, labels in calibration:
+        for i, batch in enumerate(calibration):
+            batch = (batch,) if isinstance(batch, torch.Tensor) else tuple(batch)
             model.zero_grad(set_to_none=True)
-            F.cross_entropy(model(inputs), labels).backward()
-            a, g = store["out"], store["out"].grad                       # (B, C, ...) or (B, C)
-            per_sample = (a * g).reshape(a.shape[0], a.shape[1], -1).sum(-1)  # (B, C): sum over positions
+            out = model(*batch)
+            if labels is not None:
+                loss = F.cross_entropy(out, labels[i])
+            else:
+                direction = torch.randn(out.shape, generator=torch.Generator().manual_seed(i)).to(out)
+                loss = (out * direction).sum()
+            loss.backward()
+            a, g = store["out"], store["out"].grad      # Conv: (B, C, ...); Linear: (B, ..., C)
+            ag = a * g
+            if isinstance(module, nn.Linear):
+                per_sample = ag.reshape(ag.shape[0], -1, ag.shape[-1]).sum(1)   # (B, C): sum over positions
+            else:
+                per_sample = ag.reshape(ag.shape[0], ag.shape[1], -1).sum(-1)   # (B, C)
             score += per_sample.abs().sum(0).double().detach()
     finally:
         handle.remove()
@@ -182,13 +200,17 @@ def _take_bn(bn: nn.Module, idx: torch.Tensor) -> nn.Module:
 
 
 def channels(model: nn.Module, amounts: dict[str, float], criterion: str = "l1", example_inputs=None,
-             calibration=None) -> nn.Module:
+             calibration=None, labels=None, consumers: dict[str, list[str]] | None = None) -> nn.Module:
     """A copy of ``model`` with ``amounts[pattern]`` of the output channels of each matching Linear / Conv2d
-    removed, and every dependent layer fixed (see the module docstring)."""
+    removed, and every dependent layer fixed (see the module docstring).
+
+    ``consumers`` maps a producer's name to the layers that read its channels, for models torch.fx cannot
+    trace (e.g. transformers): the path between them must be channel-wise (no BatchNorm in between);
+    `transformer_ffn_consumers` builds it for BERT- and GPT-style feed-forward blocks."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}")
     target = copy.deepcopy(model)
-    gm = _trace(target, example_inputs)
+    gm = None if consumers is not None else _trace(target, example_inputs)
     names = [n for n, m in target.named_modules() if type(m) in (nn.Linear, nn.Conv2d)]
     chosen: dict[str, float] = {}
     for pattern, amount in amounts.items():
@@ -206,8 +228,13 @@ def channels(model: nn.Module, amounts: dict[str, float], criterion: str = "l1",
         keep = out - round(amount * out)
         if keep < 1:
             raise ValueError(f"pruning {amount} of {name!r} would remove all of its {out} channels")
-        deps = _dependents(gm, name)  # a consumer may be pruned too: its input and output sides are independent
-        score = channel_importance(target, name, criterion, calibration)
+        if consumers is not None:
+            if name not in consumers:
+                raise ValueError(f"consumers= does not say which layers read the channels of {name!r}")
+            deps = _Dependents([], [(c, 1) for c in consumers[name]])
+        else:  # a consumer may be pruned too: its input and output sides are independent
+            deps = _dependents(gm, name)
+        score = channel_importance(target, name, criterion, calibration, labels)
         idx = torch.sort(torch.topk(score, keep).indices).values
         plans[name] = (idx, deps)
     replacements: dict[str, nn.Module] = {}
@@ -223,4 +250,86 @@ def channels(model: nn.Module, amounts: dict[str, float], criterion: str = "l1",
         replacements[name] = _take(module, plans[name][0] if name in plans else None, in_keep.get(name))
     for name, new in replacements.items():
         target.set_submodule(name, new)
+    return target
+
+
+def transformer_ffn_consumers(model: nn.Module) -> dict[str, list[str]]:
+    """``{ffn input projection: [ffn output projection]}`` for BERT-style (``intermediate.dense`` ->
+    ``output.dense``) and GPT-style (``mlp.c_fc`` -> ``mlp.c_proj``) blocks, found by module structure."""
+    out = {}
+    for name, m in model.named_modules():
+        prefix = f"{name}." if name else ""
+        inter, outp = getattr(m, "intermediate", None), getattr(m, "output", None)
+        if isinstance(getattr(inter, "dense", None), nn.Linear) and isinstance(getattr(outp, "dense", None), nn.Linear):
+            out[f"{prefix}intermediate.dense"] = [f"{prefix}output.dense"]
+        mlp = getattr(m, "mlp", None)
+        if isinstance(getattr(mlp, "c_fc", None), nn.Linear) and isinstance(getattr(mlp, "c_proj", None), nn.Linear):
+            out[f"{prefix}mlp.c_fc"] = [f"{prefix}mlp.c_proj"]
+    if not out:
+        raise ValueError(f"found no transformer feed-forward block in {type(model).__name__}")
+    return out
+
+
+def _attention_blocks(model: nn.Module) -> dict[str, nn.Module]:
+    """BERT-style attention blocks: ``.self`` with query/key/value Linears and ``.output.dense``."""
+    out = {}
+    for name, m in model.named_modules():
+        sa = getattr(m, "self", None)
+        if all(isinstance(getattr(sa, k, None), nn.Linear) for k in ("query", "key", "value")) and \
+                isinstance(getattr(getattr(m, "output", None), "dense", None), nn.Linear) and \
+                hasattr(sa, "attention_head_size"):
+            out[name] = m
+    if not out:
+        raise ValueError(f"found no BERT-style attention block (self.query/key/value, output.dense) in "
+                         f"{type(model).__name__}")
+    return out
+
+
+def head_importance(model: nn.Module, calibration, reference=None) -> dict[str, torch.Tensor]:
+    """Per attention block, the importance of each head: how far the model output moves (1 - cosine similarity,
+    averaged over the calibration batches) when that head alone is switched off."""
+    blocks = _attention_blocks(model)
+    batches = [(b,) if isinstance(b, torch.Tensor) else tuple(b) for b in calibration]
+    with torch.inference_mode():
+        ref = reference if reference is not None else [model(*b) for b in batches]
+        scores = {}
+        for name, block in blocks.items():
+            v, d = block.self.value, block.self.attention_head_size
+            heads = v.out_features // d
+            s = torch.zeros(heads)
+            for h in range(heads):
+                rows = slice(h * d, (h + 1) * d)
+                saved_w, saved_b = v.weight[rows].clone(), v.bias[rows].clone()
+                v.weight[rows] = 0   # a head with zero values outputs zero
+                v.bias[rows] = 0
+                try:
+                    s[h] = sum(float(1 - F.cosine_similarity(model(*b).flatten(1), r.flatten(1)).mean())
+                               for b, r in zip(batches, ref, strict=True)) / len(batches)
+                finally:
+                    v.weight[rows] = saved_w
+                    v.bias[rows] = saved_b
+            scores[name] = s
+    return scores
+
+
+def attention_heads(model: nn.Module, heads: int, calibration, importance: dict[str, torch.Tensor] | None = None):
+    """A copy of ``model`` with the ``heads`` least important heads of every BERT-style attention block removed:
+    the query/key/value rows and the output projection's columns of those heads are cut out."""
+    if not isinstance(heads, int) or heads < 0:
+        raise ValueError(f"heads must be a non-negative int, got {heads!r}")
+    target = copy.deepcopy(model)
+    blocks = _attention_blocks(target)
+    importance = importance if importance is not None else head_importance(target, calibration)
+    for name, block in blocks.items():
+        sa = block.self
+        d = sa.attention_head_size
+        total = sa.query.out_features // d
+        if heads >= total:
+            raise ValueError(f"removing {heads} heads would remove every head of {name!r} ({total} heads)")
+        keep = torch.sort(torch.topk(importance[name], total - heads).indices).values
+        rows = (keep[:, None] * d + torch.arange(d)[None, :]).reshape(-1)
+        sa.query, sa.key, sa.value = (_take(getattr(sa, k), out_idx=rows) for k in ("query", "key", "value"))
+        block.output.dense = _take(block.output.dense, in_idx=rows)
+        sa.num_attention_heads = total - heads
+        sa.all_head_size = len(rows)
     return target

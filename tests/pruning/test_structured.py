@@ -98,7 +98,7 @@ def test_tiny_lm_ffn_neurons_with_explicit_consumers():
 
 
 @pytest.mark.slow
-def test_minilm_heads_and_ffn_neurons(minilm, minilm_task):
+def test_minilm_heads_and_ffn_neurons(minilm, minilm_task, tmp_path):
     calib = minilm_task.calibration(16, batch_size=8)
     importance = wb.prune.head_importance(minilm, calib)
     assert len(importance) == 6 and all(v.shape == (12,) and (v >= 0).all() for v in importance.values())
@@ -108,6 +108,10 @@ def test_minilm_heads_and_ffn_neurons(minilm, minilm_task):
     assert fewer.encoder.layer[0].attention.output.dense.in_features == 320
     assert minilm.encoder.layer[0].attention.self.query.out_features == 384   # untouched
     fid_heads = minilm_task.fidelity(fewer, quick=True)
+    again = wb.load(wb.save(fewer, tmp_path / "heads.safetensors"))
+    x = minilm_task.example_inputs(2)
+    with torch.no_grad():
+        assert torch.equal(again(*x), fewer(*x))
     # the least important heads cost far less than the same number of the most important ones
     worst = wb.prune.attention_heads(minilm, 2, calib, importance={k: -v for k, v in importance.items()})
     assert fid_heads > minilm_task.fidelity(worst, quick=True) + 0.02
@@ -119,3 +123,19 @@ def test_minilm_heads_and_ffn_neurons(minilm, minilm_task):
     assert fid["taylor"] > fid["l2"] and fid["taylor"] > 0.6, fid
     with pytest.raises(ValueError, match="would remove every head"):
         wb.prune.attention_heads(minilm, 12, calib, importance=importance)
+
+
+def test_structurally_pruned_models_save_and_load(tmp_path, digits):
+    model = wb.models.load("digits-cnn")
+    x = digits.example_inputs(4)
+    small = wb.prune.channels(model, {"conv2": 0.5, "fc1": 0.25}, example_inputs=x)
+    kept = wb.applied_plans(small)[-1]
+    assert kept["conv2"] == wb.prune.Kept(out_channels=32) and kept["bn2"] == wb.prune.Kept(out_channels=32)
+    assert kept["conv3"] == wb.prune.Kept(in_channels=32) and kept["fc2"] == wb.prune.Kept(in_channels=96)
+    quantized = wb.apply(small, {"fc*": wb.quant.WeightOnly(8, None)})       # compose with later plans
+    for m in (small, quantized):
+        again = wb.load(wb.save(m, tmp_path / "s.safetensors"))
+        with torch.no_grad():
+            assert torch.equal(again(*x), m(*x))
+    with pytest.raises(wb.ApplyError, match="Kept records what wb.prune.channels"):
+        wb.apply(model, kept)

@@ -4,11 +4,11 @@ that physically removes channels and fixes their dependents (`channels`, see `st
 from workbench.pruning import masks
 from workbench.pruning.schedules import gradual_prune, polynomial_sparsity, sweep
 from workbench.pruning.structured import (
-    attention_heads, channel_importance, channels, head_importance, transformer_ffn_consumers,
+    Kept, attention_heads, channel_importance, channels, head_importance, transformer_ffn_consumers,
 )
 from workbench.pruning.configs import NM, Magnitude, Random, finalize, global_plan, sparsity_of
 from workbench.pruning.modules import PrunedConv2d, PrunedLinear, SparseLinear
 
-__all__ = ["masks", "channels", "channel_importance", "attention_heads", "head_importance",
+__all__ = ["masks", "Kept", "channels", "channel_importance", "attention_heads", "head_importance",
            "transformer_ffn_consumers", "polynomial_sparsity", "gradual_prune", "sweep", "Magnitude", "Random", "NM", "global_plan", "finalize", "sparsity_of", "PrunedLinear",
            "PrunedConv2d", "SparseLinear"]

@@ -16,6 +16,9 @@ channel-wise operations (activations, dropout, pooling, BatchNorm - whose statis
 to the consumers (nn.Linear / nn.Conv2d with groups=1), whose input channels are removed. Anything else on
 the way - a residual add, a concatenation, the model's output, a grouped convolution - cannot be resolved
 safely, and raises an error naming the layer; the input model is never modified.
+
+The remaining channel counts are recorded on the result as a plan of `Kept` entries, so `wb.save` / `wb.load`
+restore a structurally pruned model (the counts rebuild the shapes; the file holds the values).
 """
 from __future__ import annotations
 
@@ -27,9 +30,11 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from workbench.plans.plan import _matcher
+from workbench.plans.apply import PLANS_ATTR, applied_plans
+from workbench.plans.plan import Plan, _matcher
+from workbench.plans.registry import Config, register_config
 
-__all__ = ["channels", "channel_importance", "transformer_ffn_consumers", "attention_heads", "head_importance"]
+__all__ = ["Kept", "channels", "channel_importance", "transformer_ffn_consumers", "attention_heads", "head_importance"]
 
 _CHANNELWISE_MODULES = (nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.Dropout,
                         nn.Identity, nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d, nn.AvgPool2d, nn.AdaptiveAvgPool2d)
@@ -250,6 +255,7 @@ def channels(model: nn.Module, amounts: dict[str, float], criterion: str = "l1",
         replacements[name] = _take(module, plans[name][0] if name in plans else None, in_keep.get(name))
     for name, new in replacements.items():
         target.set_submodule(name, new)
+    _record(target, model, replacements)
     return target
 
 
@@ -332,4 +338,51 @@ def attention_heads(model: nn.Module, heads: int, calibration, importance: dict[
         block.output.dense = _take(block.output.dense, in_idx=rows)
         sa.num_attention_heads = total - heads
         sa.all_head_size = len(rows)
+    _record(target, model, [f"{name}.{part}" for name in blocks
+                            for part in ("self.query", "self.key", "self.value", "output.dense")])
     return target
+
+
+class _KeptHandler:
+    """Rebuilds the shapes structured pruning left, so `wb.load` can restore a structurally pruned model."""
+
+    def supports(self, module: nn.Module, config) -> bool:
+        return type(module) in (nn.Linear, nn.Conv2d, *_BATCHNORMS)
+
+    def needs_calibration(self, config) -> bool:
+        return False
+
+    def apply(self, name, module, config, inputs):
+        raise ValueError(f"{name!r}: Kept records what wb.prune.channels / attention_heads removed; it cannot "
+                         f"choose channels itself - call those functions instead")
+
+    def skeleton(self, name, module, config):
+        out_n = config.out_channels
+        if isinstance(module, _BATCHNORMS):
+            return _take_bn(module, torch.arange(out_n))
+        out_idx = torch.arange(out_n) if out_n is not None else None
+        in_idx = torch.arange(config.in_channels) if config.in_channels is not None else None
+        return _take(module, out_idx, in_idx)
+
+
+@register_config(_KeptHandler(), kind="prune.Kept")
+@dataclass(frozen=True)
+class Kept(Config):
+    """Recorded per layer by structured pruning: how many output / input channels remain."""
+
+    out_channels: int | None = None
+    in_channels: int | None = None
+
+
+def _record(model: nn.Module, before: nn.Module, names) -> None:
+    """Append a plan of `Kept` entries for the layers whose shapes changed."""
+    entries = {}
+    for name in sorted(names):
+        old, new = before.get_submodule(name), model.get_submodule(name)
+        if isinstance(new, _BATCHNORMS):
+            entries[name] = Kept(out_channels=new.num_features)
+            continue
+        w_old, w_new = old.weight, new.weight
+        entries[name] = Kept(out_channels=w_new.shape[0] if w_new.shape[0] != w_old.shape[0] else None,
+                             in_channels=w_new.shape[1] if w_new.shape[1] != w_old.shape[1] else None)
+    object.__setattr__(model, PLANS_ATTR, (*applied_plans(before), Plan(entries)))

@@ -139,3 +139,50 @@ def test_structurally_pruned_models_save_and_load(tmp_path, digits):
             assert torch.equal(again(*x), m(*x))
     with pytest.raises(wb.ApplyError, match="Kept records what wb.prune.channels"):
         wb.apply(model, kept)
+
+
+class _ResNetish(nn.Module):
+    """stem -> two residual blocks (conv-bn-relu-conv-bn + identity) -> pooled linear head."""
+
+    def __init__(self, c=16):
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.stem_bn = nn.BatchNorm2d(c)
+        self.b1c1, self.b1n1 = nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c)
+        self.b1c2, self.b1n2 = nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c)
+        self.b2c1, self.b2n1 = nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c)
+        self.b2c2, self.b2n2 = nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c)
+        self.head = nn.Linear(c * 4 * 4, 10)
+
+    def forward(self, x):
+        x = torch.relu(self.stem_bn(self.stem(x)))
+        x = torch.relu(x + self.b1n2(self.b1c2(torch.relu(self.b1n1(self.b1c1(x))))))
+        x = torch.relu(x + self.b2n2(self.b2c2(torch.relu(self.b2n1(self.b2c1(x))))))
+        return self.head(torch.nn.functional.max_pool2d(x, 2).flatten(1))
+
+
+def test_residual_groups_are_pruned_together():
+    torch.manual_seed(0)
+    model = _ResNetish().eval()
+    dead = torch.arange(8)  # make 8 channels of the residual stream exactly zero everywhere
+    with torch.no_grad():
+        for conv, bn in (("stem", "stem_bn"), ("b1c2", "b1n2"), ("b2c2", "b2n2")):
+            getattr(model, conv).weight[dead] = 0
+            getattr(model, conv).bias[dead] = 0
+            getattr(model, bn).running_mean[dead] = 0
+            getattr(model, bn).bias[dead] = 0
+    x = (torch.randn(2, 3, 8, 8),)
+    small = wb.prune.channels(model, {"stem": 0.5}, example_inputs=x)
+    for name in ("stem", "b1c2", "b2c2"):
+        assert getattr(small, name).out_channels == 8
+    for name in ("stem_bn", "b1n2", "b2n2"):
+        assert getattr(small, name).num_features == 8
+    assert small.b1c1.in_channels == small.b2c1.in_channels == 8 and small.b1c1.out_channels == 16
+    assert small.head.in_features == 8 * 4 * 4
+    with torch.no_grad():
+        torch.testing.assert_close(small(*x), model(*x))   # only the all-zero channels went
+    with pytest.raises(ValueError, match="add their outputs together and must be pruned alike"):
+        wb.prune.channels(model, {"stem": 0.5, "b1c2": 0.25}, example_inputs=x)
+    inner = wb.prune.channels(model, {"b1c1": 0.5}, example_inputs=x)     # inside a block: no coupling
+    assert inner.b1c1.out_channels == 8 and inner.b1n1.num_features == 8 and inner.b1c2.in_channels == 8
+    assert inner.stem.out_channels == 16

@@ -14,8 +14,10 @@ The dependents are found by tracing the model with torch.fx and walking forward 
 channel-wise operations (activations, dropout, pooling, BatchNorm - whose statistics are pruned too) and
 ``flatten`` (a channel then owns H*W consecutive features, from a shape propagation with ``example_inputs``)
 to the consumers (nn.Linear / nn.Conv2d with groups=1), whose input channels are removed. Anything else on
-the way - a residual add, a concatenation, the model's output, a grouped convolution - cannot be resolved
-safely, and raises an error naming the layer; the input model is never modified.
+the way. A residual add couples every layer whose output is added into the same tensor (a ResNet stage):
+they are pruned together, with the same channels, ranked by their summed importance. Anything else - a
+concatenation, a reshape, the model's input or output, a grouped convolution - cannot be resolved safely and
+raises an error naming the layer; the input model is never modified.
 
 The remaining channel counts are recorded on the result as a plan of `Kept` entries, so `wb.save` / `wb.load`
 restore a structurally pruned model (the counts rebuild the shapes; the file holds the values).
@@ -23,6 +25,7 @@ restore a structurally pruned model (the counts rebuild the shapes; the file hol
 from __future__ import annotations
 
 import copy
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -46,8 +49,12 @@ _BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d)
 
 @dataclass
 class _Dependents:
+    producers: list[str]              # every layer whose output channels must be cut the same way
     batchnorms: list[str]
     consumers: list[tuple[str, int]]  # (consumer module name, features per channel at its input)
+
+
+_ADDS = {operator.add, operator.iadd, torch.add}
 
 
 def _trace(model: nn.Module, example_inputs) -> fx.GraphModule:
@@ -64,52 +71,106 @@ def _trace(model: nn.Module, example_inputs) -> fx.GraphModule:
     return gm
 
 
+def _is_producer(mod: nn.Module) -> bool:
+    return type(mod) is nn.Linear or (type(mod) is nn.Conv2d and mod.groups == 1)
+
+
 def _dependents(gm: fx.GraphModule, producer: str) -> _Dependents:
+    """The channel group of ``producer``: walk forward to the consumers and, through residual adds, backward to
+    every other producer whose channels are added to the same tensor (they must keep the same channels)."""
     modules = dict(gm.named_modules())
     start = next((n for n in gm.graph.nodes if n.op == "call_module" and n.target == producer), None)
     if start is None:
         raise ValueError(f"layer {producer!r} is not called in the traced forward pass")
-    deps = _Dependents([], [])
-    stack = [(u, 1) for u in start.users]
-    seen = set()
-    while stack:
-        node, factor = stack.pop()
-        if (node, factor) in seen:
-            continue
-        seen.add((node, factor))
-        passes = False
+    deps = _Dependents([producer], [], [])
+
+    def refuse(node, why="which structured pruning cannot follow"):
+        what = node.target if node.op != "call_function" else getattr(node.target, "__name__", node.target)
+        raise ValueError(f"cannot resolve the layers that depend on {producer!r}: its channels reach {node.op} "
+                         f"{what!r} ({node.name}), {why} (concatenations, reshapes, grouped convolutions and the "
+                         f"model's inputs and outputs are not supported)")
+
+    def kind(node) -> str:
         if node.op == "call_module":
             mod = modules[node.target]
             if isinstance(mod, _BATCHNORMS):
-                deps.batchnorms.append(node.target)
-                passes = True
-            elif isinstance(mod, _CHANNELWISE_MODULES):
-                passes = True
-            elif type(mod) is nn.Linear or (type(mod) is nn.Conv2d and mod.groups == 1 and factor == 1):
-                deps.consumers.append((node.target, factor))
-                continue
+                return "bn"
+            if isinstance(mod, _CHANNELWISE_MODULES):
+                return "pass"
+            if _is_producer(mod):
+                return "layer"
         elif node.op == "call_function" and node.target in _CHANNELWISE_FUNCTIONS:
-            passes = node.args[0] is not None
+            return "pass"
+        elif node.op == "call_function" and node.target in _ADDS:
+            return "add"
         elif node.op == "call_method" and node.target in _CHANNELWISE_METHODS:
-            passes = True
-        elif node.op == "call_method" and node.target == "flatten" and node.args[1:] in ((1,), ()) and \
-                not node.kwargs:
-            shape = node.args[0].meta.get("tensor_meta")
-            if shape is None:
-                raise ValueError(f"pruning {producer!r} needs the spatial size at {node.name!r}: pass example_inputs")
-            spatial = 1
-            for d in shape.shape[2:]:
-                spatial *= d
-            stack.extend((u, factor * spatial) for u in node.users)
-            continue
-        if not passes:
-            what = node.target if node.op != "call_function" else getattr(node.target, "__name__", node.target)
-            raise ValueError(f"cannot resolve the layers that depend on {producer!r}: its output reaches "
-                             f"{node.op} {what!r} ({node.name}), which structured pruning cannot follow "
-                             f"(residual adds, concatenations, reshapes and the model output are not supported)")
-        stack.extend((u, factor) for u in node.users)
+            return "pass"
+        elif node.op == "call_method" and node.target in ("add", "add_", "__add__"):
+            return "add"
+        elif node.op == "call_method" and node.target == "flatten" and node.args[1:] in ((1,), ()) \
+                and not node.kwargs:
+            return "flatten"
+        return "other"
+
+    seen: set = {start}
+    forward = [(start, 1)]   # nodes whose output carries the group's channels (features per channel)
+    backward = []            # nodes whose inputs carry them too (channel-wise ops and adds reached by a residual)
+    while forward or backward:
+        while backward:
+            node = backward.pop()
+            for arg in node.args:
+                if not isinstance(arg, fx.Node) or arg in seen:
+                    continue
+                k = kind(arg)
+                if k == "layer":
+                    deps.producers.append(arg.target)
+                elif k in ("pass", "bn", "add"):
+                    if k == "bn":
+                        deps.batchnorms.append(arg.target)
+                    backward.append(arg)
+                else:
+                    refuse(arg, "which feeds a residual add")
+                seen.add(arg)
+                forward.append((arg, 1))
+        if not forward:
+            break
+        node, factor = forward.pop()
+        for user in node.users:
+            k = kind(user)
+            if k == "layer" and (factor == 1 or type(modules[user.target]) is nn.Linear):
+                if user.args[0] is node:
+                    deps.consumers.append((user.target, factor))
+                    continue
+            if user in seen:
+                continue
+            if k == "flatten":
+                shape = node.meta.get("tensor_meta")
+                if shape is None:
+                    raise ValueError(f"pruning {producer!r} needs the spatial size at {user.name!r}: "
+                                     f"pass example_inputs")
+                spatial = 1
+                for d in shape.shape[2:]:
+                    spatial *= d
+                seen.add(user)
+                forward.append((user, factor * spatial))
+            elif k in ("pass", "bn", "add") and factor == 1:
+                if k == "bn":
+                    deps.batchnorms.append(user.target)
+                seen.add(user)
+                forward.append((user, factor))
+                if k == "add":
+                    backward.append(user)   # every other operand must keep the same channels
+            elif k == "pass" and not (user.op == "call_module" and isinstance(modules[user.target], nn.Dropout)) \
+                    and factor > 1:
+                seen.add(user)
+                forward.append((user, factor))
+            else:
+                refuse(user)
     if not deps.consumers:
         raise ValueError(f"{producer!r} has no consumer layer to fix")
+    deps.producers = list(dict.fromkeys(deps.producers))
+    deps.batchnorms = list(dict.fromkeys(deps.batchnorms))
+    deps.consumers = list(dict.fromkeys(deps.consumers))
     return deps
 
 
@@ -227,24 +288,34 @@ def channels(model: nn.Module, amounts: dict[str, float], criterion: str = "l1",
             raise ValueError(f"pattern {pattern!r} matches no nn.Linear / nn.Conv2d layer")
         for n in hits:
             chosen.setdefault(n, float(amount))
-    plans = {}
+    plans: dict[str, torch.Tensor] = {}   # producer -> kept output channels
+    groups: list[_Dependents] = []
     for name, amount in chosen.items():  # resolve everything before changing anything
+        if name in plans:
+            continue
+        if consumers is not None:
+            if name not in consumers:
+                raise ValueError(f"consumers= does not say which layers read the channels of {name!r}")
+            deps = _Dependents([name], [], [(c, 1) for c in consumers[name]])
+        else:  # a consumer may be pruned too: its input and output sides are independent
+            deps = _dependents(gm, name)
+        amounts_in_group = {chosen[p] for p in deps.producers if p in chosen}
+        if len(amounts_in_group) > 1:
+            raise ValueError(f"{deps.producers} add their outputs together and must be pruned alike, but were "
+                             f"given different amounts {sorted(amounts_in_group)}")
         out = target.get_submodule(name).weight.shape[0]
         keep = out - round(amount * out)
         if keep < 1:
             raise ValueError(f"pruning {amount} of {name!r} would remove all of its {out} channels")
-        if consumers is not None:
-            if name not in consumers:
-                raise ValueError(f"consumers= does not say which layers read the channels of {name!r}")
-            deps = _Dependents([], [(c, 1) for c in consumers[name]])
-        else:  # a consumer may be pruned too: its input and output sides are independent
-            deps = _dependents(gm, name)
-        score = channel_importance(target, name, criterion, calibration, labels)
+        score = sum(channel_importance(target, p, criterion, calibration, labels) for p in deps.producers)
         idx = torch.sort(torch.topk(score, keep).indices).values
-        plans[name] = (idx, deps)
+        for p in deps.producers:
+            plans[p] = idx
+        groups.append(deps)
     replacements: dict[str, nn.Module] = {}
     in_keep: dict[str, torch.Tensor] = {}
-    for idx, deps in plans.values():
+    for deps in groups:
+        idx = plans[deps.producers[0]]
         for bn in deps.batchnorms:
             replacements[bn] = _take_bn(target.get_submodule(bn), idx)
         for consumer, factor in deps.consumers:
@@ -252,7 +323,7 @@ def channels(model: nn.Module, amounts: dict[str, float], criterion: str = "l1",
             in_keep[consumer] = cols
     for name in set(plans) | set(in_keep):
         module = target.get_submodule(name)
-        replacements[name] = _take(module, plans[name][0] if name in plans else None, in_keep.get(name))
+        replacements[name] = _take(module, plans.get(name), in_keep.get(name))
     for name, new in replacements.items():
         target.set_submodule(name, new)
     _record(target, model, replacements)

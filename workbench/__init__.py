@@ -14,6 +14,7 @@ no models or data loaded.
 """
 from workbench import measurement, models, plots, precision, reports, tasks
 from workbench import quantization as quant
+from workbench import distillation as distill
 from workbench import lowrank, training
 from workbench import pruning as prune
 from workbench.quantization import qat
@@ -23,5 +24,5 @@ from workbench.plans.io import load, save
 
 __version__ = "0.1.0"
 
-__all__ = ["models", "tasks", "precision", "quant", "qat", "prune", "lowrank", "training", "measurement", "plots", "reports", "measure", "Metrics", "compare", "layer_table", "size_bytes",
+__all__ = ["models", "tasks", "precision", "quant", "qat", "prune", "lowrank", "distill", "training", "measurement", "plots", "reports", "measure", "Metrics", "compare", "layer_table", "size_bytes",
            "Plan", "apply", "applied_plans", "ApplyError", "save", "load", "__version__"]

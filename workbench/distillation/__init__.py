@@ -1,0 +1,6 @@
+"""Knowledge distillation (`wb.distill`): losses, a trainer with early stopping, embedding distillation for
+sentence encoders, and layer dropping as a student initialisation."""
+from workbench.distillation.losses import Projection, embedding_loss, feature_loss, kd_loss
+from workbench.distillation.trainer import drop_layers, fit, fit_embeddings
+
+__all__ = ["kd_loss", "embedding_loss", "feature_loss", "Projection", "fit", "fit_embeddings", "drop_layers"]

@@ -1,0 +1,163 @@
+"""`fit`: train a student against a teacher, with progress, early stopping and nothing lost.
+
+    history = wb.distill.fit(student, teacher, task, epochs=10, alpha=0.7, temperature=4.0)
+
+Classification tasks (digits, mnist1d): the logit loss `kd_loss` on the training split, minus a held-out
+validation slice (10 %, seeded) that drives early stopping (``patience`` epochs without improvement; the best
+weights are restored). The test split is never seen. ``alpha=0`` trains on hard labels only - the baseline
+with the same budget. Sentence encoders (minilm): `fit_embeddings` distils embeddings on the calibration text.
+
+A NaN/Inf loss stops training with a message and restores the last good weights. The history is a DataFrame
+(epoch, train loss, validation metric). Works for any student whose output matches the teacher's: a fresh
+model, a pruned or QAT-prepared copy of the teacher, or a user model pair.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from workbench.distillation.losses import check_kd_args, embedding_loss, kd_loss
+
+__all__ = ["fit", "fit_embeddings"]
+
+
+def _state(model: nn.Module) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def fit(student: nn.Module, teacher: nn.Module, task, *, epochs: int = 10, lr: float = 1e-3, alpha: float = 0.5,
+        temperature: float = 4.0, batch_size: int = 64, patience: int | None = 3, seed: int = 0,
+        weight_decay: float = 1e-4, progress: bool = True):
+    import pandas as pd
+
+    check_kd_args(alpha, temperature)
+    split = getattr(task, "split", None)
+    if split is None:
+        raise TypeError(f"fit needs a classification task (digits, mnist1d); for sentence encoders use "
+                        f"fit_embeddings; got {task!r}")
+    if not isinstance(epochs, int) or epochs < 1:
+        raise ValueError(f"epochs must be a positive int, got {epochs!r}")
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(split.x_train))
+    n_val = max(1, len(order) // 10)
+    val_idx, train_idx = order[:n_val], order[n_val:]
+    x = torch.from_numpy(split.x_train[train_idx])
+    y = torch.from_numpy(split.y_train[train_idx])
+    xv = torch.from_numpy(split.x_train[val_idx])
+    yv = torch.from_numpy(split.y_train[val_idx])
+    teacher.eval()
+    with torch.no_grad():
+        t_logits = teacher(x)                                  # (N, classes), computed once
+        probe = student.eval()(x[:2])
+    if probe.shape[1:] != t_logits.shape[1:]:
+        raise ValueError(f"the student outputs shape {tuple(probe.shape[1:])} per sample but the teacher outputs "
+                         f"{tuple(t_logits.shape[1:])}; they must match")
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
+    steps = epochs * math.ceil(len(x) / batch_size)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps)
+    best = (-1.0, _state(student), 0)
+    rows, stale = [], 0
+    try:
+        for epoch in tqdm(range(1, epochs + 1), desc="distill", disable=not progress, leave=False):
+            student.train()
+            perm = torch.randperm(len(x), generator=g)
+            total, count = 0.0, 0
+            good = _state(student)  # the weights at the end of the previous epoch: restored on a NaN loss
+            for i in range(0, len(x), batch_size):
+                idx = perm[i:i + batch_size]
+                loss = kd_loss(student(x[idx]), t_logits[idx], y[idx], alpha, temperature)
+                if not torch.isfinite(loss):
+                    student.load_state_dict(good)
+                    warnings.warn(f"distillation stopped at epoch {epoch}: the loss became {loss.item()}; the last "
+                                  f"good weights were kept (try a smaller lr)", RuntimeWarning, stacklevel=2)
+                    raise StopIteration
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                sched.step()
+                total += loss.item() * len(idx)
+                count += len(idx)
+            student.eval()
+            with torch.no_grad():
+                val = float((student(xv).argmax(-1) == yv).float().mean())
+            rows.append({"epoch": epoch, "train_loss": total / count, "val_accuracy": val})
+            if val > best[0]:
+                best, stale = (val, _state(student), epoch), 0
+            else:
+                stale += 1
+                if patience is not None and stale >= patience:
+                    break
+    except StopIteration:
+        pass
+    finally:
+        student.eval()
+    if rows:  # best validation epoch (the NaN case with no finished epoch keeps the restored weights)
+        student.load_state_dict(best[1])
+    history = pd.DataFrame(rows, columns=["epoch", "train_loss", "val_accuracy"])
+    history.attrs["best_epoch"] = best[2]
+    return history
+
+
+def fit_embeddings(student: nn.Module, teacher: nn.Module, task, *, epochs: int = 3, lr: float = 5e-5,
+                   n: int = 150, batch_size: int = 8, kind: str = "cosine", progress: bool = True):
+    """Distil a sentence encoder on ``n`` calibration documents of ``task`` (embedding loss); returns the history."""
+    import pandas as pd
+
+    batches = task.calibration(n, batch_size=batch_size)
+    teacher.eval()
+    with torch.no_grad():
+        targets = [teacher(*b) for b in batches]
+    opt = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=lr)
+    rows = []
+    good = _state(student)
+    try:
+        for epoch in tqdm(range(1, epochs + 1), desc="distill embeddings", disable=not progress, leave=False):
+            student.train()
+            total = 0.0
+            for b, t in zip(batches, targets, strict=True):
+                loss = embedding_loss(student(*b), t, kind)
+                if not torch.isfinite(loss):
+                    student.load_state_dict(good)
+                    warnings.warn(f"distillation stopped at epoch {epoch}: the loss became {loss.item()}; the last "
+                                  f"good weights were kept", RuntimeWarning, stacklevel=2)
+                    return pd.DataFrame(rows, columns=["epoch", "train_loss"])
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                total += loss.item()
+            good = _state(student)
+            rows.append({"epoch": epoch, "train_loss": total / len(batches)})
+    finally:
+        student.eval()
+    return pd.DataFrame(rows, columns=["epoch", "train_loss"])
+
+
+def drop_layers(model: nn.Module, blocks: str, keep: list[int]) -> nn.Module:
+    """A copy of ``model`` whose ``nn.ModuleList`` at attribute path ``blocks`` (e.g. "encoder.layer" for MiniLM,
+    "h" for tiny-lm) keeps only the layers ``keep`` (in that order) - a student initialisation."""
+    target = copy.deepcopy(model)
+    layers = target.get_submodule(blocks)
+    if not isinstance(layers, nn.ModuleList):
+        raise TypeError(f"{blocks!r} is a {type(layers).__name__}, not an nn.ModuleList of layers")
+    if not keep or any(not isinstance(i, int) or not 0 <= i < len(layers) for i in keep):
+        raise ValueError(f"keep must list layer indices in [0, {len(layers)}), got {keep!r}")
+    new = nn.ModuleList(layers[i] for i in keep)
+    for j, layer in enumerate(new):  # transformers layers know their index (caches); keep it consistent
+        for m in layer.modules():
+            if hasattr(m, "layer_idx"):
+                m.layer_idx = j
+    target.set_submodule(blocks, new)
+    config = getattr(target, "config", None)
+    if config is not None and hasattr(config, "num_hidden_layers"):
+        config.num_hidden_layers = len(keep)
+    return target
+
+
+__all__ += ["drop_layers"]

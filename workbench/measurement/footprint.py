@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["size_bytes", "bytes_by_dtype", "layer_table", "peak_memory", "PeakMemory"]
+__all__ = ["size_bytes", "bytes_by_dtype", "layer_table", "peak_memory", "peak_allocated_during", "PeakMemory"]
 
 
 def _storages(model: nn.Module):
@@ -89,16 +89,16 @@ def _fd2_silenced():
         os.close(devnull)
 
 
-def _cpu_transient_peak(model: nn.Module, inputs: tuple) -> int:
-    """Peak bytes of CPU tensors allocated and alive at once during ``model(*inputs)``."""
+def peak_allocated_during(fn) -> int:
+    """Peak bytes of CPU tensors allocated and alive at once while ``fn()`` runs, replayed from the PyTorch
+    profiler's allocator events (allocations and frees in time order)."""
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
     # libkineto prints "profiler_start/stop" lines straight to file descriptor 2 on every use; keep
     # them out of notebooks and terminals (Python exceptions still propagate normally).
-    with _fd2_silenced(), torch.inference_mode(), \
-            profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        model(*inputs)
+    with _fd2_silenced(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
     events = []
 
     def walk(node):
@@ -115,6 +115,12 @@ def _cpu_transient_peak(model: nn.Module, inputs: tuple) -> int:
         current += delta
         peak = max(peak, current)
     return peak
+
+
+def _cpu_transient_peak(model: nn.Module, inputs: tuple) -> int:
+    """Peak bytes of CPU tensors allocated and alive at once during ``model(*inputs)``."""
+    with torch.inference_mode():
+        return peak_allocated_during(lambda: model(*inputs))
 
 
 def peak_memory(model: nn.Module, inputs: tuple) -> PeakMemory:

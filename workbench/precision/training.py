@@ -69,27 +69,9 @@ class AmpStep:
 
 
 def _train_step_peak(model: nn.Module, step: AmpStep, x: torch.Tensor, y: torch.Tensor) -> int:
-    from workbench.measurement.footprint import _fd2_silenced
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
+    from workbench.measurement.footprint import peak_allocated_during
 
-    with _fd2_silenced(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step(lambda: F.cross_entropy(model(x), y))
-    events = []
-
-    def walk(node):
-        if node.tag == _EventType.Allocation:
-            events.append((node.start_time_ns, node.extra_fields.alloc_size))
-        for child in node.children:
-            walk(child)
-
-    for root in prof.profiler.kineto_results.experimental_event_tree():
-        walk(root)
-    current = peak = 0
-    for _, delta in sorted(events):
-        current += delta
-        peak = max(peak, current)
-    return peak
+    return peak_allocated_during(lambda: step(lambda: F.cross_entropy(model(x), y)))
 
 
 def fit_mixed(model: nn.Module, task, *, precision: str = "fp32", epochs: int = 5, lr: float = 3e-3,

@@ -66,3 +66,53 @@ def test_compare_precisions_table():
     assert (df["accuracy"] > 0.8).all() and (df["threads"] == 1).all()
     assert (df["accuracy"] - df.loc[0, "accuracy"]).abs().max() < 0.03   # same seed, same budget: alike
     assert df.loc[df["precision"] == "fp16", "final_scale"].item() >= 2.0 ** 15
+
+
+def test_blockwise_codebook_keeps_relative_precision():
+    from workbench.precision.optim import dequantize_blockwise, quantize_blockwise
+
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(0)) * torch.logspace(-5, 0, 3000)
+    for signed, values in ((True, x), (False, x.pow(2))):
+        codes, absmax = quantize_blockwise(values, signed, 256)
+        assert codes.dtype == torch.uint8 and absmax.shape == (12, 1)
+        back = dequantize_blockwise(codes, absmax, signed, values.shape)
+        assert torch.equal(back.sign(), values.sign()) or (back[values == 0] == 0).all()
+        rel = (back - values).abs() / values.abs()
+        floor = 1e-6 if signed else 1e-12
+        kept = values.abs() > 2 * floor * absmax.repeat_interleave(256)[:3000].squeeze()
+        assert rel[kept].max() < 0.06
+
+
+def test_adamw8bit_matches_adamw_with_a_quarter_of_the_state():
+    from workbench.models.architectures import DigitsCNN
+
+    task = wb.tasks.load("digits")
+    results = {}
+    for name, cls in (("fp32", torch.optim.AdamW), ("8bit", wb.precision.AdamW8bit)):
+        torch.manual_seed(0)
+        model = DigitsCNN()
+        _, opt = wb.training.fit_classifier(model, task, epochs=8, lr=3e-3, progress=False, optimizer_cls=cls,
+                                            return_optimizer=True)
+        results[name] = (task.evaluate(model)["accuracy"], wb.precision.state_bytes(opt))
+    assert results["fp32"][1] / results["8bit"][1] >= 3.5, results
+    assert abs(results["fp32"][0] - results["8bit"][0]) <= 0.005, results
+    with pytest.raises(ValueError, match="lr must be positive"):
+        wb.precision.AdamW8bit(nn.Linear(2, 2).parameters(), lr=0)
+
+
+def test_gradient_checkpointing_same_gradients_less_memory():
+    from workbench.measurement.footprint import peak_allocated_during
+
+    model = wb.models.load("tiny-lm").train()
+    ckpt = wb.precision.checkpoint_blocks(model, "h").train()
+    x = wb.tasks.load("tiny-lm").example_inputs(8)[0]
+    peaks, grads = {}, {}
+    for name, m in (("plain", model), ("checkpointed", ckpt)):
+        torch.manual_seed(0)
+        m.zero_grad()
+        peaks[name] = peak_allocated_during(lambda m=m: m(x).float().logsumexp(-1).mean().backward())
+        grads[name] = m.lm_head.weight.grad.clone()
+    torch.testing.assert_close(grads["checkpointed"], grads["plain"], rtol=1e-4, atol=1e-6)
+    assert peaks["checkpointed"] < 0.8 * peaks["plain"], peaks
+    with pytest.raises(TypeError, match="not an nn.ModuleList"):
+        wb.precision.checkpoint_blocks(model, "ln_f")

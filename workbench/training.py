@@ -18,8 +18,12 @@ __all__ = ["fit_classifier"]
 
 
 def fit_classifier(model: nn.Module, task, *, epochs: int, lr: float, batch_size: int = 64,
-                   weight_decay: float = 1e-4, seed: int = 0, progress: bool = True) -> list[float]:
-    """Train ``model`` on ``task``'s training split (a classification task, or a `tasks.data.Split`)."""
+                   weight_decay: float = 1e-4, seed: int = 0, progress: bool = True,
+                   optimizer_cls=torch.optim.AdamW, return_optimizer: bool = False):
+    """Train ``model`` on ``task``'s training split (a classification task, or a `tasks.data.Split`).
+
+    ``optimizer_cls``: any AdamW-like class taking ``(params, lr=, weight_decay=)``, e.g.
+    ``wb.precision.AdamW8bit``. ``return_optimizer``: return ``(history, optimizer)`` to inspect its state."""
     from workbench.tasks.base import check_model, model_device
 
     check_model(model)
@@ -35,7 +39,7 @@ def fit_classifier(model: nn.Module, task, *, epochs: int, lr: float, batch_size
     x = torch.from_numpy(split.x_train).to(device)
     y = torch.from_numpy(split.y_train).to(device)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    opt = optimizer_cls(params, lr=lr, weight_decay=weight_decay)
     steps = epochs * math.ceil(len(x) / batch_size)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps)
     history: list[float] = []
@@ -59,4 +63,4 @@ def fit_classifier(model: nn.Module, task, *, epochs: int, lr: float, batch_size
             history.append(total / count)
     finally:
         model.eval()
-    return history
+    return (history, opt) if return_optimizer else history

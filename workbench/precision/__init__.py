@@ -1,6 +1,7 @@
 """Precision: per-layer casts (`Cast`) of weights and compute to fp16 / bf16, and mixed-precision training
-(`AmpStep`, `fit_mixed`, `compare_precisions`)."""
+(`AmpStep`, `fit_mixed`, `compare_precisions`), and an 8-bit AdamW (`AdamW8bit`)."""
 from workbench.precision.cast import Cast, CastConv1d, CastConv2d, CastConv3d, CastEmbedding, CastLinear
-from workbench.precision.training import AmpStep, compare_precisions, fit_mixed
+from workbench.precision.optim import AdamW8bit, state_bytes
+from workbench.precision.training import AmpStep, checkpoint_blocks, compare_precisions, fit_mixed
 
-__all__ = ["AmpStep", "fit_mixed", "compare_precisions", "Cast", "CastLinear", "CastConv1d", "CastConv2d", "CastConv3d", "CastEmbedding"]
+__all__ = ["AdamW8bit", "state_bytes", "AmpStep", "checkpoint_blocks", "fit_mixed", "compare_precisions", "Cast", "CastLinear", "CastConv1d", "CastConv2d", "CastConv3d", "CastEmbedding"]

@@ -124,3 +124,33 @@ def compare_precisions(model: nn.Module, task, *, precisions=("fp32", "bf16", "f
             rows.append({**fit_mixed(copy.deepcopy(model), task, precision=p, epochs=epochs, lr=lr, seed=seed,
                                      progress=progress), "threads": used})
     return pd.DataFrame(rows)
+
+
+class _Checkpointed(nn.Module):
+    """Runs ``block`` under activation checkpointing while training: its activations are recomputed in the
+    backward pass instead of kept, trading compute for memory."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args):
+        if self.training and torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(self.block, *args, use_reentrant=False)
+        return self.block(*args)
+
+
+def checkpoint_blocks(model: nn.Module, blocks: str) -> nn.Module:
+    """A copy of ``model`` whose ``nn.ModuleList`` at ``blocks`` (e.g. "h" for tiny-lm, "encoder.layer" for
+    MiniLM) runs each block with gradient checkpointing during training. Parameter names gain ``.block``."""
+    target = copy.deepcopy(model)
+    layers = target.get_submodule(blocks)
+    if not isinstance(layers, nn.ModuleList):
+        raise TypeError(f"{blocks!r} is a {type(layers).__name__}, not an nn.ModuleList of blocks")
+    target.set_submodule(blocks, nn.ModuleList(_Checkpointed(b) for b in layers))
+    return target
+
+
+__all__ += ["checkpoint_blocks"]

@@ -115,3 +115,16 @@ def test_minilm_three_layers_distilled(minilm, minilm_task):
     assert history["train_loss"].iloc[-1] < history["train_loss"].iloc[0]
     after = minilm_task.fidelity(student, quick=True)
     assert after > before + 0.15, (before, after)
+
+
+def test_feature_distillation_with_projection():
+    task = wb.tasks.load("digits")
+    teacher = wb.models.load("digits-cnn")
+    torch.manual_seed(0)
+    student = DigitsCNN(channels=(16, 32, 32), hidden=64)
+    history = wb.distill.fit(student, teacher, task, epochs=3, lr=3e-3, alpha=0.9, features={"fc1": "fc1",
+                             "conv3": "conv3"}, beta=0.5, patience=None, progress=False)
+    assert len(history) == 3 and task.evaluate(student)["accuracy"] > 0.9
+    assert not student.fc1._forward_hooks and not teacher.fc1._forward_hooks   # hooks removed
+    with pytest.raises(ValueError, match="has no layer 'fc9'"):
+        wb.distill.fit(student, teacher, task, epochs=1, features={"fc9": "fc1"}, progress=False)

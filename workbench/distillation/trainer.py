@@ -31,10 +31,39 @@ def _state(model: nn.Module) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+class _Taps:
+    """Forward hooks recording chosen layers' outputs (for feature distillation)."""
+
+    def __init__(self, model: nn.Module, names):
+        self.out: dict[str, torch.Tensor] = {}
+        self.handles = []
+        for name in names:
+            try:
+                module = model.get_submodule(name)
+            except AttributeError:
+                raise ValueError(f"feature distillation: {type(model).__name__} has no layer {name!r}") from None
+            self.handles.append(module.register_forward_hook(
+                lambda mod, args, out, name=name: self.out.__setitem__(name, out)))
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
+def _flat_features(t: torch.Tensor) -> torch.Tensor:
+    """(B, C, ...) conv maps -> (B, ..., C) so a Projection acts on channels; (B, ..., C) stays."""
+    return t.movedim(1, -1) if t.ndim > 2 and t.shape[1] != t.shape[-1] else t
+
+
 def fit(student: nn.Module, teacher: nn.Module, task, *, epochs: int = 10, lr: float = 1e-3, alpha: float = 0.5,
         temperature: float = 4.0, batch_size: int = 64, patience: int | None = 3, seed: int = 0,
-        weight_decay: float = 1e-4, progress: bool = True):
+        weight_decay: float = 1e-4, features: dict[str, str] | None = None, beta: float = 1.0,
+        progress: bool = True):
+    """See the module docstring. ``features``: ``{student layer: teacher layer}`` whose outputs are matched with
+    an MSE (weight ``beta``), through a learned `Projection` where the channel widths differ."""
     import pandas as pd
+
+    from workbench.distillation.losses import Projection, feature_loss
 
     check_kd_args(alpha, temperature)
     split = getattr(task, "split", None)
@@ -58,8 +87,20 @@ def fit(student: nn.Module, teacher: nn.Module, task, *, epochs: int = 10, lr: f
     if probe.shape[1:] != t_logits.shape[1:]:
         raise ValueError(f"the student outputs shape {tuple(probe.shape[1:])} per sample but the teacher outputs "
                          f"{tuple(t_logits.shape[1:])}; they must match")
+    projections = nn.ModuleDict()
+    s_taps = t_taps = None
+    if features:
+        s_taps, t_taps = _Taps(student, features), _Taps(teacher, features.values())
+        with torch.no_grad():
+            student(x[:2])
+            teacher(x[:2])
+        for s_name, t_name in features.items():
+            ds, dt = _flat_features(s_taps.out[s_name]).shape[-1], _flat_features(t_taps.out[t_name]).shape[-1]
+            if ds != dt:
+                projections[s_name.replace(".", "_")] = Projection(ds, dt)
     g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
+    params = [p for p in student.parameters() if p.requires_grad] + list(projections.parameters())
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     steps = epochs * math.ceil(len(x) / batch_size)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps)
     best = (-1.0, _state(student), 0)
@@ -73,6 +114,14 @@ def fit(student: nn.Module, teacher: nn.Module, task, *, epochs: int = 10, lr: f
             for i in range(0, len(x), batch_size):
                 idx = perm[i:i + batch_size]
                 loss = kd_loss(student(x[idx]), t_logits[idx], y[idx], alpha, temperature)
+                if features:
+                    with torch.no_grad():
+                        teacher(x[idx])
+                    for s_name, t_name in features.items():
+                        proj = projections[s_name.replace(".", "_")] if s_name.replace(".", "_") in projections \
+                            else None
+                        loss = loss + beta * feature_loss(_flat_features(s_taps.out[s_name]),
+                                                          _flat_features(t_taps.out[t_name]), proj)
                 if not torch.isfinite(loss):
                     student.load_state_dict(good)
                     warnings.warn(f"distillation stopped at epoch {epoch}: the loss became {loss.item()}; the last "
@@ -98,6 +147,9 @@ def fit(student: nn.Module, teacher: nn.Module, task, *, epochs: int = 10, lr: f
         pass
     finally:
         student.eval()
+        for taps in (s_taps, t_taps):
+            if taps is not None:
+                taps.close()
     if rows:  # best validation epoch (the NaN case with no finished epoch keeps the restored weights)
         student.load_state_dict(best[1])
     history = pd.DataFrame(rows, columns=["epoch", "train_loss", "val_accuracy"])

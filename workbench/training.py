@@ -14,7 +14,33 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-__all__ = ["fit_classifier"]
+__all__ = ["fit_classifier", "train_epoch", "one_cycle"]
+
+
+def one_cycle(params, *, lr: float, weight_decay: float, total_steps: int, optimizer_cls=torch.optim.AdamW):
+    """The optimizer and its one-cycle learning-rate schedule, as every trainer here uses them."""
+    opt = optimizer_cls(params, lr=lr, weight_decay=weight_decay)
+    return opt, torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=total_steps)
+
+
+def train_epoch(model: nn.Module, opt, sched, n: int, batch_size: int, generator: torch.Generator,
+                batch_loss) -> float:
+    """One pass over ``n`` samples in a random order: ``batch_loss(idx)`` gives each batch's loss. Returns the
+    mean loss; raises ``FloatingPointError`` (before any update) when a loss is NaN/Inf."""
+    model.train()
+    perm = torch.randperm(n, generator=generator)
+    total = 0.0
+    for i in range(0, n, batch_size):
+        idx = perm[i:i + batch_size]
+        loss = batch_loss(idx)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"the loss became {loss.item()}; try a smaller lr")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        total += loss.item() * len(idx)
+    return total / n
 
 
 def fit_classifier(model: nn.Module, task, *, epochs: int, lr: float, batch_size: int = 64,
@@ -38,29 +64,13 @@ def fit_classifier(model: nn.Module, task, *, epochs: int, lr: float, batch_size
     g = torch.Generator().manual_seed(seed)
     x = torch.from_numpy(split.x_train).to(device)
     y = torch.from_numpy(split.y_train).to(device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = optimizer_cls(params, lr=lr, weight_decay=weight_decay)
-    steps = epochs * math.ceil(len(x) / batch_size)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps)
+    opt, sched = one_cycle([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay,
+                           total_steps=epochs * math.ceil(len(x) / batch_size), optimizer_cls=optimizer_cls)
     history: list[float] = []
-    model.train()
     try:
         for _ in tqdm(range(epochs), desc="epochs", disable=not progress, leave=False):
-            perm = torch.randperm(len(x), generator=g).to(device)
-            total, count = 0.0, 0
-            for i in range(0, len(x), batch_size):
-                idx = perm[i:i + batch_size]
-                loss = F.cross_entropy(model(x[idx]), y[idx])
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(f"the loss became {loss.item()} at epoch {len(history) + 1}; "
-                                             f"try a smaller lr")
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                sched.step()
-                total += loss.item() * len(idx)
-                count += len(idx)
-            history.append(total / count)
+            history.append(train_epoch(model, opt, sched, len(x), batch_size, g,
+                                       lambda idx: F.cross_entropy(model(x[idx]), y[idx])))
     finally:
         model.eval()
     return (history, opt) if return_optimizer else history

@@ -23,6 +23,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from workbench.distillation.losses import check_kd_args, embedding_loss, kd_loss
+from workbench.training import one_cycle, train_epoch
 
 __all__ = ["fit", "fit_embeddings"]
 
@@ -88,6 +89,7 @@ def fit(student: nn.Module, teacher: nn.Module, task, *, epochs: int = 10, lr: f
         raise ValueError(f"the student outputs shape {tuple(probe.shape[1:])} per sample but the teacher outputs "
                          f"{tuple(t_logits.shape[1:])}; they must match")
     projections = nn.ModuleDict()
+    proj_for: dict[str, nn.Module | None] = {}
     s_taps = t_taps = None
     if features:
         s_taps, t_taps = _Taps(student, features), _Taps(teacher, features.values())
@@ -98,53 +100,44 @@ def fit(student: nn.Module, teacher: nn.Module, task, *, epochs: int = 10, lr: f
             ds, dt = _flat_features(s_taps.out[s_name]).shape[-1], _flat_features(t_taps.out[t_name]).shape[-1]
             if ds != dt:
                 projections[s_name.replace(".", "_")] = Projection(ds, dt)
+            proj_for[s_name] = projections[s_name.replace(".", "_")] if ds != dt else None
+
+    def batch_loss(idx):
+        loss = kd_loss(student(x[idx]), t_logits[idx], y[idx], alpha, temperature)
+        if features:
+            with torch.no_grad():
+                teacher(x[idx])
+            for s_name, t_name in features.items():
+                loss = loss + beta * feature_loss(_flat_features(s_taps.out[s_name]),
+                                                  _flat_features(t_taps.out[t_name]), proj_for[s_name])
+        return loss
+
     g = torch.Generator().manual_seed(seed)
     params = [p for p in student.parameters() if p.requires_grad] + list(projections.parameters())
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    steps = epochs * math.ceil(len(x) / batch_size)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps)
+    opt, sched = one_cycle(params, lr=lr, weight_decay=weight_decay,
+                           total_steps=epochs * math.ceil(len(x) / batch_size))
     best = (-1.0, _state(student), 0)
     rows, stale = [], 0
     try:
         for epoch in tqdm(range(1, epochs + 1), desc="distill", disable=not progress, leave=False):
-            student.train()
-            perm = torch.randperm(len(x), generator=g)
-            total, count = 0.0, 0
             good = _state(student)  # the weights at the end of the previous epoch: restored on a NaN loss
-            for i in range(0, len(x), batch_size):
-                idx = perm[i:i + batch_size]
-                loss = kd_loss(student(x[idx]), t_logits[idx], y[idx], alpha, temperature)
-                if features:
-                    with torch.no_grad():
-                        teacher(x[idx])
-                    for s_name, t_name in features.items():
-                        proj = projections[s_name.replace(".", "_")] if s_name.replace(".", "_") in projections \
-                            else None
-                        loss = loss + beta * feature_loss(_flat_features(s_taps.out[s_name]),
-                                                          _flat_features(t_taps.out[t_name]), proj)
-                if not torch.isfinite(loss):
-                    student.load_state_dict(good)
-                    warnings.warn(f"distillation stopped at epoch {epoch}: the loss became {loss.item()}; the last "
-                                  f"good weights were kept (try a smaller lr)", RuntimeWarning, stacklevel=2)
-                    raise StopIteration
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                sched.step()
-                total += loss.item() * len(idx)
-                count += len(idx)
+            try:
+                train_loss = train_epoch(student, opt, sched, len(x), batch_size, g, batch_loss)
+            except FloatingPointError as e:
+                student.load_state_dict(good)
+                warnings.warn(f"distillation stopped at epoch {epoch}: {e}; the last good weights were kept",
+                              RuntimeWarning, stacklevel=2)
+                break
             student.eval()
             with torch.no_grad():
                 val = float((student(xv).argmax(-1) == yv).float().mean())
-            rows.append({"epoch": epoch, "train_loss": total / count, "val_accuracy": val})
+            rows.append({"epoch": epoch, "train_loss": train_loss, "val_accuracy": val})
             if val > best[0]:
                 best, stale = (val, _state(student), epoch), 0
             else:
                 stale += 1
                 if patience is not None and stale >= patience:
                     break
-    except StopIteration:
-        pass
     finally:
         student.eval()
         for taps in (s_taps, t_taps):

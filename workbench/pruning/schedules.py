@@ -10,6 +10,8 @@
 """
 from __future__ import annotations
 
+import copy
+
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -71,7 +73,7 @@ def sweep(model: nn.Module, task, patterns, sparsities=(0.0, 0.25, 0.5, 0.7, 0.8
         pruned = apply(model, Plan({p: configs[method](s) for p in _patterns(patterns)}), progress=False)
         variants = [(False, pruned)]
         if finetune_epochs:
-            tuned = apply(model, Plan({p: configs[method](s) for p in _patterns(patterns)}), progress=False)
+            tuned = copy.deepcopy(pruned)
             fit_classifier(tuned, task, epochs=finetune_epochs, lr=lr, progress=False)
             variants.append((True, tuned))
         for finetuned, m in variants:

@@ -153,17 +153,13 @@ def _dependents(gm: fx.GraphModule, producer: str) -> _Dependents:
                     spatial *= d
                 seen.add(user)
                 forward.append((user, factor * spatial))
-            elif k in ("pass", "bn", "add") and factor == 1:
+            elif k == "pass" or (k in ("bn", "add") and factor == 1):  # after flatten only element-wise ops
                 if k == "bn":
                     deps.batchnorms.append(user.target)
                 seen.add(user)
                 forward.append((user, factor))
                 if k == "add":
                     backward.append(user)   # every other operand must keep the same channels
-            elif k == "pass" and not (user.op == "call_module" and isinstance(modules[user.target], nn.Dropout)) \
-                    and factor > 1:
-                seen.add(user)
-                forward.append((user, factor))
             else:
                 refuse(user)
     if not deps.consumers:

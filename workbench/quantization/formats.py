@@ -24,7 +24,7 @@ from workbench.quantization.primitives import (
     FLOAT8_DTYPES, PerChannel, choose_qparams, float8_quantize, nf4_codebook, qrange, quantize,
 )
 
-__all__ = ["IntFormat", "NF4Format", "FP8Format", "WeightFormat", "encode", "decode", "decode_rows", "empty",
+__all__ = ["IntFormat", "NF4Format", "FP8Format", "WeightFormat", "encode", "decode", "empty",
            "validate", "check_finite", "int_qparams", "int_codes", "pack_int"]
 
 
@@ -136,7 +136,7 @@ def empty(shape: tuple[int, int], fmt: WeightFormat, device=None) -> dict[str, t
     raise TypeError(f"unknown weight format {fmt!r}")
 
 
-def decode_rows(t: dict[str, torch.Tensor], fmt: WeightFormat, K: int, dtype: torch.dtype) -> torch.Tensor:
+def decode(t: dict[str, torch.Tensor], fmt: WeightFormat, K: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Dequantize the rows held in ``t`` (all rows, or a gathered subset for embeddings) to ``(rows, K)``."""
     q = t["qweight"]
     rows = q.shape[0]
@@ -157,9 +157,6 @@ def decode_rows(t: dict[str, torch.Tensor], fmt: WeightFormat, K: int, dtype: to
         return (q.float() * t["scale"]).to(dtype)
     raise TypeError(f"unknown weight format {fmt!r}")
 
-
-def decode(t: dict[str, torch.Tensor], fmt: WeightFormat, K: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return decode_rows(t, fmt, K, dtype)
 
 
 def validate(fmt: WeightFormat) -> None:

@@ -76,6 +76,8 @@ def gptq_quantize(weight: torch.Tensor, inputs, fmt: fm.IntFormat, damp: float =
                          f"use more calibration data or a larger damp") from None
 
     maxq = (1 << fmt.bits) - 1
+    if not static:  # blocks hold whole groups, so a group's columns are all in the block when it starts
+        block_size = max(1, block_size // g) * g
     codes = torch.empty(rows, K, dtype=torch.uint8)
     for i1 in range(0, K, block_size):
         i2 = min(i1 + block_size, K)
@@ -87,9 +89,7 @@ def gptq_quantize(weight: torch.Tensor, inputs, fmt: fm.IntFormat, damp: float =
             orig = int(perm[col])
             grp = orig // g
             if not static and orig % g == 0:  # a new group starts: choose its scale from the updated weights
-                s, z = fm.int_qparams(W1[:, i:i + g].float() if i + g <= i2 - i1 else
-                                      torch.cat([W1[:, i:], W[:, i2:col + g]], dim=1).float(), fm.IntFormat(
-                                          fmt.bits, None, fmt.symmetric))
+                s, z = fm.int_qparams(W1[:, i:i + g].float(), fm.IntFormat(fmt.bits, None, fmt.symmetric))
                 scale_all[:, grp], zero_all[:, grp] = s[:, 0], z[:, 0]
             s = scale_all[:, grp].double()
             z = zero_all[:, grp].double()

@@ -33,6 +33,17 @@ def conv_args(conv: nn.Conv2d) -> dict:
             "dilation": conv.dilation, "groups": conv.groups}
 
 
+def _fill(new: nn.Module, source: nn.Module, **tensors: torch.Tensor | None) -> nn.Module:
+    """Copy ``tensors`` (the ones that are not None) into ``new``'s buffers of those names, and ``source``'s bias."""
+    with torch.no_grad():
+        for name, t in tensors.items():
+            if t is not None:
+                getattr(new, name).copy_(t)
+        if source.bias is not None:
+            new.bias.copy_(source.bias)
+    return new
+
+
 class _PackedWeight(nn.Module):
     """Holds a format's tensors as buffers (saved by state_dict, counted by size_bytes)."""
 
@@ -85,11 +96,7 @@ class WeightOnlyLinear(_PackedWeight):
         tensors = fm.encode(w, fmt) if tensors is None else tensors
         new = cls(linear.in_features, linear.out_features, fmt, linear.bias is not None, tensors,
                   bias_dtype=w.dtype, smooth=smooth is not None)
-        if smooth is not None:
-            new.smooth.copy_(smooth)
-        if linear.bias is not None:
-            new.bias.data.copy_(linear.bias.detach())
-        return new
+        return _fill(new, linear, smooth=smooth)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., in)
         if hasattr(self, "smooth"):
@@ -124,7 +131,7 @@ class WeightOnlyEmbedding(_PackedWeight):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:  # idx: (...) int64
         flat = idx.reshape(-1)
         rows = {name: t.index_select(0, flat) for name, t in self._tensors().items()}  # gather, then dequantize
-        out = fm.decode_rows(rows, self.fmt, self.K, self.output_dtype)                # (N, dim)
+        out = fm.decode(rows, self.fmt, self.K, self.output_dtype)                # (N, dim)
         return out.reshape(*idx.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
@@ -144,13 +151,13 @@ class WeightOnlyConv2d(_PackedWeight):
         self.kernel = "reference"
 
     @classmethod
-    def from_float(cls, conv: nn.Conv2d, fmt: fm.WeightFormat, name: str = "conv") -> "WeightOnlyConv2d":
+    def from_float(cls, conv: nn.Conv2d, fmt: fm.WeightFormat, name: str = "conv",
+                   tensors: dict[str, torch.Tensor] | None = None) -> "WeightOnlyConv2d":
+        """Round-to-nearest unless ``tensors`` (e.g. with QAT's learned scales) are given."""
         w = conv.weight.detach()
         fm.check_finite(name, w)
-        new = cls(conv_args(conv), fmt, conv.bias is not None, fm.encode(w.reshape(w.shape[0], -1), fmt))
-        if conv.bias is not None:
-            new.bias.data.copy_(conv.bias.detach())
-        return new
+        tensors = fm.encode(w.reshape(w.shape[0], -1), fmt) if tensors is None else tensors
+        return _fill(cls(conv_args(conv), fmt, conv.bias is not None, tensors), conv)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, C, H, W)
         a = self.conv_args
@@ -228,15 +235,7 @@ class W8A8Linear(nn.Module):
         q = quantize(w, scale, zp, -128, 127, torch.int8)                 # (out, in)
         new = cls(linear.in_features, linear.out_features, linear.bias is not None, static=act_scale is not None,
                   smooth=smooth is not None, kernel=kernel)
-        new.qweight_t.copy_(q.t())
-        new.scale.copy_(scale.t())
-        if act_scale is not None:
-            new.act_scale.copy_(act_scale)
-        if smooth is not None:
-            new.smooth.copy_(smooth)
-        if linear.bias is not None:
-            new.bias.data.copy_(linear.bias.detach())
-        return new
+        return _fill(new, linear, qweight_t=q.t(), scale=scale.t(), act_scale=act_scale, smooth=smooth)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., in)
         xs = x / self.smooth if hasattr(self, "smooth") else x
@@ -282,12 +281,7 @@ class W8A8Conv2d(nn.Module):
         scale, zp = choose_qparams(w2d, 8, symmetric=True)                   # (out, 1)
         q = quantize(w2d, scale, zp, -128, 127, torch.int8).reshape(w.shape)
         new = cls(args, conv.bias is not None)
-        new.qweight.copy_(q)
-        new.scale.copy_(scale.reshape(-1, 1, 1, 1))
-        new.act_scale.copy_(act_scale.reshape(()))
-        if conv.bias is not None:
-            new.bias.data.copy_(conv.bias.detach())
-        return new
+        return _fill(new, conv, qweight=q, scale=scale.reshape(-1, 1, 1, 1), act_scale=act_scale.reshape(()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, C, H, W)
         a = self.conv_args

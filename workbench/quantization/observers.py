@@ -83,6 +83,9 @@ class MovingAverageMinMax(Observer):
             self.hi = self.hi + self.momentum * (hi - self.hi)
 
 
+_QUANTILE_MAX = 1 << 24
+
+
 class Percentile(Observer):
     def __init__(self, granularity: Granularity = PerTensor(), q: float = 99.99):
         super().__init__(granularity)
@@ -92,8 +95,11 @@ class Percentile(Observer):
         self._sum_lo = self._sum_hi = None
 
     def _update(self, lo, hi, xg):
-        hi_q = torch.quantile(xg, self.q / 100, dim=1) if xg.shape[1] <= 16_000_000 else hi
-        lo_q = torch.quantile(xg, 1 - self.q / 100, dim=1) if xg.shape[1] <= 16_000_000 else lo
+        if xg.shape[1] > _QUANTILE_MAX:  # torch.quantile's input limit: estimate on a seeded random subset
+            idx = torch.randperm(xg.shape[1], generator=torch.Generator().manual_seed(self.count))[:_QUANTILE_MAX]
+            xg = xg[:, idx]
+        hi_q = torch.quantile(xg, self.q / 100, dim=1)
+        lo_q = torch.quantile(xg, 1 - self.q / 100, dim=1)
         self._sum_lo = lo_q if self._sum_lo is None else self._sum_lo + lo_q
         self._sum_hi = hi_q if self._sum_hi is None else self._sum_hi + hi_q
         n = self.count + 1
@@ -183,7 +189,7 @@ class Histogram(Observer):
     def qparams(self, bits: int = 8, symmetric: bool = True, signed: bool = True):
         t = torch.tensor([self.threshold(bits)])
         lo, hi = self.range()
-        lo_c = torch.maximum(lo, -t) if symmetric else torch.clamp(lo, min=-t)
+        lo_c = torch.maximum(lo, -t)
         hi_c = torch.minimum(hi, t)
         return choose_qparams(lo_c.reshape(-1, 1), bits, symmetric, signed, min_val=lo_c, max_val=hi_c)
 

@@ -26,7 +26,7 @@ from workbench.plans.apply import PLANS_ATTR, applied_plans
 from workbench.plans.plan import Plan
 from workbench.quantization import formats as fm
 from workbench.quantization.configs import Dynamic, Method, WeightOnly
-from workbench.quantization.modules import W8A8Linear, WeightOnlyConv2d, WeightOnlyLinear, conv_args
+from workbench.quantization.modules import W8A8Linear, WeightOnlyConv2d, WeightOnlyLinear
 from workbench.quantization.primitives import choose_qparams, qrange
 
 __all__ = ["prepare", "convert", "fake_quantize_ste", "QATLinear", "QATConv2d"]
@@ -174,12 +174,7 @@ def _real_module(name: str, qat: nn.Module) -> nn.Module:
                 zero = torch.full_like(zero, 1 << (fmt.bits - 1))
             tensors = fm.pack_int(fm.int_codes(w2d, scale, zero, fmt), scale, zero, fmt)
         if isinstance(plain, nn.Conv2d):
-            if tensors is None:
-                return WeightOnlyConv2d.from_float(plain, fmt, name)
-            new = WeightOnlyConv2d(conv_args(plain), fmt, plain.bias is not None, tensors)
-            if plain.bias is not None:
-                new.bias.data.copy_(plain.bias)
-            return new
+            return WeightOnlyConv2d.from_float(plain, fmt, name, tensors=tensors)
         return WeightOnlyLinear.from_float(plain, fmt, name, tensors=tensors)
 
 

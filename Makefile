@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml constraints.txt
 	  else $(PYTHON) -m venv $(VENV); fi; fi
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install torch==2.13.0
 	$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/pip install triton==3.9.0
-	$(BIN)/pip install -c constraints.txt -e ".[dev]"
+	$(BIN)/pip install -c constraints.txt -e ".[dev,ray]"
 	touch $(STAMP)
 
 install: $(STAMP)

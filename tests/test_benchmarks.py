@@ -13,3 +13,14 @@ def test_bench_quantization_smoke():
     df = bench_quantization(models=("tiny-lm",), calib=8, quick=True, threads=1, bits_list=(4,), methods=("rtn",))
     assert list(df["plan"]) == ["fp32", "W4 g64 rtn", "W8A8 dynamic", "W8A8 dynamic + SmoothQuant 0.5"]
     assert (df["size_ratio"].iloc[1:] < 0.6).all() and (df["perplexity"] > 1).all()
+
+
+def test_bench_analysis_smoke():
+    from benchmarks.analysis import bench_analysis
+
+    timings, predicted, df = bench_analysis("digits-mlp", "digits", layers=None, threads=1, budget_fraction=0.5,
+                                            quick_verify=True)
+    assert timings.loc[0, "layers"] == 3 and timings.loc[0, "cached_s"] < timings.loc[0, "cold_s"]
+    assert (predicted["bytes"] <= predicted["budget_bytes"]).all()
+    assert list(df["label"][:4]) == ["reference", "int8", "int4 g64", "50% sparse"]
+    assert df["pareto_size"].any() and (df["layers_fraction"].iloc[1:] <= 1.3).all()

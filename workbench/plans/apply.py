@@ -87,7 +87,8 @@ def _describe(batch: Batch) -> str:
     return ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in batch)
 
 
-def _capture_inputs(model: nn.Module, names: Sequence[str], batches: list[Batch]) -> dict[str, list[Batch]]:
+def _capture_inputs(model: nn.Module, names: Sequence[str], batches: list[Batch],
+                    progress: bool = True) -> dict[str, list[Batch]]:
     """Run the calibration batches through ``model`` and record the inputs of the named layers."""
     records: dict[str, list[Batch]] = {n: [] for n in names}
     handles = []
@@ -99,7 +100,7 @@ def _capture_inputs(model: nn.Module, names: Sequence[str], batches: list[Batch]
     model.eval()
     try:
         with torch.inference_mode():
-            for i, batch in enumerate(tqdm(batches, desc="calibration", leave=False)):
+            for i, batch in enumerate(tqdm(batches, desc="calibration", leave=False, disable=not progress)):
                 try:
                     model(*batch)
                 except Exception as e:
@@ -119,12 +120,14 @@ def _swap(model: nn.Module, replacements: dict[str, nn.Module]) -> None:
 
 
 def apply(model: nn.Module, plan: Plan | Mapping[str, Config | None], calibration: Iterable[Any] | None = None,
-          inplace: bool = False, progress: bool = True) -> nn.Module:
+          inplace: bool = False, progress: bool = True, estimate: bool = False) -> nn.Module:
     """Apply ``plan`` to ``model`` and return the compressed model.
 
     ``model`` is never modified unless ``inplace=True``; even then it is modified only once every
     layer has been transformed successfully. ``calibration``: input batches for configs that need
-    them (e.g. ``task.calibration(128)``).
+    them (e.g. ``task.calibration(128)``). ``estimate``: first estimate the calibration's peak memory
+    and time (`wb.analysis.estimate_calibration`), print it, and raise ``MemoryError`` - before
+    anything is copied - if it does not fit in the memory available now.
     """
     _check_module(model)
     plan = _as_plan(plan)
@@ -138,6 +141,13 @@ def apply(model: nn.Module, plan: Plan | Mapping[str, Config | None], calibratio
         raise ValueError(f"calibration data is required for {len(needing)} layer(s): {layers}"
                          f"{', ...' if len(needing) > 5 else ''}; pass calibration=task.calibration(n)")
 
+    if estimate and needing:
+        from workbench.analysis.estimate import estimate_calibration
+
+        found = estimate_calibration(model, plan, batches, inplace=inplace)
+        tqdm.write(str(found))
+        if not found.fits:
+            raise MemoryError(f"not calibrating: {found}")
     target = model if inplace else copy.deepcopy(model)
     inputs = _capture_inputs(target, [a.name for a in needing], batches) if needing else {}
     replacements: dict[str, nn.Module] = {}

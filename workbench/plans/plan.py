@@ -92,6 +92,10 @@ class Plan(Mapping[str, Config | None]):
         inner = ", ".join(f"{p!r}: {c!r}" for p, c in self._entries.items())
         return f"Plan({{{inner}}})"
 
+    def __reduce__(self):
+        # pickles (for process pools and Ray) as its entries; the compiled matchers are rebuilt
+        return (Plan, (list(self._entries.items()),))
+
     def __or__(self, other: "Plan") -> "Plan":
         """``a | b``: the entries of ``a`` then those of ``b`` (``a`` wins where both match)."""
         return Plan([*self._entries.items(), *((p, c) for p, c in other.items() if p not in self._entries)])

@@ -59,6 +59,8 @@ class Handler(Protocol):
         """Return a module with the compressed structure (shapes, dtypes, buffers) but no computation
         of its values: `wb.load` fills it from a file. Must not need calibration data."""
 
+    # Optional: ``calibration_cost(module, config, tokens) -> (bytes, flops)`` - the working memory and the
+    # arithmetic of calibrating one layer on ``tokens`` input rows, for `wb.analysis.estimate_calibration`.
     # Optional: ``resolved(config, new_module) -> Config`` - the concrete config that rebuilds exactly the
     # structure of ``new_module`` (e.g. SVD(energy=0.9) -> SVD(rank=37)); `apply` records it per layer.
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-__all__ = ["tradeoff", "comparison_bars"]
+__all__ = ["tradeoff", "comparison_bars", "frontier", "sensitivity_heatmap", "roofline", "size_breakdown"]
 
 
 def _labels(metrics, labels):
@@ -54,3 +54,6 @@ def comparison_bars(metrics: Sequence, labels: Sequence[str] | None = None):
                              showlegend=False), row=1, col=col)
     fig.update_layout(template="plotly_white", height=380, margin=dict(t=60))
     return fig
+
+
+from workbench.plots.analysis import frontier, roofline, sensitivity_heatmap, size_breakdown  # noqa: E402

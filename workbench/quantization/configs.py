@@ -63,6 +63,16 @@ class _WeightHandler:
     def needs_calibration(self, config) -> bool:
         return getattr(config, "method", Method.RTN) in _CALIBRATED
 
+    def calibration_cost(self, module: nn.Module, config, tokens: int) -> tuple[int, float]:
+        """(peak working bytes, floating-point operations) of calibrating ``module`` on ``tokens`` inputs."""
+        N, K = module.weight.shape[0], module.weight[0].numel()
+        method = getattr(config, "method", Method.RTN)
+        if method is Method.GPTQ:  # float64 Hessian and its inverse, fp32 weight copies, error block
+            return 2 * 8 * K * K + 4 * 4 * N * K, 2.0 * tokens * K * K + 2.0 * K ** 3 + 2.0 * N * K * K
+        if method is Method.AWQ:   # inputs (tokens, K), reference and candidate outputs (tokens, N), 21+20 steps
+            return 4 * (2 * tokens * K + 2 * tokens * N + 3 * N * K), 2.0 * tokens * K * N * (1 + 21 + 20)
+        return 4 * 3 * N * K, 20.0 * N * K
+
     def apply(self, name: str, module: nn.Module, config, inputs: Sequence[tuple[torch.Tensor, ...]] | None):
         fmt = config.format()
         _check_divides(name, fmt, _weight_rows(module))
@@ -184,6 +194,11 @@ class _W8A8Handler:
 
     def needs_calibration(self, config) -> bool:
         return isinstance(config, Static) or config.smooth_alpha is not None
+
+    def calibration_cost(self, module: nn.Module, config, tokens: int) -> tuple[int, float]:
+        """(peak working bytes, floating-point operations): observing each input batch, fp32 copies."""
+        K = module.weight[0].numel()
+        return 4 * (2 * tokens * K + 3 * module.weight.numel()), 10.0 * tokens * K + 10.0 * module.weight.numel()
 
     def apply(self, name, module, config, inputs):
         from workbench.quantization.smoothquant import activation_absmax, smoothing_factors

@@ -1,0 +1,211 @@
+"""Estimate the peak memory and time of calibration-heavy work *before* running it.
+
+Calibration (GPTQ, AWQ, static activation ranges, SmoothQuant) and training (QAT, distillation) are where
+users run out of memory without warning. These estimates are built from measurements of one step, scaled:
+
+`estimate_calibration(model, plan, calibration)`:
+  one calibration batch is recorded exactly as `wb.apply` records it: the peak of that, the distinct
+  input storages it keeps and its time are measured; then each distinct (layer type, shape,
+  config) is calibrated once on that batch's inputs, peak and time measured. These are scaled to the
+  whole calibration set: recorded inputs by the number of tokens, per-layer work by the token-dependent
+  part of the technique's cost model (the handler's ``calibration_cost``: bytes and arithmetic, turned
+  into seconds with this machine's measured matmul throughput).
+  peak = model copy (unless in place) + max(one-batch capture peak + the other batches' inputs,
+  all recorded inputs + the largest layer's work); time = forward time x batches + the sum of per-layer times.
+
+`estimate_training(model, batch, steps)`:
+  two training steps are run on a copy (forward, backward, optimizer step, with a teacher when given);
+  the peak of the first (which allocates gradients and optimizer state) is replayed from the profiler's
+  allocator events and the time of the second is multiplied by ``steps``.
+
+Both return an `Estimate` that prints as a short sentence, says whether it fits in the memory available
+now, and keeps its parts (``parts``) for inspection. Tests compare the estimates against measured runs.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from workbench.measurement.footprint import peak_allocated_during, size_bytes
+
+__all__ = ["Estimate", "estimate_calibration", "estimate_training", "available_memory", "matmul_flops_per_s"]
+
+
+def available_memory(device: torch.device | str = "cpu") -> int:
+    """Bytes that can be allocated now: free GPU memory, or the OS's available RAM."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+@functools.lru_cache(maxsize=8)
+def matmul_flops_per_s(threads: int, device: str = "cpu", n: int = 512) -> float:
+    """Measured fp32 matmul throughput (the median of 5 timed (n x n) @ (n x n) products)."""
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    times = []
+    for i in range(7):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        a @ b
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    times.sort()
+    return 2.0 * n ** 3 / times[len(times) // 2]
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """An estimate of ``what``: peak bytes and seconds, with their parts."""
+
+    what: str
+    peak_bytes: int
+    seconds: float
+    available_bytes: int
+    parts: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.available_bytes
+
+    def __str__(self) -> str:
+        verdict = "fits in" if self.fits else "EXCEEDS"
+        return (f"{self.what}: estimated peak {self.peak_bytes / 2**20:,.1f} MiB ({verdict} the "
+                f"{self.available_bytes / 2**30:,.1f} GiB available now), about {_duration(self.seconds)}")
+
+    def to_frame(self):
+        import pandas as pd
+
+        return pd.Series({"peak_bytes": self.peak_bytes, "seconds": self.seconds,
+                          "available_bytes": self.available_bytes, **self.parts}, name=self.what).to_frame()
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.1f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _tokens(t: torch.Tensor) -> int:
+    """Rows a layer sees in this input: every dimension but the last (features)."""
+    return max(1, t.numel() // max(1, t.shape[-1])) if t.ndim else 1
+
+
+def estimate_calibration(model: nn.Module, plan, calibration: Iterable[Any], *, inplace: bool = False) -> Estimate:
+    """Peak memory and time of ``wb.apply(model, plan, calibration)`` (see the module docstring)."""
+    from workbench.plans.apply import _as_plan, _capture_inputs, normalize_calibration
+    from workbench.plans.registry import handler_for
+    from workbench.tasks.base import model_device
+
+    plan = _as_plan(plan)
+    assignments = plan.resolve(model)
+    needing = [a for a in assignments if handler_for(a.config).needs_calibration(a.config)]
+    device = model_device(model)
+    batches = normalize_calibration(calibration, model) if calibration is not None else []
+    copy_bytes = 0 if inplace else size_bytes(model)
+    if not needing or not batches:
+        return Estimate("calibration", copy_bytes, 0.0, available_memory(device),
+                        {"model copy bytes": copy_bytes, "calibrated layers": len(needing)})
+
+    # One batch recorded exactly as `wb.apply` records it: the peak of that (the forward pass plus what
+    # it keeps), the distinct input storages it keeps, and its time are measured.
+    names = [a.name for a in needing]
+    records: dict[str, list] = {}
+
+    def capture():
+        records.update(_capture_inputs(model, names, batches[:1], progress=False))
+
+    capture_peak = peak_allocated_during(capture)
+    t0 = time.perf_counter()
+    _capture_inputs(model, names, batches[:1], progress=False)
+    forward_s = time.perf_counter() - t0
+    seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for batch_list in records.values() for batch in batch_list for t in batch}
+    first = {n: b[0] for n, b in records.items() if b}
+    scale = sum(b[0].numel() for b in batches) / max(1, batches[0][0].numel())
+    per_batch = sum(seen.values())
+    recorded = int(per_batch * scale)
+
+    # Each distinct (layer type, weight shape, config) is calibrated once on the first batch's inputs
+    # (peak and time measured); the token-dependent part of the handler's cost model scales it up.
+    rate = matmul_flops_per_s(torch.get_num_threads(), str(device) if device.type == "cuda" else "cpu")
+    samples: dict[tuple, tuple[int, float]] = {}
+    work_bytes, algorithm_s = 0, 0.0
+    for a in needing:
+        module = model.get_submodule(a.name)
+        handler = handler_for(a.config)
+        weight = getattr(module, "weight", None)
+        key = (type(module), tuple(weight.shape) if isinstance(weight, torch.Tensor) else None, a.config)
+        inputs = [first[a.name]] if a.name in first else None
+        if key not in samples:
+            peak_1 = peak_allocated_during(functools.partial(handler.apply, a.name, module, a.config, inputs))
+            t0 = time.perf_counter()
+            handler.apply(a.name, module, a.config, inputs)
+            samples[key] = (peak_1, time.perf_counter() - t0)
+        peak_1, t_1 = samples[key]
+        cost = getattr(handler, "calibration_cost", None)
+        rows_1 = _tokens(first[a.name][0]) if a.name in first and first[a.name] else 0
+        if cost is not None:
+            b1, f1 = cost(module, a.config, rows_1)
+            bT, fT = cost(module, a.config, int(rows_1 * scale))
+            layer_bytes, layer_s = peak_1 + max(0, bT - b1), t_1 + max(0.0, fT - f1) / rate
+        else:  # no cost model: assume both grow in proportion to the calibration tokens
+            layer_bytes, layer_s = int(peak_1 * scale), t_1 * scale
+        work_bytes = max(work_bytes, int(layer_bytes))
+        algorithm_s += layer_s
+    peak = copy_bytes + max(capture_peak + recorded - per_batch, recorded + work_bytes)
+    parts = {"model copy bytes": copy_bytes, "recorded inputs bytes": recorded, "one-batch capture peak bytes": capture_peak,
+             "largest layer work bytes": work_bytes, "calibrated layers": len(needing), "batches": len(batches),
+             "layers timed": len(samples), "forward s": forward_s * len(batches), "algorithm s": algorithm_s}
+    return Estimate("calibration", peak, forward_s * len(batches) + algorithm_s, available_memory(device), parts)
+
+
+def estimate_training(model: nn.Module, batch: tuple[torch.Tensor, ...], steps: int, *,
+                      loss_fn: Callable[..., torch.Tensor] | None = None, teacher: nn.Module | None = None,
+                      optimizer_cls=torch.optim.AdamW) -> Estimate:
+    """Peak memory and time of ``steps`` training steps of ``model`` on batches like ``batch``
+    (the last tensor of ``batch`` is the target; ``loss_fn(output, target)`` defaults to cross-entropy;
+    with a ``teacher``, its forward pass is included). Two real steps run on a copy of the model."""
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive int, got {steps!r}")
+    if not isinstance(batch, (tuple, list)) or len(batch) < 2:
+        raise ValueError("batch must be a tuple (inputs..., target)")
+    from workbench.tasks.base import model_device
+
+    work = copy.deepcopy(model).train()
+    optimizer = optimizer_cls([p for p in work.parameters() if p.requires_grad])
+    loss_fn = loss_fn or nn.functional.cross_entropy
+    *inputs, target = batch
+
+    def step():
+        if teacher is not None:
+            with torch.no_grad():
+                teacher(*inputs)
+        out = work(*inputs)
+        loss = loss_fn(out, target)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    transient = peak_allocated_during(step)  # step 1: gradients and optimizer state are allocated here
+    t0 = time.perf_counter()
+    step()
+    step_s = time.perf_counter() - t0
+    resident = size_bytes(model) + (size_bytes(teacher) if teacher is not None else 0)
+    parts = {"weights bytes": resident, "step transient bytes": transient, "step s": step_s, "steps": steps}
+    return Estimate("training", resident + transient, step_s * steps, available_memory(model_device(model)), parts)

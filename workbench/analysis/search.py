@@ -1,0 +1,271 @@
+"""`search`: choose one candidate per layer to lose the least quality within a size or latency budget.
+
+The per-layer measurements of `sensitivity` define a multiple-choice knapsack: layer ``l`` takes exactly
+one option ``c`` (a candidate config, or - with ``keep=True`` - the layer as it is), costing ``cost[l, c]``
+(the layer's real bytes, or its measured latency) and predicted to lose ``loss[l, c]`` of the metric.
+Minimise ``sum(loss)`` subject to ``sum(cost) <= budget``: solved exactly as a 0/1 integer program with
+`scipy.optimize.milp` (HiGHS); among equally good solutions the cheapest is taken. Losses are assumed to
+add up, which is only a prediction - so the chosen plan is then applied and measured, and the report puts
+predicted and measured quality (and cost) side by side.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+from torch import nn
+
+from workbench.analysis import candidates as cands_mod
+from workbench.plans.plan import Plan
+from workbench.plans.registry import Config, config_from_dict, handler_for
+from workbench.tasks.base import Task, check_model
+
+__all__ = ["Budget", "SearchReport", "search", "solve", "uniform_plans"]
+
+RESOURCES = {"size_bytes": ("size_before", "size_after", "bytes"),
+             "latency_ms": ("latency_before_ms", "latency_after_ms", "ms")}
+KEEP = "keep"
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A limit on the total ``resource`` ("size_bytes" or "latency_ms") of the searched layers;
+    ``relative=True`` makes ``limit`` a fraction of their current total."""
+
+    limit: float
+    resource: str = "size_bytes"
+    relative: bool = False
+
+    def __post_init__(self):
+        if self.resource not in RESOURCES:
+            raise ValueError(f"Budget.resource must be one of {sorted(RESOURCES)}, got {self.resource!r}")
+        if not isinstance(self.limit, (int, float)) or isinstance(self.limit, bool) or not self.limit > 0:
+            raise ValueError(f"Budget.limit must be a positive number, got {self.limit!r}")
+        if self.relative and self.limit > 1:
+            raise ValueError(f"a relative Budget.limit is a fraction in (0, 1], got {self.limit}")
+
+    @classmethod
+    def size(cls, nbytes: int) -> "Budget":
+        return cls(nbytes, "size_bytes")
+
+    @classmethod
+    def size_fraction(cls, fraction: float) -> "Budget":
+        return cls(fraction, "size_bytes", relative=True)
+
+    @classmethod
+    def latency(cls, ms: float) -> "Budget":
+        return cls(ms, "latency_ms")
+
+    @classmethod
+    def latency_fraction(cls, fraction: float) -> "Budget":
+        return cls(fraction, "latency_ms", relative=True)
+
+    def __str__(self) -> str:
+        unit = RESOURCES[self.resource][2]
+        return f"{self.limit:.0%} of current {unit}" if self.relative else f"{self.limit:,.6g} {unit}"
+
+
+def _options(table, resource: str, keep: bool) -> dict[str, list[tuple[str, float, float]]]:
+    """layer -> [(option, loss, cost), ...] from a sensitivity table."""
+    before, after, _ = RESOURCES[resource]
+    missing = [c for c in ("layer", "candidate", "status", "loss", before, after) if c not in table.columns]
+    if missing:
+        raise ValueError(f"the sensitivity table lacks column(s) {missing}; compute it with wb.sensitivity"
+                         f"{'(..., latency=True)' if resource == 'latency_ms' else ''}")
+    out: dict[str, list[tuple[str, float, float]]] = {}
+    for layer, rows in table.groupby("layer", sort=False):
+        opts: list[tuple[str, float, float]] = []
+        if keep:
+            opts.append((KEEP, 0.0, float(rows[before].iloc[0])))
+        for _, r in rows[rows["status"] == "ok"].iterrows():
+            opts.append((r["candidate"], float(r["loss"]), float(r[after])))
+        bad = [o for o in opts if not np.isfinite(o[1]) or not np.isfinite(o[2])]
+        if bad:
+            raise ValueError(f"layer {layer!r}: option(s) {[o[0] for o in bad]} have no measured {resource}; "
+                             f"compute the table with latency=True for a latency budget")
+        if not opts:
+            raise ValueError(f"layer {layer!r} has no usable candidate (statuses: {sorted(set(rows['status']))}); "
+                             f"allow keep=True or drop the layer")
+        out[layer] = opts
+    if not out:
+        raise ValueError("the sensitivity table is empty")
+    return out
+
+
+def solve(options: Mapping[str, Sequence[tuple[str, float, float]]], limit: float) -> dict[str, str]:
+    """Exact multiple-choice knapsack: ``{layer: option}`` minimising total loss with total cost <= limit
+    (ties broken towards lower cost). ``options``: layer -> [(option, loss, cost), ...]."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    layers = list(options)
+    flat = [(layer, name, loss, cost) for layer in layers for name, loss, cost in options[layer]]
+    n = len(flat)
+    loss = np.array([f[2] for f in flat])
+    cost = np.array([f[3] for f in flat])
+    minimum = sum(min(c for _, _, c in options[layer]) for layer in layers)
+    if minimum > limit * (1 + 1e-12):
+        raise ValueError(f"budget {limit:,.6g} is below the smallest achievable total {minimum:,.6g} "
+                         f"(every layer at its cheapest option)")
+    member = np.zeros((len(layers), n))
+    for j, f in enumerate(flat):
+        member[layers.index(f[0]), j] = 1
+    one_each = LinearConstraint(member, 1, 1)
+    scale = max(1.0, float(np.abs(cost).max()))
+    within = LinearConstraint(cost[None, :] / scale, -np.inf, limit / scale)
+    common = dict(integrality=np.ones(n), bounds=Bounds(0, 1), options={"mip_rel_gap": 0.0})
+    first = milp(loss, constraints=[one_each, within], **common)
+    if not first.success:
+        raise RuntimeError(f"the knapsack solver failed: {first.message}")
+    best = float(loss @ np.round(first.x))
+    tol = 1e-9 * max(1.0, float(np.abs(loss).sum()))
+    second = milp(cost / scale, constraints=[one_each, within, LinearConstraint(loss[None, :], -np.inf, best + tol)],
+                  **common)
+    x = np.round(second.x if second.success else first.x)
+    return {flat[j][0]: flat[j][1] for j in range(n) if x[j] > 0.5}
+
+
+def uniform_plans(table) -> dict[str, Plan]:
+    """``{candidate: Plan}`` applying each candidate to every layer of ``table`` that it supports."""
+    out = {}
+    for lbl, rows in table[table["status"] == "ok"].groupby("candidate", sort=False):
+        config = config_from_dict(json.loads(rows["config"].iloc[0]), f"candidate {lbl!r}")
+        out[lbl] = Plan({layer: config for layer in rows["layer"]})
+    return out
+
+
+@dataclass
+class SearchReport:
+    """What `search` chose, what it predicted and what was measured."""
+
+    budget: Budget
+    limit: float
+    minimum: float
+    current: float
+    metric: str
+    higher_is_better: bool
+    base_quality: float
+    predicted_quality: float
+    predicted_cost: float
+    choices: Any                     # DataFrame: layer, option, loss, cost
+    measured: Any = None             # Metrics of the applied plan (verify=True)
+    measured_quality: float = float("nan")
+    measured_cost: float = float("nan")
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self):
+        """Predicted vs measured quality and cost, one row each."""
+        import pandas as pd
+
+        unit = RESOURCES[self.budget.resource][2]
+        return pd.DataFrame(
+            {self.metric: [self.base_quality, self.predicted_quality, self.measured_quality],
+             f"cost ({unit})": [self.current, self.predicted_cost, self.measured_cost],
+             f"budget ({unit})": [self.limit] * 3},
+            index=["reference", "predicted", "measured"])
+
+    def __str__(self) -> str:
+        unit = RESOURCES[self.budget.resource][2]
+        counts = self.choices["option"].value_counts().to_dict()
+        lines = [f"search under {self.budget} = {self.limit:,.6g} {unit} (minimum {self.minimum:,.6g}, "
+                 f"now {self.current:,.6g}): {counts}",
+                 f"{self.metric}: reference {self.base_quality:.4f}, predicted {self.predicted_quality:.4f}, "
+                 f"measured {self.measured_quality:.4f}",
+                 f"{unit}: predicted {self.predicted_cost:,.6g}, measured {self.measured_cost:,.6g}"]
+        return "\n".join(lines + self.notes)
+
+
+def _searched_cost(model: nn.Module, task: Task, layers: Sequence[str], resource: str, batch_size=None) -> float:
+    """The real total bytes, or measured own latency, of ``layers`` in ``model``."""
+    from workbench.analysis.sensitivity import layer_latencies
+    from workbench.measurement.footprint import size_bytes
+
+    if resource == "size_bytes":
+        return float(sum(size_bytes(model.get_submodule(n)) for n in layers))
+    return float(sum(layer_latencies(model, task, layers, batch_size).values()))
+
+
+def search(model: nn.Module, task: Task | str, candidates: Sequence[Config] | Mapping[str, Config],
+           budget: Budget | int, *, table=None, layers=None, keep: bool = True, verify: bool = True,
+           calibration: int | Sequence | None = 32, quick: bool = True, progress: bool = True,
+           **sensitivity_options) -> tuple[Plan, SearchReport]:
+    """The plan (one candidate, or no change, per layer) that minimises the predicted quality loss within
+    ``budget`` (a `Budget`, or an int = bytes), and a `SearchReport` with predicted vs measured results.
+
+    ``table``: a `sensitivity` table to reuse (otherwise it is measured, with ``sensitivity_options``).
+    ``keep``: whether leaving a layer unchanged is an option. ``verify``: apply the plan and measure it
+    (``quick`` as the sensitivity). ``calibration``: samples for configs that need calibration.
+    """
+    import pandas as pd
+
+    from workbench import tasks
+    from workbench.analysis.cache import fingerprint
+    from workbench.analysis.sensitivity import sensitivity
+
+    check_model(model)
+    if isinstance(task, str):
+        task = tasks.load(task)
+    if isinstance(budget, int) and not isinstance(budget, bool):
+        budget = Budget.size(budget)
+    if not isinstance(budget, Budget):
+        raise TypeError(f"budget must be a wb.Budget (e.g. wb.Budget.size_fraction(0.35)) or an int of bytes, "
+                        f"got {type(budget).__name__}")
+    cand = cands_mod.normalize(candidates)
+    if table is None:
+        table = sensitivity(model, task, cand, layers, quick=quick, calibration=calibration,
+                            latency=budget.resource == "latency_ms", progress=progress, **sensitivity_options)
+    else:
+        fp = table.attrs.get("fingerprint")
+        if fp is not None and fp != fingerprint(model):
+            raise ValueError("the sensitivity table was measured on a different model (fingerprints differ)")
+        labels = {lbl for lbl, _ in cand}
+        table = table[table["candidate"].isin(labels)]
+        if layers is not None:
+            from workbench.analysis.sensitivity import select_layers
+
+            table = table[table["layer"].isin(select_layers(model, cand, layers))]
+    metric = table.attrs.get("metric", task.primary.name)
+    higher = table.attrs.get("higher_is_better", task.metric(metric).higher_is_better)
+    base = float(table.attrs.get("base", table["base"].iloc[0] if len(table) else float("nan")))
+
+    options = _options(table, budget.resource, keep)
+    current = float(table.groupby("layer", sort=False)[RESOURCES[budget.resource][0]].first().sum())
+    limit = budget.limit * current if budget.relative else float(budget.limit)
+    minimum = float(sum(min(c for _, _, c in opts) for opts in options.values()))
+    chosen = solve(options, limit)
+
+    configs = {lbl: c for lbl, c in cand}
+    rows = []
+    for layer, option in chosen.items():
+        _, loss, cost = next(o for o in options[layer] if o[0] == option)
+        rows.append({"layer": layer, "option": option, "loss": loss, "cost": cost})
+    choices = pd.DataFrame(rows, columns=["layer", "option", "loss", "cost"])
+    plan = Plan([(layer, configs[option]) for layer, option in chosen.items() if option != KEEP])
+    total_loss = float(choices["loss"].sum())
+    report = SearchReport(budget=budget, limit=limit, minimum=minimum, current=current, metric=metric,
+                          higher_is_better=higher, base_quality=base,
+                          predicted_quality=base - total_loss if higher else base + total_loss,
+                          predicted_cost=float(choices["cost"].sum()), choices=choices)
+    if verify:
+        _verify(model, task, plan, report, list(chosen), calibration, quick, progress)
+    return plan, report
+
+
+def _verify(model, task, plan: Plan, report: SearchReport, layers, calibration, quick, progress) -> None:
+    from workbench.measurement.metrics import measure
+    from workbench.plans.apply import apply
+
+    needs = any(handler_for(c).needs_calibration(c) for c in plan.values() if c is not None)
+    batches = None
+    if needs:
+        batches = task.calibration(calibration) if isinstance(calibration, int) else calibration
+    compressed = apply(model, plan, calibration=batches, progress=progress) if len(plan) else model
+    metrics = measure(compressed, task, quick=quick, progress=progress)
+    report.measured = metrics
+    report.measured_quality = float(metrics.quality[report.metric]) if report.metric in metrics.quality else float("nan")
+    report.measured_cost = _searched_cost(compressed, task, layers, report.budget.resource)
+    if report.budget.resource == "latency_ms":
+        reference = measure(model, task, quick=True, progress=False)
+        report.notes.append(f"whole-model latency: {reference.latency_ms:.4g} ms -> {metrics.latency_ms:.4g} ms "
+                            f"(the budget counts the searched layers' own latency)")

@@ -1,0 +1,141 @@
+"""Figures of the analysis tables: Pareto fronts, sensitivity heatmaps, roofline overlays, size breakdowns.
+
+Every function returns a ``go.Figure`` (``go.FigureWidget(fig)`` for live updates); axes carry units and
+say which direction is better.
+"""
+from __future__ import annotations
+
+
+
+__all__ = ["frontier", "sensitivity_heatmap", "roofline", "size_breakdown"]
+
+_AXES = {"size_bytes": ("size (MiB, lower is better)", 2**20), "latency_ms": ("latency (ms, lower is better)", 1),
+         "peak_memory_bytes": ("peak memory (MiB, lower is better)", 2**20)}
+
+
+def _axis(df, column: str) -> tuple[str, float]:
+    if column in _AXES:
+        return _AXES[column]
+    from workbench.analysis.sweep import _higher_is_better
+
+    try:
+        better = "higher" if _higher_is_better(df, column) else "lower"
+        return f"{column} ({better} is better)", 1
+    except ValueError:
+        return column, 1
+
+
+def frontier(df, x: str = "size_bytes", y: str | None = None, color: str = "techniques", title: str | None = None):
+    """Every row of a sweep table as a point (coloured by ``color``), the Pareto front of ``y`` against ``x``
+    as a line through its points, hover showing the row's label."""
+    import plotly.graph_objects as go
+
+    from workbench.analysis.sweep import pareto
+
+    if not len(df):
+        raise ValueError("frontier needs a non-empty table (e.g. from wb.sweep)")
+    y = y or df.attrs.get("primary") or "primary_value"
+    x_title, x_scale = _axis(df, x)
+    y_title, _ = _axis(df, y)
+    labels = df["label"] if "label" in df.columns else df.index.astype(str)
+    groups = df[color] if color in df.columns else ["all"] * len(df)
+    fig = go.Figure()
+    for group in dict.fromkeys(groups):
+        sel = [g == group for g in groups]
+        part = df[sel]
+        fig.add_trace(go.Scatter(
+            x=part[x] / x_scale, y=part[y], mode="markers", name=str(group), text=labels[sel],
+            marker=dict(size=10), hovertemplate="%{text}<br>%{x:.4g}<br>" + y + "=%{y:.4g}<extra></extra>"))
+    on = pareto(df, x, y)
+    front = df[on].sort_values(x)
+    fig.add_trace(go.Scatter(x=front[x] / x_scale, y=front[y], mode="lines", name="Pareto front",
+                             line=dict(color="black", dash="dot"), hoverinfo="skip"))
+    fig.update_layout(title=title or f"{y} vs {x_title.split(' (')[0]} ({int(on.sum())} of {len(df)} on the front)",
+                      xaxis_title=x_title, yaxis_title=y_title, template="plotly_white", height=460)
+    return fig
+
+
+def sensitivity_heatmap(table, value: str = "loss", title: str | None = None):
+    """Layers x candidates, coloured by ``value`` ("loss": quality lost by changing only that layer;
+    "size_after" or "latency_after_ms" also work). Unsupported or failed cells are blank."""
+    import plotly.graph_objects as go
+
+    if not len(table):
+        raise ValueError("sensitivity_heatmap needs a non-empty table from wb.sensitivity")
+    ok = table[table["status"] == "ok"]
+    grid = ok.pivot(index="layer", columns="candidate", values=value)
+    grid = grid.reindex(index=list(dict.fromkeys(table["layer"])), columns=list(dict.fromkeys(table["candidate"])))
+    metric = table.attrs.get("metric", "metric")
+    names = {"loss": f"{metric} loss (lower is better)", "size_after": "bytes after (lower is better)",
+             "latency_after_ms": "layer latency, ms (lower is better)"}
+    fig = go.Figure(go.Heatmap(
+        z=grid.to_numpy(), x=list(grid.columns), y=list(grid.index), colorscale="Reds",
+        colorbar=dict(title=names.get(value, value)),
+        hovertemplate="%{y}<br>%{x}<br>" + value + "=%{z:.4g}<extra></extra>"))
+    fig.update_layout(title=title or f"per-layer sensitivity: {names.get(value, value)}", template="plotly_white",
+                      height=max(360, 16 * len(grid.index) + 160), yaxis=dict(autorange="reversed"),
+                      xaxis_title="candidate", yaxis_title="layer")
+    return fig
+
+
+def roofline(df, baseline: str | None = None, title: str | None = None):
+    """Measured speedup of each sweep row over the baseline row beside its byte-ratio ceiling.
+
+    The ceiling is ``baseline bytes / row bytes``: the speedup a purely memory-bound forward pass would
+    get from moving fewer bytes. A compute-bound pass (large batches on a CPU) sits far below it; a
+    measured speedup above it means the row saved compute, not bytes (e.g. structured pruning)."""
+    import plotly.graph_objects as go
+
+    if not len(df) or "label" not in df.columns:
+        raise ValueError("roofline needs a sweep table (with a 'label' column)")
+    base_label = baseline or str(df["label"].iloc[0])
+    if base_label not in set(df["label"]):
+        raise ValueError(f"roofline: no row labelled {base_label!r}")
+    base = df[df["label"] == base_label].iloc[0]
+    rows = df[df["label"] != base_label]
+    measured = base["latency_ms"] / rows["latency_ms"]
+    ceiling = base["size_bytes"] / rows["size_bytes"]
+    fig = go.Figure([
+        go.Bar(name="measured speedup", x=rows["label"], y=measured, text=[f"{v:.2f}x" for v in measured],
+               textposition="auto"),
+        go.Bar(name="byte-ratio ceiling", x=rows["label"], y=ceiling, text=[f"{v:.2f}x" for v in ceiling],
+               textposition="auto", marker_color="lightgray"),
+    ])
+    fig.add_hline(y=1.0, line_dash="dot", annotation_text=base_label)
+    threads = sorted(set(df["threads"])) if "threads" in df.columns else []
+    device = str(base["device"]) if "device" in df.columns else ""
+    fig.update_layout(barmode="group", template="plotly_white", height=420,
+                      title=title or f"speedup vs {base_label} and the byte-ratio ceiling ({device}, threads {threads})",
+                      yaxis_title="speedup over the baseline (x, higher is better)")
+    return fig
+
+
+def size_breakdown(model, top: int | None = 40, title: str | None = None):
+    """Bytes per layer, stacked by storage dtype (the ``top`` largest layers)."""
+    import plotly.graph_objects as go
+    from torch import nn
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"size_breakdown needs a torch.nn.Module, got {type(model).__name__}")
+    rows = []
+    for name, module in model.named_modules():
+        by_dtype: dict[str, int] = {}
+        for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            key = str(t.dtype).removeprefix("torch.")
+            by_dtype[key] = by_dtype.get(key, 0) + t.numel() * t.element_size()
+        if by_dtype:
+            rows.append((name or "<root>", by_dtype))
+    rows.sort(key=lambda r: -sum(r[1].values()))
+    rows = rows[:top] if top else rows
+    dtypes = sorted({d for _, b in rows for d in b})
+    names = [r[0] for r in rows]
+    fig = go.Figure([go.Bar(name=d, y=names, x=[b.get(d, 0) / 2**20 for _, b in rows], orientation="h")
+                     for d in dtypes])
+    total = sum(sum(b.values()) for _, b in rows)
+    fig.update_layout(barmode="stack", template="plotly_white", height=max(320, 18 * len(names) + 140),
+                      title=title or f"bytes per layer by dtype ({total / 2**20:.2f} MiB shown)",
+                      xaxis_title="MiB (lower is better)", yaxis=dict(autorange="reversed"))
+    return fig
+
+
+

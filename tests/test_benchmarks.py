@@ -24,3 +24,10 @@ def test_bench_analysis_smoke():
     assert (predicted["bytes"] <= predicted["budget_bytes"]).all()
     assert list(df["label"][:4]) == ["reference", "int8", "int4 g64", "50% sparse"]
     assert df["pareto_size"].any() and (df["layers_fraction"].iloc[1:] <= 1.3).all()
+
+
+def test_bench_ui_smoke():
+    from benchmarks.ui import bench_ui
+
+    df = bench_ui(cases=(("digits-mlp", "digits"),), threads=1, edits=2)
+    assert df.loc[0, "points"] == 3 and df.loc[0, "one_layer_median_s"] > 0

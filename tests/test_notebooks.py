@@ -3,6 +3,7 @@
 Notebooks only call the package: no `def` or `class`, exactly one cell tagged `parameters`.
 """
 import ast
+import json
 from pathlib import Path
 
 import nbformat
@@ -17,6 +18,8 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("
 SMALL = {
     "00_start_here": {"model_name": "digits-mlp", "task_name": "digits", "pattern": "fc*", "quick": True,
                       "threads": 1},
+    "01_explorer": {"model_name": "digits-mlp", "task_name": "digits", "pattern": "fc*", "bits": 4,
+                    "group_size": 32, "threads": 1},
 }
 
 
@@ -28,7 +31,14 @@ def check_00_start_here(rec):
     assert rec["reload_identical"] is True
 
 
-CHECKS = {"00_start_here": check_00_start_here}
+def check_01_explorer(rec):
+    assert rec["model"] == "digits-mlp" and rec["primary_metric"] == "accuracy" and rec["points"] == 2
+    assert rec["reference_primary"] >= 0.95 and rec["reference_primary"] - rec["edited_primary"] <= 0.02
+    assert 0.1 < rec["size_ratio"] < 0.25  # int4 g32: 4 bits + an fp16 scale per 32 weights (~0.16x)
+    assert [e["pattern"] for e in json.loads(rec["plan"])["entries"]] == ["fc1", "fc2", "fc3"]
+
+
+CHECKS = {"00_start_here": check_00_start_here, "01_explorer": check_01_explorer}
 
 
 def test_every_notebook_is_covered():

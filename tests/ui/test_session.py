@@ -1,0 +1,109 @@
+"""wb.ui.Session: incremental, all-or-nothing apply; history, restore, undo/redo; the user's model untouched."""
+import threading
+
+import pytest
+import torch
+
+import workbench as wb
+from workbench.ui.session import Cancelled, Session
+
+INT8 = wb.quant.WeightOnly(bits=8, group_size=None)
+INT4 = wb.quant.WeightOnly(bits=4, group_size=16)
+
+
+@pytest.fixture
+def session(digits_mlp, digits_task):
+    return Session(digits_mlp, digits_task)
+
+
+def test_incremental_apply_matches_wb_apply(session, digits_mlp, digits_task):
+    before = {k: v.clone() for k, v in digits_mlp.state_dict().items()}
+    first = session.apply_and_measure()
+    assert first.label == "reference" and first.metrics.plans == []
+    session.set(["fc1", "fc2"], INT8)
+    assert session.changed == ["fc1", "fc2"]
+    built = []
+    real = wb.plans.registry.handler_for(INT8).apply
+
+    def counting(name, *a, **k):
+        built.append(name)
+        return real(name, *a, **k)
+
+    handler = wb.plans.registry.handler_for(INT8)
+    handler.apply = counting
+    try:
+        session.apply_and_measure()
+        session.set("fc2", INT4)  # only fc2 is rebuilt next time
+        third = session.apply_and_measure()
+    finally:
+        del handler.apply
+    assert built == ["fc1", "fc2", "fc2"]
+    reference = wb.apply(digits_mlp, {"fc1": INT8, "fc2": INT4}, progress=False)
+    x = digits_task.example_inputs(16)[0]
+    with torch.inference_mode():
+        assert torch.equal(session.work(x), reference(x))
+    assert third.metrics.size_bytes == wb.size_bytes(reference)
+    assert third.metrics.plans == [session.plan.to_dict()]
+    assert all(torch.equal(before[k], v) for k, v in digits_mlp.state_dict().items())
+    assert type(digits_mlp.fc2) is torch.nn.Linear
+
+
+def test_undo_redo_restore(session):
+    session.set("fc1", INT8)
+    session.set("fc3", INT4)
+    assert session.undo() and session.assigned == {"fc1": INT8}
+    assert session.redo() and session.assigned == {"fc1": INT8, "fc3": INT4}
+    assert not session.redo()
+    session.apply_and_measure()
+    session.set("fc1", None)
+    session.apply_and_measure()
+    session.restore(0)
+    assert session.assigned == {"fc1": INT8, "fc3": INT4} and session.changed == ["fc1"]
+    assert session.undo() and session.assigned == {"fc3": INT4}
+
+
+def test_failures_leave_nothing_half_applied(session, digits_task):
+    cnn = Session(wb.models.load("digits-cnn"), digits_task)
+    with pytest.raises(ValueError, match="Dynamic cannot be applied to layer 'conv1'"):
+        cnn.set(["fc1", "conv1"], wb.quant.Dynamic())
+    assert cnn.assigned == {}  # fc1 was not assigned either
+    session.apply_and_measure()
+    good = session.work.fc1
+    session.set("fc1", INT8)
+    session.set("fc2", wb.quant.WeightOnly(bits=4, group_size=7))  # 7 does not divide 128: fails on apply
+    with pytest.raises(wb.ApplyError, match="'fc2'"):
+        session.apply_and_measure()
+    assert session.work.fc1 is good and len(session.history) == 1  # fc1 not swapped in either
+    cancel = threading.Event()
+    cancel.set()
+    session.set("fc2", INT8)
+    with pytest.raises(Cancelled):
+        session.apply_and_measure(cancel=cancel)
+    assert session.work.fc1 is good
+    with pytest.raises(ValueError, match="no editable layer matches 'fc9'"):
+        session.set("fc9", INT8)
+    with pytest.raises(ValueError, match="not an editable layer"):
+        session.set(["nope"], INT8)
+
+
+def test_calibrated_layers_and_estimate(session, digits_mlp, digits_task):
+    gptq = wb.quant.WeightOnly(bits=2, group_size=16, method="gptq")
+    session.set("fc2", gptq)
+    est = session.estimate()
+    assert est is not None and est.fits and est.parts["calibrated layers"] == 1
+    session.apply_and_measure()
+    reference = wb.apply(digits_mlp, {"fc2": gptq}, calibration=digits_task.calibration(32), progress=False)
+    x = digits_task.example_inputs(8)[0]
+    with torch.inference_mode():
+        assert torch.equal(session.work(x), reference(x))
+    assert session.estimate() is None  # nothing left to calibrate
+
+
+def test_plan_json_round_trip(session):
+    session.set("fc*", INT4)
+    text = session.plan.to_json()
+    other = Session(session.original, session.task)
+    other.load_plan(text)
+    assert other.assigned == session.assigned
+    rows = other.layer_rows()
+    assert list(rows["technique"]) == ["WeightOnly(group_size=16)"] * 3

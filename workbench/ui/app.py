@@ -1,0 +1,338 @@
+"""`Workbench`: the interactive per-layer editor (ipywidgets + plotly FigureWidgets).
+
+    wb.ui.Workbench(model, task)        # displays itself in a notebook cell
+
+Pick layers (click, shift/ctrl-click, or a name pattern), choose a technique and its settings, "Set for
+selected", then "Apply & measure": only the changed layers are rebuilt, the model is measured on the task's
+quick subset and a point joins the trade-off charts (quality vs size and vs latency, Pareto front dashed,
+every plan tried kept; click a point to bring its plan back). Undo / redo walk the edits. Tabs hold the
+sensitivity heatmap (computed from the UI), the roofline view of every plan tried, the size breakdown of
+the current model, and the plan as JSON (export / import).
+
+Every callback reports failures in the status line (naming the layer and the cause); a failed apply leaves
+the model as it was. Work runs in a background thread (``background=True``) so Cancel stays clickable.
+"""
+from __future__ import annotations
+
+import html
+import threading
+from typing import Mapping, Sequence
+
+import torch
+
+from workbench.plans.registry import Config
+from workbench.ui.session import Cancelled, Session
+
+__all__ = ["Workbench", "TECHNIQUES"]
+
+TECHNIQUES = ("none", "quantize", "prune", "low-rank", "cast")
+_STYLE = "<style>.wb-layers select{font-family:monospace;font-size:12px}</style>"
+
+
+def _default_candidates() -> dict[str, Config]:
+    from workbench import prune, quant
+
+    return {"int8": quant.WeightOnly(bits=8, group_size=None), "int4 g64": quant.WeightOnly(bits=4, group_size=64),
+            "50% sparse": prune.Magnitude(0.5)}
+
+
+class Workbench:
+    """See the module docstring. ``candidates``: the configs the sensitivity tab compares (default:
+    int8, int4 g64, 50 % sparse); ``quick``/``calibration``/``threads`` go to the `Session`."""
+
+    def __init__(self, model, task, candidates: Sequence[Config] | Mapping[str, Config] | None = None, *,
+                 quick: bool = True, calibration: int = 32, threads: int | None = None, background: bool = True):
+        import ipywidgets as W
+
+        self.session = Session(model, task, quick=quick, calibration=calibration, threads=threads)
+        self.candidates = candidates if candidates is not None else _default_candidates()
+        self.background = background
+        self._cancel = threading.Event()
+        self._worker: threading.Thread | None = None
+
+        self.status = W.HTML()
+        self.layers = W.SelectMultiple(options=[], rows=min(14, len(self.session.layer_names)),
+                                       layout=W.Layout(width="100%"))
+        self.layers.add_class("wb-layers")
+        self.pattern = W.Text(placeholder="pattern, e.g. encoder.*.dense or re:.*fc[12]", layout=W.Layout(width="340px"))
+        self.select_button = W.Button(description="Select matching")
+        self.technique = W.Dropdown(options=TECHNIQUES, value="quantize", description="technique")
+        self.bits = W.Dropdown(options=[8, 4, 3, 2], value=8, description="bits")
+        self.group = W.Dropdown(options=[("per channel", None), ("32", 32), ("64", 64), ("128", 128)], value=None,
+                                description="group size")
+        self.method = W.Dropdown(options=["rtn", "gptq", "awq", "hqq"], value="rtn", description="method")
+        self.sparsity = W.FloatSlider(value=0.5, min=0.05, max=0.95, step=0.05, description="sparsity")
+        self.energy = W.FloatSlider(value=0.9, min=0.5, max=1.0, step=0.01, description="SVD energy")
+        self.dtype = W.Dropdown(options=["bfloat16", "float16"], value="bfloat16", description="dtype")
+        self.set_button = W.Button(description="Set for selected", button_style="info")
+        self.samples = W.BoundedIntText(value=calibration, min=1, max=100_000, description="calib. samples")
+        self.estimate_box = W.HTML()
+        self.progress = W.FloatProgress(value=0.0, min=0.0, max=1.0, description="", layout=W.Layout(width="300px"))
+        self.progress_label = W.Label()
+        self.apply_button = W.Button(description="Apply & measure", button_style="primary")
+        self.cancel_button = W.Button(description="Cancel", disabled=True, button_style="warning")
+        self.undo_button = W.Button(description="Undo", icon="undo")
+        self.redo_button = W.Button(description="Redo", icon="repeat")
+        self.sens_button = W.Button(description="Run sensitivity (selected layers, or all)")
+        self.plan_text = W.Textarea(layout=W.Layout(width="100%", height="220px"))
+        self.export_button = W.Button(description="Export current plan")
+        self.import_button = W.Button(description="Import plan")
+
+        self.size_chart, self.latency_chart = self._tradeoff_figure("size"), self._tradeoff_figure("latency")
+        self.heatmap = self._empty_figure("run the sensitivity analysis to fill this")
+        self.roofline_chart = self._empty_figure("apply a plan to compare it with the reference")
+        self.size_figure = self._empty_figure("")
+
+        self.select_button.on_click(self._guard(self._on_select))
+        self.set_button.on_click(self._guard(self._on_set))
+        self.apply_button.on_click(self._guard(self._on_apply))
+        self.cancel_button.on_click(self._guard(lambda _: self._cancel.set()))
+        self.undo_button.on_click(self._guard(lambda _: self.session.undo() and self._refresh()))
+        self.redo_button.on_click(self._guard(lambda _: self.session.redo() and self._refresh()))
+        self.sens_button.on_click(self._guard(self._on_sensitivity))
+        self.export_button.on_click(self._guard(lambda _: setattr(self.plan_text, "value",
+                                                                  self.session.plan.to_json(indent=2))))
+        self.import_button.on_click(self._guard(self._on_import))
+        self.samples.observe(self._guard(self._on_samples), names="value")
+        self.technique.observe(lambda _: self._show_controls(), names="value")
+        self.method.observe(lambda _: self._show_controls(), names="value")
+
+        controls = W.VBox([W.HBox([self.pattern, self.select_button]),
+                           W.HBox([self.technique, self.bits, self.group]),
+                           W.HBox([self.method, self.sparsity, self.energy, self.dtype]),
+                           W.HBox([self.set_button, self.undo_button, self.redo_button])])
+        calibration_box = W.VBox([W.HTML("<b>Calibration</b> (GPTQ / AWQ)"), self.samples, self.estimate_box])
+        run = W.HBox([self.apply_button, self.cancel_button, self.progress, self.progress_label])
+        self.tabs = W.Tab(children=[W.HBox([self.size_chart, self.latency_chart]),
+                                    W.VBox([self.sens_button, self.heatmap]), self.roofline_chart, self.size_figure,
+                                    W.VBox([W.HBox([self.export_button, self.import_button]), self.plan_text])])
+        for i, title in enumerate(["Trade-offs", "Sensitivity", "Roofline", "Size", "Plan JSON"]):
+            self.tabs.set_title(i, title)
+        self.widget = W.VBox([W.HTML(_STYLE), W.HTML(self._title()), self.layers, controls, calibration_box, run,
+                              self.status, self.tabs])
+        self._show_controls()
+        self._refresh()
+
+    # --- display -------------------------------------------------------------------------------
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        display(self.widget)
+
+    def _title(self) -> str:
+        s = self.session
+        return (f"<h3>{html.escape(type(s.original).__name__)} on {html.escape(s.task.name)}</h3>"
+                f"<div>{len(s.layer_names)} editable layers; quality = {html.escape(s.task.primary.name)} "
+                f"({'higher' if s.task.primary.higher_is_better else 'lower'} is better), measured on the "
+                f"{'quick subset' if s.quick else 'full evaluation set'}.</div>")
+
+    def _say(self, message: str, error: bool = False) -> None:
+        color = "#b00020" if error else "#1b5e20"
+        self.status.value = f"<div style='color:{color};white-space:pre-wrap'>{html.escape(message)}</div>"
+
+    def _guard(self, fn):
+        """Run a callback; any failure is shown in the status line instead of vanishing into a log."""
+        def run(*args):
+            try:
+                return fn(*args)
+            except Exception as e:
+                self._say(f"{type(e).__name__}: {e}", error=True)
+        return run
+
+    @staticmethod
+    def _empty_figure(message: str):
+        import plotly.graph_objects as go
+
+        fig = go.FigureWidget()
+        fig.update_layout(template="plotly_white", height=380, title=message)
+        return fig
+
+    def _tradeoff_figure(self, kind: str):
+        import plotly.graph_objects as go
+
+        task = self.session.task
+        better = "higher" if task.primary.higher_is_better else "lower"
+        x_title = "size (MiB, lower is better)" if kind == "size" else "latency (ms, lower is better)"
+        fig = go.FigureWidget([
+            go.Scatter(x=[], y=[], mode="markers", name="plans tried", text=[], marker=dict(size=10),
+                       hovertemplate="%{text}<br>%{x:.4g}<br>%{y:.4g}<extra>click to restore</extra>"),
+            go.Scatter(x=[], y=[], mode="lines", name="Pareto front", line=dict(dash="dot", color="black"),
+                       hoverinfo="skip"),
+            go.Scatter(x=[], y=[], mode="markers", name="latest", marker=dict(size=16, symbol="star", color="red"),
+                       hoverinfo="skip"),
+        ])
+        fig.update_layout(template="plotly_white", height=380, width=520, xaxis_title=x_title,
+                          yaxis_title=f"{task.primary.name} ({better} is better)",
+                          title=f"{task.primary.name} vs {kind}", legend=dict(orientation="h", y=-0.25))
+        fig.data[0].on_click(self._guard(self._on_point_click))
+        return fig
+
+    def _show_controls(self) -> None:
+        t = self.technique.value
+        visible = {self.bits: t == "quantize", self.group: t == "quantize", self.method: t == "quantize",
+                   self.sparsity: t == "prune", self.energy: t == "low-rank", self.dtype: t == "cast"}
+        for widget, show in visible.items():
+            widget.layout.display = None if show else "none"
+
+    # --- state -> widgets ----------------------------------------------------------------------
+    def _refresh(self) -> None:
+        s = self.session
+        rows = s.layer_rows()
+        selected = tuple(self.layers.value)
+        options = []
+        for _, r in rows.iterrows():
+            loss = "" if r["loss"] != r["loss"] else f" loss {r['loss']:+.4f}"
+            text = (f"{r['layer'][:44]:<44} {r['type']:<9} {r['shape']:<11} {r['params']:>9,} "
+                    f"{r['technique'][:34]:<34} {r['bytes']:>11,} B{loss}")
+            options.append((text, r["layer"]))
+        self.layers.options = options
+        self.layers.value = tuple(n for n in selected if n in s.layer_names)
+        self.undo_button.disabled, self.redo_button.disabled = not s.can_undo, not s.can_redo
+        pending = s.changed
+        self.apply_button.description = f"Apply & measure ({len(pending)} changed)" if pending else "Apply & measure"
+        self._update_charts()
+
+    def _update_charts(self) -> None:
+        import pandas as pd
+
+        from workbench.analysis.sweep import pareto
+
+        h = self.session.history
+        if not h:
+            return
+        task = self.session.task
+        df = pd.DataFrame({"size": [e.metrics.size_bytes / 2**20 for e in h],
+                           "latency": [e.metrics.latency_ms for e in h], "q": [e.quality for e in h]})
+        labels = [f"{i}: {e.label}" for i, e in enumerate(h)]
+        for fig, col in ((self.size_chart, "size"), (self.latency_chart, "latency")):
+            front = df[pareto(df, col, "q", y_higher_is_better=task.primary.higher_is_better)].sort_values(col)
+            with fig.batch_update():
+                fig.data[0].x, fig.data[0].y, fig.data[0].text = list(df[col]), list(df["q"]), labels
+                fig.data[1].x, fig.data[1].y = list(front[col]), list(front["q"])
+                fig.data[2].x, fig.data[2].y = [df[col].iloc[-1]], [df["q"].iloc[-1]]
+
+    def _update_views(self) -> None:
+        from workbench.plots import roofline, size_breakdown
+
+        h = self.session.history
+        if len(h) >= 2:
+            import pandas as pd
+
+            df = pd.DataFrame([{"label": f"{i}: {e.label}", "latency_ms": e.metrics.latency_ms,
+                                "size_bytes": e.metrics.size_bytes, "threads": e.metrics.threads,
+                                "device": e.metrics.device} for i, e in enumerate(h)])
+            self._replace(self.roofline_chart, roofline(df))
+        self._replace(self.size_figure, size_breakdown(self.session.work, top=30))
+
+    @staticmethod
+    def _replace(target, fig) -> None:
+        with target.batch_update():
+            target.data = []
+            for trace in fig.data:
+                target.add_trace(trace)
+            target.layout = fig.layout
+
+    # --- callbacks -----------------------------------------------------------------------------
+    def _config(self) -> Config | None:
+        from workbench import lowrank, precision, prune, quant
+
+        t = self.technique.value
+        if t == "none":
+            return None
+        if t == "quantize":
+            return quant.WeightOnly(bits=self.bits.value, group_size=self.group.value, method=self.method.value,
+                                    symmetric=self.method.value != "hqq")
+        if t == "prune":
+            return prune.Magnitude(round(self.sparsity.value, 4))
+        if t == "low-rank":
+            return lowrank.SVD(energy=round(self.energy.value, 4))
+        return precision.Cast(getattr(torch, self.dtype.value))
+
+    def _on_select(self, _=None) -> None:
+        hits = self.session.select(self.pattern.value.strip())
+        self.layers.value = tuple(hits)
+        self._say(f"selected {len(hits)} layer(s)")
+
+    def _on_set(self, _=None) -> None:
+        layers = list(self.layers.value)
+        if not layers:
+            raise ValueError("select one or more layers first (click, shift-click, or a pattern)")
+        config = self._config()
+        self.session.set(layers, config)
+        self._refresh()
+        self._show_estimate()
+        what = "no change" if config is None else repr(config)
+        self._say(f"{len(layers)} layer(s) set to {what}; {len(self.session.changed)} to apply")
+
+    def _on_samples(self, change) -> None:
+        self.session.calibration = int(change["new"])
+        self.session._inputs.clear()
+        self._show_estimate()
+
+    def _show_estimate(self) -> None:
+        est = self.session.estimate()
+        self.estimate_box.value = "" if est is None else (
+            f"<span style='color:{'#1b5e20' if est.fits else '#b00020'}'>{html.escape(str(est))}</span>")
+
+    def _on_import(self, _=None) -> None:
+        self.session.load_plan(self.plan_text.value)
+        self._refresh()
+        self._say(f"plan imported: {len(self.session.assigned)} layer(s) assigned; click Apply & measure")
+
+    def _on_point_click(self, trace, points, state) -> None:
+        if not points.point_inds:
+            return
+        i = points.point_inds[0]
+        self.session.restore(i)
+        self._refresh()
+        self._say(f"restored plan {i} ({self.session.history[i].label}); click Apply & measure to rebuild it")
+
+    def _on_sensitivity(self, _=None) -> None:
+        from workbench.analysis.sensitivity import sensitivity
+        from workbench.plots import sensitivity_heatmap
+
+        layers = list(self.layers.value) or None
+        self._say("measuring sensitivity ...")
+        table = sensitivity(self.session.original, self.session.task, self.candidates, layers,
+                            calibration=self.session.calibration, progress=False)
+        self.session.sensitivity = table
+        self._replace(self.heatmap, sensitivity_heatmap(table))
+        self._refresh()
+        self._say(f"sensitivity: {len(table)} rows ({table.attrs['replay']})")
+
+    def _on_apply(self, _=None) -> None:
+        if self._worker is not None and self._worker.is_alive():
+            raise RuntimeError("an apply is already running")
+        if not self.session.changed and self.session.history:
+            self._say("nothing changed since the last measurement")
+            return
+        self._cancel.clear()
+        if self.background:
+            self._worker = threading.Thread(target=self._guard(self._apply_now), daemon=True)
+            self._worker.start()
+        else:
+            self._guard(self._apply_now)()
+
+    def _apply_now(self) -> None:
+        def progress(message: str, fraction: float) -> None:
+            self.progress.value = fraction
+            self.progress_label.value = message
+
+        self.apply_button.disabled, self.cancel_button.disabled = True, False
+        try:
+            entry = self.session.apply_and_measure(progress=progress, cancel=self._cancel)
+        except Cancelled as e:
+            self._say(str(e))
+            return
+        finally:
+            self.apply_button.disabled, self.cancel_button.disabled = False, True
+        m = entry.metrics
+        self._refresh()
+        self._update_views()
+        self._say(f"{entry.label}: {m.primary}={m.primary_value:.4f}, {m.size_bytes / 2**20:.3f} MiB, "
+                  f"{m.latency_ms:.3g} ms (batch {m.batch_size}, {m.threads} threads)")
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until a background apply finishes (for scripts and tests)."""
+        if self._worker is not None:
+            self._worker.join(timeout)

@@ -1,43 +1,28 @@
 """`make lab`'s server: JupyterLab starts headless as root on 127.0.0.1 and serves the start notebook."""
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
+from conftest import free_port, wait_for_http
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
 def test_jupyterlab_serves_start_notebook(tmp_path):
-    port, token = _free_port(), "workbench-test"
+    port, token = free_port(), "workbench-test"
     proc = subprocess.Popen(
         [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}", "--allow-root",
          f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={ROOT}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp_path)})
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 90
-        while True:
-            try:
-                with urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2) as r:
-                    assert r.status == 200
-                    break
-            except OSError:
-                if time.time() > deadline or proc.poll() is not None:
-                    raise AssertionError("JupyterLab did not start within 90 s") from None
-                time.sleep(0.5)
+        wait_for_http(f"{base}/api/status?token={token}", proc, seconds=90)
         with urllib.request.urlopen(f"{base}/api/contents/notebooks/00_start_here.ipynb?token={token}") as r:
             nb = json.load(r)
         assert nb["type"] == "notebook" and nb["content"]["cells"]

@@ -20,6 +20,7 @@ SMALL = {
                       "threads": 1},
     "01_explorer": {"model_name": "digits-mlp", "task_name": "digits", "pattern": "fc*", "bits": 4,
                     "group_size": 32, "threads": 1},
+    "app": {"model_name": "digits-mlp", "task_name": "digits", "threads": 1},
 }
 
 
@@ -38,7 +39,12 @@ def check_01_explorer(rec):
     assert [e["pattern"] for e in json.loads(rec["plan"])["entries"]] == ["fc1", "fc2", "fc3"]
 
 
-CHECKS = {"00_start_here": check_00_start_here, "01_explorer": check_01_explorer}
+def check_app(rec):
+    assert rec["model"] == "digits-mlp" and rec["points"] == 1 and rec["reference_primary"] >= 0.95
+
+
+STATIC_FIGURES = {"00_start_here", "01_explorer"}  # app.ipynb is a live dashboard (Voila), widgets only
+CHECKS = {"00_start_here": check_00_start_here, "01_explorer": check_01_explorer, "app": check_app}
 
 
 def test_every_notebook_is_covered():
@@ -72,4 +78,6 @@ def test_notebook_runs_under_papermill(path, tmp_path):
     assert main(argv) == 0
     out_nb, out_html = tmp_path / f"{path.stem}.ipynb", tmp_path / f"{path.stem}.html"
     CHECKS[path.stem](recorded(out_nb))
-    assert out_html.stat().st_size > 1_000_000 and "Plotly.newPlot" in out_html.read_text()
+    assert out_html.stat().st_size > 1_000_000
+    if path.stem in STATIC_FIGURES:  # the report shows charts without a kernel
+        assert "Plotly.newPlot" in out_html.read_text()

@@ -24,7 +24,7 @@ model_name = "digits-cnn"        # any of wb.models.names()
 task_name = "digits"             # any of wb.tasks.names()
 pattern = "fc*"                  # the example edit: these layers ...
 bits = 4                         # ... quantized to this many bits
-group_size = 32                  # ... in groups of this size (None: one scale per output channel)
+group_size = 32                  # ... in groups of this size (0: one scale per output channel)
 calibration = 32                 # calibration samples for GPTQ / AWQ
 threads = 2                      # CPU threads for every measurement""", metadata={"tags": ["parameters"]}),
     new_code_cell("""import torch
@@ -34,9 +34,7 @@ import workbench as wb
 torch.set_num_threads(threads)
 model = wb.models.load(model_name)
 task = wb.tasks.load(task_name)
-app = wb.ui.Workbench(model, task, calibration=calibration, threads=threads)
-app.apply_button.click()   # measure the reference point
-app.wait()
+app = wb.ui.Workbench(model, task, calibration=calibration, threads=threads)   # measures the reference first
 app"""),
     new_markdown_cell("""## The example edit, from code
 

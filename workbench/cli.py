@@ -2,6 +2,7 @@
 
     workbench measure --model minilm --task minilm [--plan plan.json] [--quick] [--threads 2]
     workbench report notebooks/00_start_here.ipynb -p model_name digits-mlp -p task_name digits
+    workbench app --model digits-cnn --task digits [--port 8866]    # the workbench as a Voila dashboard
     workbench models | workbench tasks
 """
 from __future__ import annotations
@@ -47,6 +48,33 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _app(args: argparse.Namespace) -> int:
+    """Serve notebooks/app.ipynb, parameterised for the model and task, as a Voila dashboard."""
+    import subprocess
+
+    import nbformat
+    from papermill.iorw import load_notebook_node
+    from papermill.parameterize import parameterize_notebook
+
+    from workbench import models, tasks
+
+    source = Path(__file__).resolve().parent.parent / "notebooks" / "app.ipynb"
+    if not source.exists():
+        raise FileNotFoundError(f"{source} is missing: `workbench app` runs from a source checkout (pip install -e .)")
+    models.spec(args.model)  # unknown names fail here, before a server starts
+    task = args.task or models.spec(args.model).task
+    tasks.load(task)
+    nb = parameterize_notebook(load_notebook_node(str(source)),
+                               {"model_name": args.model, "task_name": task, "threads": args.threads})
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"app_{args.model}.ipynb"
+    nbformat.write(nb, str(path))
+    print(f"serving {path} at http://{args.ip}:{args.port}/ (Ctrl-C stops)", flush=True)
+    cmd = [sys.executable, "-m", "voila", str(path), "--no-browser", f"--port={args.port}", f"--Voila.ip={args.ip}"]
+    return subprocess.call(cmd)
+
+
 def _list_models(args: argparse.Namespace) -> int:
     from workbench import models
 
@@ -83,6 +111,15 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--out", default="reports", help="output folder (default: reports)")
     r.add_argument("--name", default=None, help="output file stem (default: the notebook's)")
     r.set_defaults(func=_report)
+
+    a = sub.add_parser("app", help="serve the interactive workbench as a standalone Voila dashboard")
+    a.add_argument("--model", default="digits-cnn", help="zoo model name (see `workbench models`)")
+    a.add_argument("--task", help="task name (default: the model's own task)")
+    a.add_argument("--port", type=int, default=8866)
+    a.add_argument("--ip", default="127.0.0.1")
+    a.add_argument("--threads", type=int, default=2, help="CPU threads for measurements")
+    a.add_argument("--out", default="reports", help="where the parameterised app notebook is written")
+    a.set_defaults(func=_app)
 
     sub.add_parser("models", help="list the zoo models").set_defaults(func=_list_models)
     sub.add_parser("tasks", help="list the tasks").set_defaults(func=_list_tasks)

@@ -22,8 +22,10 @@ def _click_point(fig, i):
 
 def test_edit_apply_and_charts(app):
     assert [o[1] for o in app.layers.options] == ["fc1", "fc2", "fc3"]
-    app.apply_button.click()                        # the reference point
-    assert len(app.size_chart.data[0].x) == 1
+    assert len(app.size_chart.data[0].x) == 1       # the reference, measured when the workbench is built
+    assert app.size_chart.layout.xaxis.title.text == "size (MiB, lower is better)"
+    app.apply_button.click()
+    assert "nothing changed" in app.status.value and len(app.session.history) == 1
     app.pattern.value = "fc[12]"
     app.select_button.click()
     assert app.layers.value == ("fc1", "fc2")
@@ -88,7 +90,11 @@ def test_errors_are_shown_not_raised(app):
     app.session.assigned["fc2"] = wb.quant.WeightOnly(bits=4, group_size=7)  # bypass the check: fails on apply
     app.apply_button.click()
     assert "ApplyError" in app.status.value and "fc2" in app.status.value
-    assert not app.session.history and not app.apply_button.disabled
+    assert len(app.session.history) == 1 and not app.apply_button.disabled and app.progress_label.value == "failed"
+    app.group.value = 32
+    app.layers.value = ("fc3",)   # fc3 has 128 inputs: fine; a conv with 9 would be refused when set
+    app.set_button.click()
+    assert "#b00020" not in app.status.value
     app.pattern.value = "nothing*"
     app.select_button.click()
     assert "no editable layer matches" in app.status.value

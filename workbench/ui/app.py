@@ -38,10 +38,12 @@ def _default_candidates() -> dict[str, Config]:
 
 class Workbench:
     """See the module docstring. ``candidates``: the configs the sensitivity tab compares (default:
-    int8, int4 g64, 50 % sparse); ``quick``/``calibration``/``threads`` go to the `Session`."""
+    int8, int4 g64, 50 % sparse); ``quick``/``calibration``/``threads`` go to the `Session`;
+    ``reference``: measure the unchanged model first (the charts' first point)."""
 
     def __init__(self, model, task, candidates: Sequence[Config] | Mapping[str, Config] | None = None, *,
-                 quick: bool = True, calibration: int = 32, threads: int | None = None, background: bool = True):
+                 quick: bool = True, calibration: int = 32, threads: int | None = None, background: bool = True,
+                 reference: bool = True):
         import ipywidgets as W
 
         self.session = Session(model, task, quick=quick, calibration=calibration, threads=threads)
@@ -58,7 +60,8 @@ class Workbench:
         self.select_button = W.Button(description="Select matching")
         self.technique = W.Dropdown(options=TECHNIQUES, value="quantize", description="technique")
         self.bits = W.Dropdown(options=[8, 4, 3, 2], value=8, description="bits")
-        self.group = W.Dropdown(options=[("per channel", None), ("32", 32), ("64", 64), ("128", 128)], value=None,
+        # 0 stands for "one group per output channel" (a Dropdown value of None would show as no selection)
+        self.group = W.Dropdown(options=[("per channel", 0), ("32", 32), ("64", 64), ("128", 128)], value=0,
                                 description="group size")
         self.method = W.Dropdown(options=["rtn", "gptq", "awq", "hqq"], value="rtn", description="method")
         self.sparsity = W.FloatSlider(value=0.5, min=0.05, max=0.95, step=0.05, description="sparsity")
@@ -78,6 +81,8 @@ class Workbench:
         self.export_button = W.Button(description="Export current plan")
         self.import_button = W.Button(description="Import plan")
 
+        if reference:  # the first point, measured before the charts are built (see _tradeoff_figure)
+            self.session.apply_and_measure()
         self.size_chart, self.latency_chart = self._tradeoff_figure("size"), self._tradeoff_figure("latency")
         self.heatmap = self._empty_figure("run the sensitivity analysis to fill this")
         self.roofline_chart = self._empty_figure("apply a plan to compare it with the reference")
@@ -143,9 +148,22 @@ class Workbench:
     def _empty_figure(message: str):
         import plotly.graph_objects as go
 
-        fig = go.FigureWidget()
-        fig.update_layout(template="plotly_white", height=380, title=message)
-        return fig
+        return go.FigureWidget(layout=go.Layout(template="plotly_white", height=380, title=message))
+
+    def _series(self, kind: str) -> dict[str, list]:
+        """The trade-off chart's data: every plan tried, the Pareto front, the latest point."""
+        import pandas as pd
+
+        from workbench.analysis.sweep import pareto
+
+        h = self.session.history
+        if not h:
+            return {"x": [], "y": [], "text": [], "fx": [], "fy": [], "lx": [], "ly": []}
+        df = pd.DataFrame({"x": [e.metrics.size_bytes / 2**20 if kind == "size" else e.metrics.latency_ms for e in h],
+                           "y": [e.quality for e in h]})
+        front = df[pareto(df, "x", "y", y_higher_is_better=self.session.task.primary.higher_is_better)].sort_values("x")
+        return {"x": list(df["x"]), "y": list(df["y"]), "text": [f"{i}: {e.label}" for i, e in enumerate(h)],
+                "fx": list(front["x"]), "fy": list(front["y"]), "lx": [df["x"].iloc[-1]], "ly": [df["y"].iloc[-1]]}
 
     def _tradeoff_figure(self, kind: str):
         import plotly.graph_objects as go
@@ -153,17 +171,20 @@ class Workbench:
         task = self.session.task
         better = "higher" if task.primary.higher_is_better else "lower"
         x_title = "size (MiB, lower is better)" if kind == "size" else "latency (ms, lower is better)"
-        fig = go.FigureWidget([
-            go.Scatter(x=[], y=[], mode="markers", name="plans tried", text=[], marker=dict(size=10),
-                       hovertemplate="%{text}<br>%{x:.4g}<br>%{y:.4g}<extra>click to restore</extra>"),
-            go.Scatter(x=[], y=[], mode="lines", name="Pareto front", line=dict(dash="dot", color="black"),
-                       hoverinfo="skip"),
-            go.Scatter(x=[], y=[], mode="markers", name="latest", marker=dict(size=16, symbol="star", color="red"),
-                       hoverinfo="skip"),
-        ])
-        fig.update_layout(template="plotly_white", height=380, width=520, xaxis_title=x_title,
-                          yaxis_title=f"{task.primary.name} ({better} is better)",
-                          title=f"{task.primary.name} vs {kind}", legend=dict(orientation="h", y=-0.25))
+        d = self._series(kind)
+        # Data and layout go into the constructor: a dashboard (Voila) renders the widget's initial state,
+        # and changes made before its page connects would not reach it.
+        fig = go.FigureWidget(
+            data=[go.Scatter(x=d["x"], y=d["y"], mode="markers", name="plans tried", text=d["text"],
+                             marker=dict(size=10),
+                             hovertemplate="%{text}<br>%{x:.4g}<br>%{y:.4g}<extra>click to restore</extra>"),
+                  go.Scatter(x=d["fx"], y=d["fy"], mode="lines", name="Pareto front",
+                             line=dict(dash="dot", color="black"), hoverinfo="skip"),
+                  go.Scatter(x=d["lx"], y=d["ly"], mode="markers", name="latest",
+                             marker=dict(size=16, symbol="star", color="red"), hoverinfo="skip")],
+            layout=go.Layout(template="plotly_white", height=380, width=520, xaxis_title=x_title,
+                             yaxis_title=f"{task.primary.name} ({better} is better)",
+                             title=f"{task.primary.name} vs {kind}", legend=dict(orientation="h", y=-0.25)))
         fig.data[0].on_click(self._guard(self._on_point_click))
         return fig
 
@@ -193,23 +214,14 @@ class Workbench:
         self._update_charts()
 
     def _update_charts(self) -> None:
-        import pandas as pd
-
-        from workbench.analysis.sweep import pareto
-
-        h = self.session.history
-        if not h:
+        if not self.session.history:
             return
-        task = self.session.task
-        df = pd.DataFrame({"size": [e.metrics.size_bytes / 2**20 for e in h],
-                           "latency": [e.metrics.latency_ms for e in h], "q": [e.quality for e in h]})
-        labels = [f"{i}: {e.label}" for i, e in enumerate(h)]
-        for fig, col in ((self.size_chart, "size"), (self.latency_chart, "latency")):
-            front = df[pareto(df, col, "q", y_higher_is_better=task.primary.higher_is_better)].sort_values(col)
+        for fig, kind in ((self.size_chart, "size"), (self.latency_chart, "latency")):
+            d = self._series(kind)
             with fig.batch_update():
-                fig.data[0].x, fig.data[0].y, fig.data[0].text = list(df[col]), list(df["q"]), labels
-                fig.data[1].x, fig.data[1].y = list(front[col]), list(front["q"])
-                fig.data[2].x, fig.data[2].y = [df[col].iloc[-1]], [df["q"].iloc[-1]]
+                fig.data[0].x, fig.data[0].y, fig.data[0].text = d["x"], d["y"], d["text"]
+                fig.data[1].x, fig.data[1].y = d["fx"], d["fy"]
+                fig.data[2].x, fig.data[2].y = d["lx"], d["ly"]
 
     def _update_views(self) -> None:
         from workbench.plots import roofline, size_breakdown
@@ -240,7 +252,7 @@ class Workbench:
         if t == "none":
             return None
         if t == "quantize":
-            return quant.WeightOnly(bits=self.bits.value, group_size=self.group.value, method=self.method.value,
+            return quant.WeightOnly(bits=self.bits.value, group_size=self.group.value or None, method=self.method.value,
                                     symmetric=self.method.value != "hqq")
         if t == "prune":
             return prune.Magnitude(round(self.sparsity.value, 4))
@@ -322,8 +334,12 @@ class Workbench:
         try:
             entry = self.session.apply_and_measure(progress=progress, cancel=self._cancel)
         except Cancelled as e:
+            self.progress.value, self.progress_label.value = 0.0, "cancelled"
             self._say(str(e))
             return
+        except Exception:
+            self.progress.value, self.progress_label.value = 0.0, "failed"
+            raise
         finally:
             self.apply_button.disabled, self.cancel_button.disabled = False, True
         m = entry.metrics

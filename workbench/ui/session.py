@@ -86,9 +86,24 @@ class Session:
         for name in layers:
             if name not in self._modules:
                 raise ValueError(f"{name!r} is not an editable layer of {type(self.original).__name__}")
-            if config is not None and not handler_for(config).supports(self._modules[name], config):
+            if config is None:
+                continue
+            handler = handler_for(config)
+            module = self._modules[name]
+            if not handler.supports(module, config):
                 raise ValueError(f"{type(config).__name__} cannot be applied to layer {name!r} "
-                                 f"({type(self._modules[name]).__name__})")
+                                 f"({type(module).__name__})")
+            try:  # the structure alone (no values, no calibration): catches e.g. a group size that does not divide
+                handler.skeleton(name, module, config)
+            except Exception as e:
+                # a structure that depends on the weights (e.g. SVD by energy) has no skeleton: build the layer
+                # itself when that needs no calibration data
+                if handler.needs_calibration(config):
+                    raise ValueError(f"{type(config).__name__} cannot be applied to layer {name!r}: {e}") from None
+                try:
+                    handler.apply(name, module, config, None)
+                except Exception as e2:
+                    raise ValueError(f"{type(config).__name__} cannot be applied to layer {name!r}: {e2}") from None
 
     def set(self, layers: Sequence[str] | str, config: Config | None) -> None:
         """Assign ``config`` (None: leave unchanged) to ``layers``; nothing is assigned if any layer refuses."""

@@ -21,6 +21,8 @@ SMALL = {
     "01_explorer": {"model_name": "digits-mlp", "task_name": "digits", "pattern": "fc*", "bits": 4,
                     "group_size": 32, "threads": 1},
     "app": {"model_name": "digits-mlp", "task_name": "digits", "threads": 1},
+    "02_plan_report": {"model_name": "digits-mlp", "task_name": "digits", "quick": True, "threads": 1,
+                       "calibration": 32},
 }
 
 
@@ -43,8 +45,15 @@ def check_app(rec):
     assert rec["model"] == "digits-mlp" and rec["points"] == 1 and rec["reference_primary"] >= 0.95
 
 
-STATIC_FIGURES = {"00_start_here", "01_explorer"}  # app.ipynb is a live dashboard (Voila), widgets only
-CHECKS = {"00_start_here": check_00_start_here, "01_explorer": check_01_explorer, "app": check_app}
+def check_02_plan_report(rec):
+    assert rec["model"] == "digits-mlp" and rec["layers"] == 3
+    assert rec["reference_primary"] - rec["plan_primary"] <= 0.02
+    assert 0.1 < rec["size_ratio"] < 0.25 and rec["speedup"] > 0
+
+
+STATIC_FIGURES = {"00_start_here", "01_explorer", "02_plan_report"}  # app.ipynb is a live dashboard (Voila), widgets only
+CHECKS = {"00_start_here": check_00_start_here, "01_explorer": check_01_explorer, "app": check_app,
+          "02_plan_report": check_02_plan_report}
 
 
 def test_every_notebook_is_covered():

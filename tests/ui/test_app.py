@@ -52,23 +52,34 @@ def test_edit_apply_and_charts(app):
 
 def test_every_technique_control(app):
     app.layers.value = ("fc3",)
-    expected = {"quantize": "WeightOnly", "prune": "Magnitude", "low-rank": "SVD", "cast": "Cast"}
+    expected = {"quantize": "WeightOnly", "w8a8": "Static", "prune": "Magnitude", "low-rank": "SVD", "cast": "Cast"}
     for technique, cls in expected.items():
         app.technique.value = technique
-        visible = {w.description for w in (app.bits, app.group, app.method, app.sparsity, app.energy, app.dtype)
-                   if w.layout.display != "none"}
+        controls = (app.bits, app.group, app.method, app.activations, app.kernel, app.observer, app.sparsity,
+                    app.energy, app.rank, app.dtype)
+        visible = {w.description for w in controls if w.layout.display != "none"}
         assert visible, technique
+        if technique == "w8a8":
+            assert app.kernel.layout.display != "none" and app.observer.layout.display == "none"
+            app.activations.value = "static"
+            assert app.observer.layout.display != "none" and app.kernel.layout.display == "none"
+            app.observer.value = "percentile"
         if technique == "quantize":
             app.method.value = "hqq"
         if technique == "prune":
             app.sparsity.value = 0.7
         if technique == "low-rank":
             app.energy.value = 0.8
+            app.rank.value = 5
         if technique == "cast":
             app.dtype.value = "float16"
         app.set_button.click()
         config = app.session.assigned["fc3"]
         assert type(config).__name__ == cls, app.status.value
+        if technique == "w8a8":
+            assert config.observer == "percentile"
+        if technique == "low-rank":
+            assert config.rank == 5
     assert str(app.session.assigned["fc3"].dtype) == "torch.float16"
     app.technique.value = "none"
     app.set_button.click()
@@ -120,3 +131,17 @@ def test_plan_json_export_import_and_sensitivity(app):
     assert app.heatmap.data and app.heatmap.data[0].type == "heatmap"
     app.samples.value = 16
     assert app.session.calibration == 16
+
+
+@pytest.mark.slow
+def test_report_button_runs_the_plan_report(app, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # reports/ is written under the current directory
+    app.report_button.click()
+    assert "plan is empty" in app.status.value
+    app.session.set("fc*", wb.quant.WeightOnly(bits=4, group_size=32))
+    app.report_button.click()
+    assert "report written" in app.status.value, app.status.value
+    page = tmp_path / "reports" / "plan_report_digits-mlp.html"
+    assert page.exists() and str(page.name) in app.report_link.value
+    rec = wb.reports.recorded(tmp_path / "reports" / "plan_report_digits-mlp.ipynb")
+    assert rec["layers"] == 3 and 0.1 < rec["size_ratio"] < 0.25

@@ -25,7 +25,7 @@ from workbench.ui.session import Cancelled, Session
 
 __all__ = ["Workbench", "TECHNIQUES"]
 
-TECHNIQUES = ("none", "quantize", "prune", "low-rank", "cast")
+TECHNIQUES = ("none", "quantize", "w8a8", "prune", "low-rank", "cast")
 _STYLE = "<style>.wb-layers select{font-family:monospace;font-size:12px}</style>"
 
 
@@ -66,9 +66,17 @@ class Workbench:
         self.method = W.Dropdown(options=["rtn", "gptq", "awq", "hqq"], value="rtn", description="method")
         self.sparsity = W.FloatSlider(value=0.5, min=0.05, max=0.95, step=0.05, description="sparsity")
         self.energy = W.FloatSlider(value=0.9, min=0.5, max=1.0, step=0.01, description="SVD energy")
+        self.rank = W.BoundedIntText(value=0, min=0, max=1_000_000, description="SVD rank",
+                                     tooltip="0: choose the rank by the energy kept")
+        self.activations = W.Dropdown(options=["dynamic", "static"], value="dynamic", description="activations")
+        self.kernel = W.Dropdown(options=["cpu", "reference"], value="cpu", description="kernel")
         self.dtype = W.Dropdown(options=["bfloat16", "float16"], value="bfloat16", description="dtype")
         self.set_button = W.Button(description="Set for selected", button_style="info")
         self.samples = W.BoundedIntText(value=calibration, min=1, max=100_000, description="calib. samples")
+        from workbench.quantization.observers import OBSERVERS
+
+        self.observer = W.Dropdown(options=list(OBSERVERS), value="minmax", description="observer",
+                                   tooltip="activation range observer of static W8A8")
         self.estimate_box = W.HTML()
         self.progress = W.FloatProgress(value=0.0, min=0.0, max=1.0, description="", layout=W.Layout(width="300px"))
         self.progress_label = W.Label()
@@ -80,6 +88,9 @@ class Workbench:
         self.plan_text = W.Textarea(layout=W.Layout(width="100%", height="220px"))
         self.export_button = W.Button(description="Export current plan")
         self.import_button = W.Button(description="Import plan")
+        self.report_button = W.Button(description="Report", tooltip="run notebooks/02_plan_report.ipynb with "
+                                      "the current plan (papermill) and link the HTML")
+        self.report_link = W.HTML()
 
         if reference:  # the first point, measured before the charts are built (see _tradeoff_figure)
             self.session.apply_and_measure()
@@ -98,19 +109,24 @@ class Workbench:
         self.export_button.on_click(self._guard(lambda _: setattr(self.plan_text, "value",
                                                                   self.session.plan.to_json(indent=2))))
         self.import_button.on_click(self._guard(self._on_import))
+        self.report_button.on_click(self._guard(self._on_report))
         self.samples.observe(self._guard(self._on_samples), names="value")
         self.technique.observe(lambda _: self._show_controls(), names="value")
         self.method.observe(lambda _: self._show_controls(), names="value")
+        self.activations.observe(lambda _: self._show_controls(), names="value")
 
         controls = W.VBox([W.HBox([self.pattern, self.select_button]),
                            W.HBox([self.technique, self.bits, self.group]),
-                           W.HBox([self.method, self.sparsity, self.energy, self.dtype]),
+                           W.HBox([self.method, self.activations, self.kernel, self.sparsity, self.energy,
+                                   self.rank, self.dtype]),
                            W.HBox([self.set_button, self.undo_button, self.redo_button])])
-        calibration_box = W.VBox([W.HTML("<b>Calibration</b> (GPTQ / AWQ)"), self.samples, self.estimate_box])
+        calibration_box = W.VBox([W.HTML("<b>Calibration</b> (GPTQ / AWQ / static W8A8)"),
+                                  W.HBox([self.samples, self.observer]), self.estimate_box])
         run = W.HBox([self.apply_button, self.cancel_button, self.progress, self.progress_label])
         self.tabs = W.Tab(children=[W.HBox([self.size_chart, self.latency_chart]),
                                     W.VBox([self.sens_button, self.heatmap]), self.roofline_chart, self.size_figure,
-                                    W.VBox([W.HBox([self.export_button, self.import_button]), self.plan_text])])
+                                    W.VBox([W.HBox([self.export_button, self.import_button, self.report_button]),
+                                            self.report_link, self.plan_text])])
         for i, title in enumerate(["Trade-offs", "Sensitivity", "Roofline", "Size", "Plan JSON"]):
             self.tabs.set_title(i, title)
         self.widget = W.VBox([W.HTML(_STYLE), W.HTML(self._title()), self.layers, controls, calibration_box, run,
@@ -191,7 +207,10 @@ class Workbench:
     def _show_controls(self) -> None:
         t = self.technique.value
         visible = {self.bits: t == "quantize", self.group: t == "quantize", self.method: t == "quantize",
-                   self.sparsity: t == "prune", self.energy: t == "low-rank", self.dtype: t == "cast"}
+                   self.activations: t == "w8a8", self.kernel: t == "w8a8" and self.activations.value == "dynamic",
+                   self.observer: t == "w8a8" and self.activations.value == "static",
+                   self.sparsity: t == "prune", self.energy: t == "low-rank", self.rank: t == "low-rank",
+                   self.dtype: t == "cast"}
         for widget, show in visible.items():
             widget.layout.display = None if show else "none"
 
@@ -254,9 +273,15 @@ class Workbench:
         if t == "quantize":
             return quant.WeightOnly(bits=self.bits.value, group_size=self.group.value or None, method=self.method.value,
                                     symmetric=self.method.value != "hqq")
+        if t == "w8a8":
+            if self.activations.value == "dynamic":
+                return quant.Dynamic(kernel=self.kernel.value)
+            return quant.Static(observer=self.observer.value)
         if t == "prune":
             return prune.Magnitude(round(self.sparsity.value, 4))
         if t == "low-rank":
+            if self.rank.value > 0:
+                return lowrank.SVD(rank=int(self.rank.value))
             return lowrank.SVD(energy=round(self.energy.value, 4))
         return precision.Cast(getattr(torch, self.dtype.value))
 
@@ -290,6 +315,39 @@ class Workbench:
         self.session.load_plan(self.plan_text.value)
         self._refresh()
         self._say(f"plan imported: {len(self.session.assigned)} layer(s) assigned; click Apply & measure")
+
+    def report(self, out_dir: str = "reports", quick: bool | None = None):
+        """Run the plan-report notebook with the current plan; returns (executed notebook, HTML) paths."""
+        from pathlib import Path
+
+        from workbench import models
+        from workbench.reports import run_notebook
+
+        name = models.source_of(self.session.original)
+        if name is None:
+            raise ValueError("Report reloads the model by its zoo name, and this model is not from wb.models; "
+                             "export the plan and use wb.sweep / wb.measure on your model instead")
+        notebook = Path(__file__).resolve().parents[2] / "notebooks" / "02_plan_report.ipynb"
+        params = {"model_name": name, "task_name": self.session.task.name, "plan_json": self.session.plan.to_json(),
+                  "calibration": self.session.calibration, "quick": self.session.quick if quick is None else quick,
+                  "threads": self.session.threads or torch.get_num_threads()}
+        return run_notebook(notebook, params, out_dir=out_dir, name=f"plan_report_{name}")
+
+    def _on_report(self, _=None) -> None:
+        if not self.session.assigned:
+            raise ValueError("the plan is empty: set a technique on some layers first")
+        self._say("running the report notebook ...")
+
+        def run():
+            nb, page = self.report()
+            self.report_link.value = (f"<a href='{html.escape(str(page))}' target='_blank'>{html.escape(str(page))}"
+                                      f"</a> (executed notebook: {html.escape(str(nb))})")
+            self._say(f"report written: {page}")
+
+        if self.background:
+            threading.Thread(target=self._guard(run), daemon=True).start()
+        else:
+            run()
 
     def _on_point_click(self, trace, points, state) -> None:
         if not points.point_inds:

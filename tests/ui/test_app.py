@@ -145,3 +145,16 @@ def test_report_button_runs_the_plan_report(app, tmp_path, monkeypatch):
     assert page.exists() and str(page.name) in app.report_link.value
     rec = wb.reports.recorded(tmp_path / "reports" / "plan_report_digits-mlp.ipynb")
     assert rec["layers"] == 3 and 0.1 < rec["size_ratio"] < 0.25
+
+
+def test_cancel_button_stops_an_apply_and_changes_nothing(app):
+    app.layers.value = ("fc1",)
+    app.technique.value = "quantize"
+    app.set_button.click()
+    before = app.session.work.fc1
+    # the user presses Cancel while the apply is under way (here: as soon as its progress bar moves)
+    app.progress.observe(lambda change: app.cancel_button.click(), names="value")
+    app.apply_button.click()
+    assert "cancelled" in app.status.value and app.progress_label.value == "cancelled"
+    assert app.session.work.fc1 is before and len(app.session.history) == 1
+    assert app.session.changed == ["fc1"] and not app.apply_button.disabled

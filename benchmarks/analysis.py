@@ -24,8 +24,9 @@ def candidates() -> dict:
             "50% sparse": wb.prune.Magnitude(0.5)}
 
 
-def bench_analysis(model_name: str = "minilm", task_name: str | None = None, layers: str | None = "encoder.*", threads: int = 2,
-                   budget_fraction: float = 0.35, out: str | Path | None = None, quick_verify: bool = False):
+def bench_analysis(model_name: str = "minilm", task_name: str | None = None, layers: str | None = "encoder.*",
+                   threads: int = 2, budget_fraction: float = 0.35, out: str | Path | None = None,
+                   quick_verify: bool = False, compare_replay: bool = False):
     import pandas as pd
 
     model, task = wb.models.load(model_name), wb.tasks.load(task_name or model_name)
@@ -38,6 +39,12 @@ def bench_analysis(model_name: str = "minilm", task_name: str | None = None, lay
         t0 = time.perf_counter()
         cached = wb.sensitivity(model, task, cands, layers, cache=cache, progress=False)
         warm = time.perf_counter() - t0
+        no_replay = float("nan")
+        if compare_replay:  # the same cold run without prefix replay: slower, identical values
+            t0 = time.perf_counter()
+            full = wb.sensitivity(model, task, cands, layers, cache=False, replay=False, progress=False)
+            no_replay = time.perf_counter() - t0
+            assert full["value"].equals(table["value"])
     assert cached["value"].equals(table["value"])
     uniform = wb.analysis.uniform_plans(table)
     int4_bytes = int(table[table.candidate == "int4 g64"]["size_after"].sum())
@@ -49,15 +56,14 @@ def bench_analysis(model_name: str = "minilm", task_name: str | None = None, lay
             plans[label], reports[label] = plan, report
         df = wb.sweep(model, task, {**uniform, **plans}, quick=quick_verify, threads=threads, progress=False,
                       path=Path(out) / "analysis_sweep.csv" if out else None)
-    searched_bytes = {}
-    for label in list(uniform) + list(plans):
-        compressed = wb.apply(model, (uniform | plans)[label], progress=False)
-        searched_bytes[label] = sum(wb.size_bytes(compressed.get_submodule(n)) for n in table["layer"].unique())
-    df["layers_bytes"] = df["label"].map(searched_bytes)
+    # Plans change only the searched layers, so their bytes are the model's minus the untouched rest.
     fp32_layers = int(table.groupby("layer")["size_before"].first().sum())
+    rest = int(df.loc[df["label"] == "reference", "size_bytes"].iloc[0]) - fp32_layers
+    df["layers_bytes"] = df["size_bytes"] - rest
     df["layers_fraction"] = df["layers_bytes"] / fp32_layers
     timings = pd.DataFrame([{"model": model_name, "layers": table["layer"].nunique(), "candidates": len(cands),
-                             "threads": threads, "cold_s": cold, "cached_s": warm, "replay": table.attrs["replay"]}])
+                             "threads": threads, "cold_s": cold, "cached_s": warm, "cold_without_replay_s": no_replay,
+                             "replay": table.attrs["replay"]}])
     predicted = pd.DataFrame([{"plan": label, "budget_bytes": r.limit, "predicted": r.predicted_quality,
                                "measured_quick" if quick_verify else "measured": r.measured_quality,
                                "bytes": r.measured_cost, "choices": r.choices["option"].value_counts().to_dict()}
@@ -70,11 +76,13 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--budget", type=float, default=0.35)
     p.add_argument("--out", default="reports")
+    p.add_argument("--compare-replay", action="store_true", help="also time a cold run without prefix replay")
     args = p.parse_args(argv)
     import pandas as pd
 
     pd.set_option("display.width", 200)
-    timings, predicted, df = bench_analysis(threads=args.threads, budget_fraction=args.budget, out=args.out)
+    timings, predicted, df = bench_analysis(threads=args.threads, budget_fraction=args.budget, out=args.out,
+                                        compare_replay=args.compare_replay)
     print(timings.to_string(index=False))
     print(predicted.to_string(index=False))
     primary = df.attrs["primary"]

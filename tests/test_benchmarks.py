@@ -19,8 +19,9 @@ def test_bench_analysis_smoke():
     from benchmarks.analysis import bench_analysis
 
     timings, predicted, df = bench_analysis("digits-mlp", "digits", layers=None, threads=1, budget_fraction=0.5,
-                                            quick_verify=True)
+                                            quick_verify=True, compare_replay=True)
     assert timings.loc[0, "layers"] == 3 and timings.loc[0, "cached_s"] < timings.loc[0, "cold_s"]
+    assert timings.loc[0, "cold_without_replay_s"] > 0
     assert (predicted["bytes"] <= predicted["budget_bytes"]).all()
     assert list(df["label"][:4]) == ["reference", "int8", "int4 g64", "50% sparse"]
     assert df["pareto_size"].any() and (df["layers_fraction"].iloc[1:] <= 1.3).all()

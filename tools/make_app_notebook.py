@@ -1,8 +1,7 @@
 """Write notebooks/app.ipynb - the dashboard `workbench app` serves with Voila (run after editing the cells)."""
-from pathlib import Path
+from nbformat.v4 import new_code_cell, new_markdown_cell
 
-import nbformat
-from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+from notebook_writer import write
 
 cells = [
     new_markdown_cell("""# Compression workbench
@@ -26,10 +25,4 @@ app"""),
                   reference_primary=app.session.history[0].quality)"""),
 ]
 
-nb = new_notebook(cells=cells, metadata={
-    "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
-    "language_info": {"name": "python"},
-})
-out = Path(__file__).resolve().parent.parent / "notebooks" / "app.ipynb"
-nbformat.write(nb, str(out))
-print(f"wrote {out}")
+write("app", cells)

@@ -1,8 +1,7 @@
 """Write notebooks/01_explorer.ipynb from the cells below (run after editing them)."""
-from pathlib import Path
+from nbformat.v4 import new_code_cell, new_markdown_cell
 
-import nbformat
-from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+from notebook_writer import write
 
 cells = [
     new_markdown_cell("""# The explorer: edit a model layer by layer and watch the measured trade-offs move
@@ -67,10 +66,4 @@ wb.reports.record(
 )"""),
 ]
 
-nb = new_notebook(cells=cells, metadata={
-    "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
-    "language_info": {"name": "python"},
-})
-out = Path(__file__).resolve().parent.parent / "notebooks" / "01_explorer.ipynb"
-nbformat.write(nb, str(out))
-print(f"wrote {out}")
+write("01_explorer", cells)

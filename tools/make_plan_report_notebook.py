@@ -1,9 +1,8 @@
 """Write notebooks/02_plan_report.ipynb - the report of one plan against its reference (the workbench's
 "Report" button runs it; run this script after editing the cells)."""
-from pathlib import Path
+from nbformat.v4 import new_code_cell, new_markdown_cell
 
-import nbformat
-from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+from notebook_writer import write
 
 cells = [
     new_markdown_cell("""# Plan report: one compression plan against the unchanged model
@@ -44,10 +43,4 @@ wb.plots.size_breakdown(compressed, top=30).show()"""),
 )"""),
 ]
 
-nb = new_notebook(cells=cells, metadata={
-    "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
-    "language_info": {"name": "python"},
-})
-out = Path(__file__).resolve().parent.parent / "notebooks" / "02_plan_report.ipynb"
-nbformat.write(nb, str(out))
-print(f"wrote {out}")
+write("02_plan_report", cells)

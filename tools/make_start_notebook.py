@@ -1,8 +1,7 @@
 """Write notebooks/00_start_here.ipynb from the cells below (run after editing them)."""
-from pathlib import Path
+from nbformat.v4 import new_code_cell, new_markdown_cell
 
-import nbformat
-from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+from notebook_writer import write
 
 cells = [
     new_markdown_cell("""# Start here: measure a model, compress some layers, measure again
@@ -96,10 +95,4 @@ read them back."""),
 )"""),
 ]
 
-nb = new_notebook(cells=cells, metadata={
-    "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
-    "language_info": {"name": "python"},
-})
-out = Path(__file__).resolve().parent.parent / "notebooks" / "00_start_here.ipynb"
-nbformat.write(nb, str(out))
-print(out)
+write("00_start_here", cells)

@@ -75,10 +75,5 @@ class ResultCache:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"key": key, "row": row}, default=_jsonable) + "\n")
+            f.write(json.dumps({"key": key, "row": row}, default=str) + "\n")
 
-
-def _jsonable(value):
-    if isinstance(value, float):
-        return value
-    return str(value)

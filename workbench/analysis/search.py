@@ -19,7 +19,7 @@ from torch import nn
 
 from workbench.analysis import candidates as cands_mod
 from workbench.plans.plan import Plan
-from workbench.plans.registry import Config, config_from_dict, handler_for
+from workbench.plans.registry import Config, config_from_dict
 from workbench.tasks.base import Task, check_model
 
 __all__ = ["Budget", "SearchReport", "search", "solve", "uniform_plans"]
@@ -253,14 +253,10 @@ def search(model: nn.Module, task: Task | str, candidates: Sequence[Config] | Ma
 
 
 def _verify(model, task, plan: Plan, report: SearchReport, layers, calibration, quick, progress) -> None:
+    from workbench.analysis.sweep import apply_with_task
     from workbench.measurement.metrics import measure
-    from workbench.plans.apply import apply
 
-    needs = any(handler_for(c).needs_calibration(c) for c in plan.values() if c is not None)
-    batches = None
-    if needs:
-        batches = task.calibration(calibration) if isinstance(calibration, int) else calibration
-    compressed = apply(model, plan, calibration=batches, progress=progress) if len(plan) else model
+    compressed = apply_with_task(model, task, plan, calibration, progress) if len(plan) else model
     metrics = measure(compressed, task, quick=quick, progress=progress)
     report.measured = metrics
     report.measured_quality = float(metrics.quality[report.metric]) if report.metric in metrics.quality else float("nan")

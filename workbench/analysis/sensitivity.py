@@ -21,6 +21,7 @@ import json
 import time
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
@@ -93,9 +94,7 @@ def _calibration_batches(task: Task, calibration, model: nn.Module):
 
     if calibration is None:
         return None
-    if isinstance(calibration, int) and not isinstance(calibration, bool):
-        return normalize_calibration(task.calibration(calibration), model)
-    return normalize_calibration(calibration, model)
+    return normalize_calibration(task.calibration(calibration) if isinstance(calibration, int) else calibration, model)
 
 
 def _calibration_key(calibration) -> Any:
@@ -271,7 +270,7 @@ def sensitivity(model: nn.Module, task: Task | str, candidates: Sequence[Config]
     store = ResultCache(None)
     fp = fingerprint(model)
     if cache:
-        folder = cache_dir() if cache is True else __import__("pathlib").Path(cache)
+        folder = cache_dir() if cache is True else Path(cache)
         store = ResultCache(folder / "sensitivity" / f"{fp}-{task.name}.jsonl")
     common = {"v": CACHE_VERSION, "fp": fp, "task": task.name, "metric": metric, "quick": quick,
               "calibration": _calibration_key(calibration),

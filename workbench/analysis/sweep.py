@@ -63,22 +63,28 @@ def _as_plans(plans) -> list[tuple[str, Plan]]:
     return out
 
 
+def apply_with_task(model: nn.Module, task: Task, plan: Plan, calibration, progress: bool = False) -> nn.Module:
+    """`wb.apply` with calibration drawn from ``task`` when the plan needs it (``calibration``: a number of
+    samples of the task's calibration split, or input batches)."""
+    from workbench.plans.apply import apply
+
+    batches = None
+    if any(handler_for(c).needs_calibration(c) for c in plan.values() if c is not None):
+        if calibration is None:
+            raise ValueError("the plan needs calibration data; pass calibration=<samples>")
+        batches = task.calibration(calibration) if isinstance(calibration, int) else calibration
+    return apply(model, plan, calibration=batches, progress=progress)
+
+
 def _measure_plan(model: nn.Module, task: Task, label: str, plan: Plan | None, opts: _SweepOptions) -> dict:
     """Executor job: apply ``plan`` and measure; one row."""
     from workbench.measurement.metrics import measure
-    from workbench.plans.apply import apply
 
     t0 = time.perf_counter()
     compressed = model
     if plan is not None:
-        needs = any(handler_for(c).needs_calibration(c) for c in plan.values() if c is not None)
-        batches = None
-        if needs:
-            if opts.calibration is None:
-                raise ValueError(f"plan {label!r} needs calibration data; pass calibration=<samples>")
-            batches = task.calibration(opts.calibration) if isinstance(opts.calibration, int) else opts.calibration
         try:
-            compressed = apply(model, plan, calibration=batches, progress=False)
+            compressed = apply_with_task(model, task, plan, opts.calibration)
         except Exception as e:
             raise ValueError(f"sweep plan {label!r}: {e}") from e
     m = measure(compressed, task, quick=opts.quick, batch_size=opts.batch_size, threads=opts.threads,

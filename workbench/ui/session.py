@@ -127,19 +127,18 @@ class Session:
             self._redo.clear()
             self.assigned = new
 
-    def undo(self) -> bool:
-        if not self._undo:
+    def _step(self, source: list, target: list) -> bool:
+        if not source:
             return False
-        self._redo.append(dict(self.assigned))
-        self.assigned = self._undo.pop()
+        target.append(dict(self.assigned))
+        self.assigned = source.pop()
         return True
 
+    def undo(self) -> bool:
+        return self._step(self._undo, self._redo)
+
     def redo(self) -> bool:
-        if not self._redo:
-            return False
-        self._undo.append(dict(self.assigned))
-        self.assigned = self._redo.pop()
-        return True
+        return self._step(self._redo, self._undo)
 
     @property
     def can_undo(self) -> bool:

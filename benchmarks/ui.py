@@ -11,6 +11,8 @@ import argparse
 import statistics
 import time
 
+import torch
+
 import workbench as wb
 
 CASES = (("digits-cnn", "digits"), ("mnist1d-cnn", "mnist1d"), ("minilm", "minilm"))
@@ -26,7 +28,7 @@ def bench_ui(cases=CASES, threads: int = 2, edits: int = 3):
         app = wb.ui.Workbench(model, task, threads=threads, background=False)  # measures the reference
         first = time.perf_counter() - t0
         layers = [n for n in app.session.layer_names
-                  if type(app.session._modules[n]).__name__ == "Linear"][:edits]
+                  if isinstance(model.get_submodule(n), torch.nn.Linear)][:edits]
         times = []
         for name in layers:
             app.layers.value = (name,)

@@ -10,6 +10,8 @@ import dataclasses
 import enum
 from typing import Mapping, Sequence
 
+import torch
+
 from workbench.plans.registry import Config, config_to_dict, handler_for
 
 __all__ = ["label", "normalize"]
@@ -18,7 +20,7 @@ __all__ = ["label", "normalize"]
 def _short(value) -> str:
     if isinstance(value, enum.Enum):
         return repr(value.value)
-    if hasattr(value, "is_floating_point") or type(value).__module__ == "torch":
+    if isinstance(value, torch.dtype):
         return str(value).removeprefix("torch.")
     return repr(value)
 

@@ -303,7 +303,6 @@ class Workbench:
 
     def _on_samples(self, change) -> None:
         self.session.calibration = int(change["new"])
-        self.session._inputs.clear()
         self._show_estimate()
 
     def _show_estimate(self) -> None:

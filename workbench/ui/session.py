@@ -58,6 +58,7 @@ class Session:
             raise TypeError(f"expected a wb.tasks.Task or a task name, got {type(task).__name__}")
         self.original = model
         self.work = copy.deepcopy(model).eval()
+        self._inputs: dict[str, list] = {}
         self.quick, self.calibration, self.threads, self.batch_size = quick, calibration, threads, batch_size
         modules = dict(model.named_modules())
         self.layer_names = [n for n, m in model.named_modules() if n and type(m) in LAYER_TYPES]
@@ -69,7 +70,6 @@ class Session:
         self.history: list[Entry] = []
         self._undo: list[dict[str, Config]] = []
         self._redo: list[dict[str, Config]] = []
-        self._inputs: dict[str, list] = {}
         self.sensitivity = None  # a wb.sensitivity table, when computed
 
     # --- editing ---------------------------------------------------------------------------------
@@ -176,6 +176,18 @@ class Session:
         return [n for n in self.layer_names if self.assigned.get(n) != self.applied.get(n)]
 
     # --- applying and measuring ------------------------------------------------------------------
+    @property
+    def calibration(self) -> int:
+        """Calibration samples for configs that need them; changing it drops the recorded layer inputs."""
+        return self._calibration
+
+    @calibration.setter
+    def calibration(self, n: int) -> None:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"calibration must be a positive number of samples, got {n!r}")
+        self._calibration = n
+        self._inputs.clear()
+
     def _calibration_inputs(self, names: list[str]) -> dict[str, list]:
         from workbench.plans.apply import _capture_inputs, normalize_calibration
 

@@ -1,64 +1,27 @@
-"""Every notebook in notebooks/ runs headless under papermill (small parameters) and records its metrics.
+"""The notebooks as a regression suite: every notebook in notebooks/ runs headless under papermill with the
+parameters of its golden file (data/golden/NAME.json) and its recorded metrics are compared with the goldens.
 
-Notebooks only call the package: no `def` or `class`, exactly one cell tagged `parameters`.
+Rules for every notebook: it only calls the package (no `def`, `class` or `lambda`), has exactly one cell tagged
+`parameters`, is committed without outputs, and (except the live dashboard) shows charts in its HTML report.
 """
 import ast
-import json
 from pathlib import Path
 
 import nbformat
 import pytest
 
-from workbench.cli import main
+from workbench import goldens
 from workbench.reports import recorded
+from workbench.cli import main
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
-
-# Small parameters per notebook (the defaults are the full-size report), and checks on what it records.
-SMALL = {
-    "00_start_here": {"model_name": "digits-mlp", "task_name": "digits", "pattern": "fc*", "quick": True,
-                      "threads": 1},
-    "01_explorer": {"model_name": "digits-mlp", "task_name": "digits", "pattern": "fc*", "bits": 4,
-                    "group_size": 32, "threads": 1},
-    "app": {"model_name": "digits-mlp", "task_name": "digits", "threads": 1},
-    "02_plan_report": {"model_name": "digits-mlp", "task_name": "digits", "quick": True, "threads": 1,
-                       "calibration": 32},
-}
+DASHBOARDS = {"app"}  # a live Voila dashboard: widgets only, no static charts in its HTML
 
 
-def check_00_start_here(rec):
-    assert rec["model"] == "digits-mlp" and rec["primary_metric"] == "accuracy"
-    assert rec["baseline_primary"] >= 0.95
-    assert abs(rec["compressed_primary"] - rec["baseline_primary"]) <= 0.01
-    assert rec["size_ratio"] == pytest.approx(0.5)
-    assert rec["reload_identical"] is True
-
-
-def check_01_explorer(rec):
-    assert rec["model"] == "digits-mlp" and rec["primary_metric"] == "accuracy" and rec["points"] == 2
-    assert rec["reference_primary"] >= 0.95 and rec["reference_primary"] - rec["edited_primary"] <= 0.02
-    assert 0.1 < rec["size_ratio"] < 0.25  # int4 g32: 4 bits + an fp16 scale per 32 weights (~0.16x)
-    assert [e["pattern"] for e in json.loads(rec["plan"])["entries"]] == ["fc1", "fc2", "fc3"]
-
-
-def check_app(rec):
-    assert rec["model"] == "digits-mlp" and rec["points"] == 1 and rec["reference_primary"] >= 0.95
-
-
-def check_02_plan_report(rec):
-    assert rec["model"] == "digits-mlp" and rec["layers"] == 3
-    assert rec["reference_primary"] - rec["plan_primary"] <= 0.02
-    assert 0.1 < rec["size_ratio"] < 0.25 and rec["speedup"] > 0
-
-
-STATIC_FIGURES = {"00_start_here", "01_explorer", "02_plan_report"}  # app.ipynb is a live dashboard (Voila), widgets only
-CHECKS = {"00_start_here": check_00_start_here, "01_explorer": check_01_explorer, "app": check_app,
-          "02_plan_report": check_02_plan_report}
-
-
-def test_every_notebook_is_covered():
+def test_every_notebook_has_a_golden_file():
     assert NOTEBOOKS, "no notebooks found"
-    assert {p.stem for p in NOTEBOOKS} == set(SMALL) == set(CHECKS)
+    have = {g.notebook for g in goldens.load_all()}
+    assert {p.stem for p in NOTEBOOKS} == have, "every notebook needs data/golden/NAME.json (and only those)"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
@@ -74,19 +37,28 @@ def test_notebook_rules(path):
                                                              ast.Lambda))]
         assert not defs, f"{path.name}: notebooks only call the package; found a definition in:\n{cell.source}"
         assert not cell.get("outputs"), f"{path.name}: commit notebooks without outputs"
+    golden = goldens.load(path.stem)
+    declared = {t.id for n in ast.walk(ast.parse(params[0].source)) if isinstance(n, ast.Assign) for t in n.targets
+                if isinstance(t, ast.Name)}
+    unknown = set(golden.parameters) - declared
+    assert not unknown, f"{path.name}: the golden file sets parameters the notebook does not declare: {unknown}"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_runs_under_papermill(path, tmp_path):
-    """Through the CLI, as `workbench report NOTEBOOK -p name value ...` runs it."""
-    params = {**SMALL[path.stem], "out_file": str(tmp_path / "model.safetensors")}
+def test_notebook_matches_its_goldens(path, tmp_path):
+    """Through the CLI, as `workbench report NOTEBOOK -p name value ...` runs it; then the golden comparison."""
+    golden = goldens.load(path.stem)
+    params = dict(golden.parameters)
+    if path.stem == "00_start_here":
+        params["out_file"] = str(tmp_path / "model.safetensors")
     argv = ["report", str(path), "--out", str(tmp_path)]
     for key, value in params.items():
         argv += ["-p", key, repr(value)]
     assert main(argv) == 0
     out_nb, out_html = tmp_path / f"{path.stem}.ipynb", tmp_path / f"{path.stem}.html"
-    CHECKS[path.stem](recorded(out_nb))
+    failures = goldens.compare(golden, recorded(out_nb))
+    assert not failures, "\n".join(failures)
     assert out_html.stat().st_size > 1_000_000
-    if path.stem in STATIC_FIGURES:  # the report shows charts without a kernel
+    if path.stem not in DASHBOARDS:  # the report shows charts without a kernel
         assert "Plotly.newPlot" in out_html.read_text()

@@ -3,6 +3,7 @@
     workbench measure --model minilm --task minilm [--plan plan.json] [--quick] [--threads 2]
     workbench report notebooks/00_start_here.ipynb -p model_name digits-mlp -p task_name digits
     workbench app --model digits-cnn --task digits [--port 8866]    # the workbench as a Voila dashboard
+    workbench goldens [NOTEBOOK ...] [--update]                      # notebooks as a regression suite
     workbench models | workbench tasks
 """
 from __future__ import annotations
@@ -75,6 +76,31 @@ def _app(args: argparse.Namespace) -> int:
     return subprocess.call(cmd)
 
 
+def _goldens(args: argparse.Namespace) -> int:
+    """Run notebooks with their golden parameters and compare (or, with --update, rewrite) their metrics."""
+    import tempfile
+
+    from tqdm.auto import tqdm
+
+    from workbench import goldens
+
+    selected = [goldens.load(n) for n in args.notebooks] if args.notebooks else goldens.load_all()
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="workbench-goldens-"))
+    failures: list[str] = []
+    for golden in tqdm(selected, desc="notebooks", unit="nb"):
+        recorded, nb, _ = goldens.run(golden, out)
+        if args.update:
+            goldens.update(golden, recorded)
+            print(f"{golden.notebook}: updated {len(golden.metrics)} metric(s) in {golden.path}")
+            continue
+        found = goldens.compare(golden, recorded)
+        failures += found
+        print(f"{golden.notebook}: {'FAIL' if found else 'ok'} ({len(golden.metrics)} metric(s); executed: {nb})")
+    for f in failures:
+        print(f, file=sys.stderr)
+    return 1 if failures else 0
+
+
 def _list_models(args: argparse.Namespace) -> int:
     from workbench import models
 
@@ -120,6 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--threads", type=int, default=2, help="CPU threads for measurements")
     a.add_argument("--out", default="reports", help="where the parameterised app notebook is written")
     a.set_defaults(func=_app)
+
+    g = sub.add_parser("goldens", help="run notebooks and compare their metrics with data/golden (regression suite)")
+    g.add_argument("notebooks", nargs="*", help="notebook names (default: every golden file)")
+    g.add_argument("--update", action="store_true", help="rewrite the golden values from this run (deliberate)")
+    g.add_argument("--out", default=None, help="where executed notebooks go (default: a temporary folder)")
+    g.set_defaults(func=_goldens)
 
     sub.add_parser("models", help="list the zoo models").set_defaults(func=_list_models)
     sub.add_parser("tasks", help="list the tasks").set_defaults(func=_list_tasks)

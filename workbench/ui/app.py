@@ -88,7 +88,7 @@ class Workbench:
         self.plan_text = W.Textarea(layout=W.Layout(width="100%", height="220px"))
         self.export_button = W.Button(description="Export current plan")
         self.import_button = W.Button(description="Import plan")
-        self.report_button = W.Button(description="Report", tooltip="run notebooks/02_plan_report.ipynb with "
+        self.report_button = W.Button(description="Report", tooltip="run notebooks/90_report.ipynb with "
                                       "the current plan (papermill) and link the HTML")
         self.report_link = W.HTML()
 
@@ -326,8 +326,11 @@ class Workbench:
         if name is None:
             raise ValueError("Report reloads the model by its zoo name, and this model is not from wb.models; "
                              "export the plan and use wb.sweep / wb.measure on your model instead")
-        notebook = Path(__file__).resolve().parents[2] / "notebooks" / "02_plan_report.ipynb"
-        params = {"model_name": name, "task_name": self.session.task.name, "plan_json": self.session.plan.to_json(),
+        notebook = Path(__file__).resolve().parents[2] / "notebooks" / "90_report.ipynb"
+        plan_file = Path(out_dir) / f"plan_report_{name}.plan.json"
+        plan_file.parent.mkdir(parents=True, exist_ok=True)
+        self.session.plan.save(plan_file)
+        params = {"model_name": name, "task_name": self.session.task.name, "plan": str(plan_file.resolve()),
                   "calibration": self.session.calibration, "quick": self.session.quick if quick is None else quick,
                   "threads": self.session.threads or torch.get_num_threads()}
         return run_notebook(notebook, params, out_dir=out_dir, name=f"plan_report_{name}")

@@ -10,7 +10,10 @@
 - ``"mask"`` (default): the dense weight and its mask (`PrunedLinear` / `PrunedConv2d`) - fine-tune it, then
   `finalize` it to another storage;
 - ``"dense"``: a plain layer whose pruned weights are zeros (no bytes saved, nothing to carry);
-- ``"csr"``: `SparseLinear` (nn.Linear only), which stores only the kept weights.
+- ``"csr"``: `SparseLinear` (nn.Linear only), which stores only the kept weights;
+- ``"2:4"``: `SemiStructuredLinear` (nn.Linear, ``NM(2, 4)`` only): the kept half of the weights plus 2-bit
+  positions (0.52x the fp32 bytes); on CUDA its ``kernel="semi_structured"`` path multiplies with
+  ``torch.sparse.to_sparse_semi_structured`` (see `SemiStructuredLinear`).
 
 Masks keep an exact count of weights (``numel - round(sparsity * numel)``; N:M keeps ``n/m``), so a saved
 file's structure follows from its plan alone.
@@ -27,11 +30,11 @@ from workbench.plans.apply import PLANS_ATTR, applied_plans
 from workbench.plans.plan import Plan
 from workbench.plans.registry import Config, register_config
 from workbench.pruning import masks
-from workbench.pruning.modules import PrunedConv2d, PrunedLinear, SparseLinear
+from workbench.pruning.modules import PrunedConv2d, PrunedLinear, SemiStructuredLinear, SparseLinear
 
 __all__ = ["Magnitude", "Random", "NM", "global_plan", "finalize", "STORAGES", "sparsity_of"]
 
-STORAGES = ("mask", "dense", "csr")
+STORAGES = ("mask", "dense", "csr", "2:4")
 
 
 def _mask_for(config, w2d: torch.Tensor) -> torch.Tensor:
@@ -51,6 +54,11 @@ def _kept(config, numel: int) -> int:
 def _build(module: nn.Module, config, mask: torch.Tensor | None) -> nn.Module:
     """The pruned module of ``config.storage``; ``mask`` None builds the empty structure (for wb.load)."""
     w = module.weight
+    if config.storage == "2:4":
+        if mask is None:
+            return SemiStructuredLinear(module.in_features, module.out_features, module.bias is not None,
+                                        dtype=w.dtype, device=w.device)
+        return SemiStructuredLinear.from_dense(w, mask.reshape(w.shape), module.bias)
     if config.storage == "csr":
         if mask is None:
             return SparseLinear(module.in_features, module.out_features, _kept(config, w.numel()),
@@ -72,7 +80,7 @@ def _build(module: nn.Module, config, mask: torch.Tensor | None) -> nn.Module:
 
 class _PruneHandler:
     def supports(self, module: nn.Module, config) -> bool:
-        if config.storage == "csr":
+        if config.storage in ("csr", "2:4"):
             return type(module) in (nn.Linear, PrunedLinear)
         return type(module) in (nn.Linear, nn.Conv2d, PrunedLinear, PrunedConv2d)
 
@@ -109,6 +117,9 @@ def _plain(module: nn.Module) -> nn.Module:
 def _check_storage(config) -> None:
     if config.storage not in STORAGES:
         raise ValueError(f"{type(config).__name__}.storage must be one of {STORAGES}, got {config.storage!r}")
+    if config.storage == "2:4" and not (isinstance(config, NM) and (config.n, config.m) == (2, 4)):
+        raise ValueError(f"storage '2:4' holds 2:4 semi-structured weights: use wb.prune.NM(2, 4, storage='2:4'), "
+                         f"not {config!r}")
 
 
 _HANDLER = _PruneHandler()
@@ -171,7 +182,7 @@ def sparsity_of(model: nn.Module) -> dict[str, float]:
     """Fraction of zero (or masked) weights of each Linear / Conv2d / pruned layer."""
     out = {}
     for name, m in model.named_modules():
-        if isinstance(m, SparseLinear):
+        if isinstance(m, (SparseLinear, SemiStructuredLinear)):
             out[name] = 1 - m.values.numel() / (m.in_features * m.out_features)
         elif isinstance(m, (nn.Linear, nn.Conv2d)):
             w = m.weight * m.mask if hasattr(m, "mask") else m.weight
@@ -181,26 +192,31 @@ def sparsity_of(model: nn.Module) -> dict[str, float]:
 
 def finalize(model: nn.Module, storage: str = "dense") -> nn.Module:
     """A copy of a model pruned with ``storage="mask"`` (e.g. after fine-tuning) with its masks made permanent
-    in ``storage`` ("dense" or "csr"). The recorded plans are rewritten to that storage, so `wb.save` /
-    `wb.load` rebuild the same structure."""
-    if storage not in ("dense", "csr"):
-        raise ValueError(f"finalize storage must be 'dense' or 'csr', got {storage!r}")
+    in ``storage`` ("dense", "csr" or, for 2:4 masks, "2:4"). The recorded plans are rewritten to that storage,
+    so `wb.save` / `wb.load` rebuild the same structure."""
+    if storage not in ("dense", "csr", "2:4"):
+        raise ValueError(f"finalize storage must be 'dense', 'csr' or '2:4', got {storage!r}")
     plans = applied_plans(model)
     target = copy.deepcopy(model)
     replacements = {}
     for name, m in target.named_modules():
         if type(m) in (PrunedLinear, PrunedConv2d):
-            if storage == "csr" and type(m) is PrunedConv2d:
-                raise ValueError(f"{name!r}: CSR storage is for nn.Linear; finalize convolutions as 'dense'")
+            if storage in ("csr", "2:4") and type(m) is PrunedConv2d:
+                raise ValueError(f"{name!r}: {storage} storage is for nn.Linear; finalize convolutions as 'dense'")
             plain = _plain(m)
-            replacements[name] = (SparseLinear.from_dense(plain.weight, m.mask, plain.bias) if storage == "csr"
-                                  else _build(plain, Magnitude(0.0, "dense"), m.mask))
+            if storage == "csr":
+                replacements[name] = SparseLinear.from_dense(plain.weight, m.mask, plain.bias)
+            elif storage == "2:4":
+                replacements[name] = SemiStructuredLinear.from_dense(plain.weight, m.mask, plain.bias, name)
+            else:
+                replacements[name] = _build(plain, Magnitude(0.0, "dense"), m.mask)
     for name, new in replacements.items():
         target.set_submodule(name, new)
 
     def restore(config):
-        return replace(config, storage=storage) if isinstance(config, (Magnitude, Random, NM)) and \
-            config.storage == "mask" else config
+        if not (isinstance(config, (Magnitude, Random, NM)) and config.storage == "mask"):
+            return config
+        return replace(config, storage=storage)  # (a "2:4" finalize only gets here with NM(2, 4): checked above)
 
     object.__setattr__(target, PLANS_ATTR, tuple(Plan({p: (restore(c) if c is not None else None)
                                                        for p, c in plan.items()}) for plan in plans))

@@ -5,6 +5,12 @@
 - `SparseLinear`: the kept weights in CSR form (fp32 values, int32 column indices and row pointers), so
   `measure().size_bytes` really drops - once sparsity is high enough (CSR costs 8 bytes per kept weight,
   dense 4 per weight: it only pays above 50 %). It multiplies with ``torch.sparse.mm``.
+- `SemiStructuredLinear`: a 2:4 weight stored compressed - the two kept values of every group of four along
+  the input dimension (``values`` (out, in/2), the weight's dtype) and their positions (two 2-bit indices per
+  group, two groups per byte: ``meta`` (out, in/8) uint8), i.e. 0.52x the dense bytes for fp32.
+  ``kernel="reference"`` decompresses and runs a dense matmul (any device); ``kernel="semi_structured"``
+  multiplies with ``torch.sparse.to_sparse_semi_structured`` (CUDA, fp16/bf16, shapes its kernels accept) and
+  raises where that cannot run - the path is chosen, never switched silently.
 """
 from __future__ import annotations
 
@@ -14,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["PrunedLinear", "PrunedConv2d", "SparseLinear", "csr_bytes"]
+__all__ = ["PrunedLinear", "PrunedConv2d", "SparseLinear", "SemiStructuredLinear", "csr_bytes"]
 
 
 class PrunedLinear(nn.Linear):
@@ -80,3 +86,107 @@ class SparseLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+
+def _pack_positions(mask: torch.Tensor) -> torch.Tensor:
+    """(out, in) 2:4 mask -> (out, ceil(in / 8)) uint8: per group of 4 the positions p0 < p1 of its two kept
+    values as p0 | p1 << 2 (4 bits), two groups per byte (the low nibble first)."""
+    from workbench.quantization import packing
+
+    rows, K = mask.shape
+    pos = mask.reshape(rows, K // 4, 4).nonzero()[:, 2].reshape(rows, K // 4, 2)        # sorted per group
+    codes = (pos[..., 0] | (pos[..., 1] << 2)).to(torch.uint8)                           # (out, in/4)
+    return packing.pack(codes, 4)
+
+
+def _unpack_positions(meta: torch.Tensor, groups: int) -> torch.Tensor:
+    """Inverse of `_pack_positions`: (out, groups, 2) int64 positions within each group."""
+    from workbench.quantization import packing
+
+    codes = packing.unpack(meta, 4, groups).long()                                       # (out, in/4)
+    return torch.stack([codes & 3, codes >> 2], dim=-1)
+
+
+SEMI_STRUCTURED_KERNELS = ("reference", "semi_structured")
+
+
+class SemiStructuredLinear(nn.Module):
+    """y = x W^T + b with a 2:4 sparse W stored compressed (see the module docstring)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype=torch.float32, device=None,
+                 kernel: str = "reference"):
+        super().__init__()
+        if in_features % 4:
+            raise ValueError(f"2:4 storage needs the input dimension to be a multiple of 4, got {in_features}")
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("values", torch.zeros(out_features, in_features // 2, dtype=dtype, device=device))
+        self.register_buffer("meta", torch.zeros(out_features, -(-in_features // 8), dtype=torch.uint8,
+                                                 device=device))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+        self._sparse = None  # (version key, torch semi-structured weight) for kernel="semi_structured"
+        self.kernel = "reference"
+        if kernel != "reference":
+            self.set_kernel(kernel)
+
+    @classmethod
+    def from_dense(cls, weight: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor | None,
+                   name: str = "linear") -> "SemiStructuredLinear":
+        rows, K = weight.shape
+        if K % 4:
+            raise ValueError(f"{name!r}: 2:4 storage needs the input dimension to be a multiple of 4, got {K}")
+        per_group = mask.reshape(rows, K // 4, 4).sum(-1)
+        if not bool((per_group == 2).all()):
+            bad = int((per_group != 2).sum())
+            raise ValueError(f"{name!r}: 2:4 storage needs exactly 2 kept weights in every group of 4 along the "
+                             f"input dimension; {bad} group(s) are not (prune with wb.prune.NM(2, 4))")
+        new = cls(K, rows, bias is not None, dtype=weight.dtype, device=weight.device)
+        with torch.no_grad():
+            new.values.copy_(weight.detach()[mask.bool()].reshape(rows, K // 2))       # row-major: group order
+            new.meta.copy_(_pack_positions(mask.bool()))
+            if bias is not None:
+                new.bias.copy_(bias.detach())
+        return new
+
+    def dense_weight(self) -> torch.Tensor:
+        rows, K = self.out_features, self.in_features
+        pos = _unpack_positions(self.meta, K // 4)                                        # (out, in/4, 2)
+        w = torch.zeros(rows, K // 4, 4, dtype=self.values.dtype, device=self.values.device)
+        w.scatter_(2, pos, self.values.reshape(rows, K // 4, 2))
+        return w.reshape(rows, K)
+
+    def set_kernel(self, kernel: str) -> "SemiStructuredLinear":
+        if kernel not in SEMI_STRUCTURED_KERNELS:
+            raise ValueError(f"SemiStructuredLinear: kernel must be one of {SEMI_STRUCTURED_KERNELS}, got {kernel!r}")
+        if kernel == "semi_structured":
+            self._semi_structured_weight()   # raises here, not at the first forward, if it cannot run
+        self.kernel = kernel
+        return self
+
+    def _semi_structured_weight(self):
+        key = (self.values.data_ptr(), self.values._version, self.meta._version)
+        if self._sparse is not None and self._sparse[0] == key:
+            return self._sparse[1]
+        device, dtype = self.values.device, self.values.dtype
+        if device.type != "cuda":
+            raise RuntimeError(f"SemiStructuredLinear: kernel='semi_structured' needs CUDA "
+                               f"(torch.sparse.to_sparse_semi_structured); the layer is on {device}. "
+                               f"kernel='reference' decompresses and runs anywhere.")
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise RuntimeError(f"SemiStructuredLinear: kernel='semi_structured' runs fp16/bf16 weights, this one is "
+                               f"{dtype}; cast the layer first (wb.precision.Cast) or use kernel='reference'")
+        try:
+            weight = torch.sparse.to_sparse_semi_structured(self.dense_weight())
+        except (RuntimeError, ValueError) as e:   # e.g. a shape its kernels do not accept: say so, do not fall back
+            raise RuntimeError(f"SemiStructuredLinear ({self.out_features}x{self.in_features}, {dtype}): "
+                               f"to_sparse_semi_structured refused it: {e}") from e
+        self._sparse = (key, weight)
+        return weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., in)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        if self.kernel == "semi_structured":
+            return F.linear(x, self._semi_structured_weight(), bias)
+        return F.linear(x, self.dense_weight().to(x.dtype), bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, 2:4, kernel={self.kernel}"

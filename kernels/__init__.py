@@ -1,5 +1,19 @@
 """Triton GPU kernels for low-bit inference, each paired with a pure-PyTorch reference of the same math.
 
-Nothing lives here yet: the kernels issue adds one file per kernel (int8 / int4 weight-only GEMMs, W8A8,
-fused fake-quantization, fp8). Importing this package must stay free of side effects (no CUDA init).
+One file per kernel, in the shape of Triton's matmul tutorial (docstring with the math and the blocking,
+autotune configs from a function, the ``@triton.jit`` kernel, a launcher that checks -> allocates ->
+launches, a reference, and a ``torch.library`` custom op with a fake implementation for ``torch.compile``):
+
+- `int8_weight_only` - ``workbench::int8_weight_only_mm``: int8 per-channel weights, fp16/bf16 activations;
+- `int4_weight_only` - ``workbench::int4_weight_only_mm``: int4 packed two per byte, group scales (and zeros),
+  dequantized in the main loop; split-K configs for decode-sized M;
+- `w8a8` - ``workbench::quantize_per_token``, ``workbench::w8a8_mm``: per-token int8 activations quantized
+  inside the GEMM (small M) or by a separate pass (large M), int32 accumulation, fused rescale epilogue;
+- `fake_quant` - ``workbench::fake_quantize`` (+ backward): QAT fake quantization with the straight-through
+  gradient, per channel or per group;
+- `fp8` - ``workbench::fp8_scaled_mm``: e4m3 x e4m3 with row-wise scales on sm_90.
+
+`bench` is ``python -m kernels.bench`` (results in kernels/README.md). The quantized modules of
+`workbench.quantization` call these kernels with ``kernel="triton"``. Importing this package does not import
+Triton or initialise CUDA: each kernel module imports Triton when it is imported.
 """

@@ -52,7 +52,7 @@ def check(name: str, t: torch.Tensor, *, dtypes: tuple[torch.dtype, ...] | None 
     if ndim is not None and t.ndim != ndim:
         raise ValueError(f"{op}: {name} must be {ndim}-D, got shape {tuple(t.shape)}")
     if shape is not None:
-        if t.ndim != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
+        if t.ndim != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape, strict=True)):
             want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
             raise ValueError(f"{op}: {name} must have shape {want}, got {tuple(t.shape)}")
     if contiguous and not t.is_contiguous():

@@ -59,7 +59,7 @@ def test_dynamic_cpu_kernel_matches_reference(lin, x):
     m = wb.measure(wb.apply(wb.models.load("digits-mlp"), {"fc*": Q.Dynamic(kernel="cpu")}), "digits", quick=True)
     assert m.kernels == {"W8A8Linear:cpu": 3}
     with pytest.raises(ValueError, match="Dynamic.kernel must be one of"):
-        Q.Dynamic(kernel="triton")
+        Q.Dynamic(kernel="cuda")
 
 
 def test_embedding_and_conv(x):

@@ -21,7 +21,10 @@ from torch import nn
 
 from workbench.plans.registry import Config, register_config
 from workbench.quantization import formats as fm
-from workbench.quantization.modules import KERNELS, W8A8Conv2d, conv_args, W8A8Linear, WeightOnlyConv2d, WeightOnlyEmbedding, WeightOnlyLinear
+from workbench.quantization.modules import (
+    KERNELS, W8A8Conv2d, W8A8Linear, WeightOnlyConv2d, WeightOnlyEmbedding, WeightOnlyLinear, conv_args,
+    triton_weight_kind,
+)
 from workbench.quantization.observers import OBSERVERS
 
 __all__ = ["Method", "WeightOnly", "NF4", "FP8", "Dynamic", "Static"]
@@ -57,6 +60,8 @@ class _WeightHandler:
 
     def supports(self, module: nn.Module, config) -> bool:
         if getattr(config, "method", Method.RTN) is not Method.RTN:  # the algorithms are written for Linear
+            return type(module) is nn.Linear
+        if getattr(config, "kernel", "reference") != "reference":   # the fast paths are matmuls
             return type(module) is nn.Linear
         return type(module) in self.types
 
@@ -96,7 +101,8 @@ class _WeightHandler:
             from workbench.quantization.hqq import hqq_quantize
 
             tensors = hqq_quantize(module.weight.detach(), fmt)
-        return WeightOnlyLinear.from_float(module, fmt, name, tensors=tensors, smooth=smooth)
+        return WeightOnlyLinear.from_float(module, fmt, name, tensors=tensors, smooth=smooth,
+                                           kernel=getattr(config, "kernel", "reference"))
 
     def skeleton(self, name: str, module: nn.Module, config):
         fmt = config.format()
@@ -108,7 +114,8 @@ class _WeightHandler:
             return WeightOnlyConv2d(conv_args(module), fmt, module.bias is not None, device=module.weight.device)
         return WeightOnlyLinear(module.in_features, module.out_features, fmt, module.bias is not None,
                                 device=module.weight.device, bias_dtype=module.weight.dtype,
-                                smooth=getattr(config, "method", Method.RTN) is Method.AWQ)
+                                smooth=getattr(config, "method", Method.RTN) is Method.AWQ,
+                                kernel=getattr(config, "kernel", "reference"))
 
 
 class _LinearOnly(_WeightHandler):
@@ -132,6 +139,7 @@ class WeightOnly(Config):
     method: Method = Method.RTN
     damp: float = 0.01        # GPTQ: fraction of the mean Hessian diagonal added for stability
     act_order: bool = False   # GPTQ: quantize columns in order of decreasing Hessian diagonal
+    kernel: str = "reference"  # Linear matmul path: "reference", "cpu" (bf16) or "triton" (int8 per-channel, int4)
 
     def __post_init__(self):
         if isinstance(self.method, str) and not isinstance(self.method, Method):
@@ -145,6 +153,12 @@ class WeightOnly(Config):
         if self.method is Method.HQQ and self.symmetric:
             raise ValueError("method='hqq' optimises zero points: pass symmetric=False")
         fm.validate(self.format())
+        if self.kernel not in KERNELS:
+            raise ValueError(f"WeightOnly.kernel must be one of {KERNELS}, got {self.kernel!r}")
+        if self.kernel == "triton" and triton_weight_kind(self.format()) is None:
+            raise ValueError(f"WeightOnly(kernel='triton') serves int8 per-channel symmetric (group_size=None) and "
+                             f"int4 weights; bits={self.bits}, group_size={self.group_size}, "
+                             f"symmetric={self.symmetric} has only 'reference' and 'cpu'")
         if not 0 < self.damp < 1:
             raise ValueError(f"WeightOnly.damp must be in (0, 1), got {self.damp!r}")
 
@@ -239,6 +253,9 @@ def _check_w8a8(config) -> None:
         raise ValueError(f"{type(config).__name__} quantization supports 8 bits, got {config.bits!r}")
     if config.kernel not in KERNELS:
         raise ValueError(f"{type(config).__name__}.kernel must be one of {KERNELS}, got {config.kernel!r}")
+    if config.kernel == "triton" and isinstance(config, Static):
+        raise ValueError("Static W8A8 has 'reference' and 'cpu' kernels; the Triton W8A8 kernel quantizes activations "
+                         "per token at run time: use wb.quant.Dynamic(kernel='triton')")
     if config.smooth_alpha is not None and not 0.0 <= config.smooth_alpha <= 1.0:
         raise ValueError(f"{type(config).__name__}.smooth_alpha must be in [0, 1] or None, got {config.smooth_alpha!r}")
 
@@ -253,7 +270,7 @@ class Dynamic(Config):
     ``smooth_alpha``: SmoothQuant migration strength (needs calibration), None for plain W8A8."""
 
     bits: int = 8
-    kernel: str = "reference"  # "reference" (fp32 math, any device) or "cpu" (torch._int_mm)
+    kernel: str = "reference"  # "reference" (fp32 math, any device), "cpu" (torch._int_mm) or "triton" (CUDA)
     smooth_alpha: float | None = None
 
     def __post_init__(self):

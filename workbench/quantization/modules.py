@@ -7,9 +7,14 @@
 - `W8A8Conv2d`: static W8A8 convolution (int8 per-channel weights, calibrated activation scale).
 
 Each module has a pure-PyTorch ``reference`` path (dequantize, then a float matmul) that runs anywhere.
-Faster paths are chosen explicitly with ``kernel=`` and recorded in ``module.kernel``:
-`W8A8Linear` has ``"cpu"`` (``torch._int_mm``: int8 x int8 -> int32 on the CPU). `wb.measure`
-reports the kernels that ran. There is no silent fallback: asking for a path that cannot run raises.
+Faster paths are chosen explicitly with ``kernel=`` (or `set_kernel`) and recorded in ``module.kernel``;
+`wb.measure` reports the kernels that ran. There is no silent fallback: asking for a path that cannot run
+here raises, naming the module and what it would need.
+
+| module | ``"cpu"`` (CPU tensors) | ``"triton"`` (CUDA, or ``TRITON_INTERPRET=1``) |
+|---|---|---|
+| `WeightOnlyLinear` | weight decoded to bf16, bf16 GEMM | int8 per-channel (`kernels.int8_weight_only`), int4 any group / zero (`kernels.int4_weight_only`) |
+| `W8A8Linear` | ``torch._int_mm`` on row blocks that stay in cache (quantize, int8 GEMM, rescale) | dynamic: fused per-token quantization + int8 GEMM + rescale (`kernels.w8a8`) |
 """
 from __future__ import annotations
 
@@ -20,9 +25,36 @@ from torch import nn
 from workbench.quantization import formats as fm
 from workbench.quantization.primitives import EPS, PerToken, choose_qparams, quantize, to_groups
 
-__all__ = ["conv_args", "WeightOnlyLinear", "WeightOnlyEmbedding", "WeightOnlyConv2d", "W8A8Linear", "W8A8Conv2d", "KERNELS"]
+__all__ = ["conv_args", "WeightOnlyLinear", "WeightOnlyEmbedding", "WeightOnlyConv2d", "W8A8Linear", "W8A8Conv2d",
+           "KERNELS", "check_kernel", "triton_weight_kind"]
 
-KERNELS = ("reference", "cpu")
+KERNELS = ("reference", "cpu", "triton")
+
+
+def check_kernel(owner: str, kernel: str, supported: tuple[str, ...], device: torch.device) -> None:
+    """Raise unless ``kernel`` is one of ``supported`` and can run on ``device`` here."""
+    if kernel not in KERNELS:
+        raise ValueError(f"{owner}: kernel must be one of {KERNELS}, got {kernel!r}")
+    if kernel not in supported:
+        raise ValueError(f"{owner} has no {kernel!r} kernel; it supports {supported}")
+    if kernel == "cpu" and device.type not in ("cpu", "meta"):
+        raise ValueError(f"{owner}: kernel='cpu' needs the module on the CPU, it is on {device}")
+    if kernel == "triton" and device.type != "meta":
+        from kernels._common import triton_available
+
+        if not triton_available(device):
+            raise RuntimeError(f"{owner}: kernel='triton' needs a CUDA GPU (or TRITON_INTERPRET=1 for testing); the "
+                               f"module is on {device}. Use kernel='cpu' or 'reference' here.")
+
+
+def triton_weight_kind(fmt: fm.WeightFormat) -> str | None:
+    """Which Triton weight-only GEMM serves ``fmt``: "int8" (per-channel, symmetric), "int4" or None."""
+    if isinstance(fmt, fm.IntFormat):
+        if fmt.bits == 8 and fmt.group_size is None and fmt.symmetric:
+            return "int8"
+        if fmt.bits == 4:
+            return "int4"
+    return None
 
 
 def conv_args(conv: nn.Conv2d) -> dict:
@@ -76,7 +108,7 @@ class WeightOnlyLinear(_PackedWeight):
 
     def __init__(self, in_features: int, out_features: int, fmt: fm.WeightFormat, bias: bool = True,
                  tensors: dict[str, torch.Tensor] | None = None, device=None, bias_dtype=torch.float32,
-                 smooth: bool = False):
+                 smooth: bool = False, kernel: str = "reference"):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self._init_weight(out_features, in_features, fmt, tensors, device)
@@ -84,24 +116,49 @@ class WeightOnlyLinear(_PackedWeight):
         if smooth:  # AWQ: the stored weight is W * s per input channel; inputs are divided by s
             self.register_buffer("smooth", torch.ones(in_features, device=device))
         self.kernel = "reference"
+        if kernel != "reference":
+            self.set_kernel(kernel)
+
+    def set_kernel(self, kernel: str) -> "WeightOnlyLinear":
+        """Choose the matmul path (see the module docstring); raises if it cannot serve this format here."""
+        supported = ("reference", "cpu") + (("triton",) if triton_weight_kind(self.fmt) else ())
+        check_kernel(f"WeightOnlyLinear({self.fmt})", kernel, supported, self.qweight.device)
+        self.kernel = kernel
+        return self
 
     @classmethod
     def from_float(cls, linear: nn.Linear, fmt: fm.WeightFormat, name: str = "linear",
                    tensors: dict[str, torch.Tensor] | None = None,
-                   smooth: torch.Tensor | None = None) -> "WeightOnlyLinear":
+                   smooth: torch.Tensor | None = None, kernel: str = "reference") -> "WeightOnlyLinear":
         """Round-to-nearest unless ``tensors`` (from GPTQ, AWQ, HQQ) are given. ``smooth``: per-input-channel
         factors already multiplied into the weight that ``tensors`` encode."""
         w = linear.weight.detach()
         fm.check_finite(name, w)
         tensors = fm.encode(w, fmt) if tensors is None else tensors
         new = cls(linear.in_features, linear.out_features, fmt, linear.bias is not None, tensors,
-                  bias_dtype=w.dtype, smooth=smooth is not None)
-        return _fill(new, linear, smooth=smooth)
+                  bias_dtype=w.dtype, smooth=smooth is not None, device=w.device)
+        return _fill(new, linear, smooth=smooth).set_kernel(kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., in)
         if hasattr(self, "smooth"):
             x = x / self.smooth.to(x.dtype)
-        return F.linear(x, self.dequantized_weight(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        if self.kernel == "triton":
+            return self._triton(x, bias)
+        if self.kernel == "cpu":  # bf16 weight and GEMM (the CPU's fast float path), result in x's dtype
+            w = self.dequantized_weight(torch.bfloat16)
+            return F.linear(x.to(torch.bfloat16), w, None if bias is None else bias.to(torch.bfloat16)).to(x.dtype)
+        return F.linear(x, self.dequantized_weight(x.dtype), bias)
+
+    def _triton(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if triton_weight_kind(self.fmt) == "int8":
+            from kernels.int8_weight_only import int8_weight_only_mm
+
+            return int8_weight_only_mm(x, self.qweight, self.scale, bias)
+        from kernels.int4_weight_only import int4_weight_only_mm
+
+        return int4_weight_only_mm(x, self.qweight, self.scale, getattr(self, "zero", None),
+                                   self.K // self.scale.shape[1], bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, kernel={self.kernel}"
@@ -167,6 +224,7 @@ class WeightOnlyConv2d(_PackedWeight):
 
 
 _ROUND_MAGIC = 12582912.0  # 1.5 * 2**23
+CPU_BLOCK_BYTES = 1 << 19    # W8A8Linear "cpu": fp32 bytes of one row block of the wider of input / output
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -217,10 +275,10 @@ class W8A8Linear(nn.Module):
         self.set_kernel(kernel)
 
     def set_kernel(self, kernel: str) -> "W8A8Linear":
-        if kernel not in KERNELS:
-            raise ValueError(f"W8A8Linear kernel must be one of {KERNELS}, got {kernel!r}")
-        if kernel == "cpu" and self.qweight_t.device.type != "cpu":
-            raise ValueError(f"kernel='cpu' needs the module on the CPU, it is on {self.qweight_t.device}")
+        """Choose the matmul path (see the module docstring); raises if it cannot run here."""
+        supported = ("reference", "cpu") if self.static else KERNELS
+        owner = f"W8A8Linear({'static' if self.static else 'dynamic'})"
+        check_kernel(owner, kernel, supported, self.qweight_t.device)
         self.kernel = kernel
         return self
 
@@ -239,15 +297,41 @@ class W8A8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., in)
         xs = x / self.smooth if hasattr(self, "smooth") else x
-        qx, sx = quantize_per_tensor(xs, self.act_scale) if self.static else quantize_per_token(xs)  # (M, in), (M, 1)
+        if self.kernel == "triton":
+            from kernels.w8a8 import w8a8_mm
+
+            bias = None if self.bias is None else self.bias.detach()   # an inference kernel: no autograd
+            return w8a8_mm(xs.contiguous(), self.qweight_t, self.scale, bias)
         if self.kernel == "cpu":
-            acc = torch._int_mm(qx, self.qweight_t).float()               # (M, out) int32 -> fp32
+            y = self._cpu(to_groups(xs, PerToken()))
         else:
-            acc = qx.float() @ self.qweight_t.float()                     # same integers in fp32
-        y = acc.mul_(sx).mul_(self.scale)                                 # in place: a fresh (M, out) buffer
-        if self.bias is not None:
-            y.add_(self.bias)
+            qx, sx = self._quantize(to_groups(xs, PerToken()))            # (M, in) int8, (M, 1)
+            acc = qx.float() @ self.qweight_t.float()                     # the same integers, in fp32
+            y = acc.mul_(sx).mul_(self.scale)                             # in place: a fresh (M, out) buffer
+            if self.bias is not None:
+                y.add_(self.bias)
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def _quantize(self, x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_per_tensor(x2d, self.act_scale) if self.static else quantize_per_token(x2d)
+
+    def _cpu(self, x2d: torch.Tensor) -> torch.Tensor:  # x2d: (M, in) -> (M, out) fp32
+        """``torch._int_mm`` over blocks of rows small enough that the activation codes, the int32 product and
+        the output block stay in cache: quantize, multiply and rescale each block before the next. The same
+        numbers as the reference path, block by block (integer products are exact). An inference path: no
+        gradient reaches the bias (the reference path lets one through)."""
+        M = x2d.shape[0]
+        bias = None if self.bias is None else self.bias.detach()
+        out = torch.empty(M, self.out_features, dtype=torch.float32, device=x2d.device)
+        rows = max(16, CPU_BLOCK_BYTES // (4 * max(self.in_features, self.out_features)))
+        for start in range(0, M, rows):
+            qx, sx = self._quantize(x2d[start:start + rows])             # (m, in) int8, (m, 1) fp32
+            acc = torch._int_mm(qx, self.qweight_t)                       # (m, out) int32
+            block = torch.mul(acc, sx, out=out[start:start + rows])      # int32 * fp32 -> fp32, no extra copy
+            block.mul_(self.scale)
+            if bias is not None:
+                block.add_(bias)
+        return out
 
     def extra_repr(self) -> str:
         mode = "static" if self.static else "dynamic"

@@ -51,8 +51,9 @@ def _grad_scale(t: torch.Tensor, factor: float) -> torch.Tensor:
 class _QATMixin:
     """Shared by QATLinear / QATConv2d: fake-quantized weight (and optionally activations)."""
 
-    def _setup(self, config, learnable_scales: bool) -> None:
+    def _setup(self, config, learnable_scales: bool, kernel: str = "reference") -> None:
         self.qconfig = config
+        self.kernel = kernel
         w2d = self.weight.detach().reshape(self.weight.shape[0], -1)
         if isinstance(config, WeightOnly):
             self.bits, self.group_size, self.symmetric = config.bits, config.group_size, config.symmetric
@@ -82,14 +83,23 @@ class _QATMixin:
         if not self.act_quant:  # weight-only formats store fp16 scales: train on exactly that grid (STE)
             scale = scale + (scale.to(torch.float16).float().clamp(min=torch.finfo(torch.float16).tiny)
                              - scale).detach()
-        return fake_quantize_ste(wg, scale, zero.float(), qmin, qmax).reshape(self.weight.shape)
+        return self._fake(wg, scale, zero.float(), qmin, qmax).reshape(self.weight.shape)
 
     def fake_input(self, x: torch.Tensor) -> torch.Tensor:
         if not self.act_quant:
             return x
         xg = x.reshape(-1, x.shape[-1])
         scale, zero = choose_qparams(xg.detach(), 8, symmetric=True)
-        return fake_quantize_ste(xg, scale, zero.float(), -128, 127).reshape(x.shape)
+        return self._fake(xg, scale, zero.float(), -128, 127).reshape(x.shape)
+
+    def _fake(self, xg, scale, zero, qmin, qmax) -> torch.Tensor:
+        """Fake quantization of grouped values: the fused Triton kernel (forward + straight-through backward)
+        or the PyTorch expression; the same numbers (tests compare them bit for bit)."""
+        if self.kernel == "triton":
+            from kernels.fake_quant import fake_quantize
+
+            return fake_quantize(xg.contiguous(), scale.detach().contiguous(), zero.contiguous(), qmin, qmax)
+        return fake_quantize_ste(xg, scale, zero, qmin, qmax)
 
 
 class QATLinear(_QATMixin, nn.Linear):
@@ -102,7 +112,7 @@ class QATConv2d(_QATMixin, nn.Conv2d):
         return self._conv_forward(x, self.fake_weight(), self.bias)
 
 
-def _qat_module(name: str, module: nn.Module, config, learnable_scales: bool) -> nn.Module:
+def _qat_module(name: str, module: nn.Module, config, learnable_scales: bool, kernel: str) -> nn.Module:
     if isinstance(config, WeightOnly):
         if config.method is not Method.RTN:
             raise ValueError(f"{name!r}: QAT trains the weights; use method='rtn' (got {config.method.value!r})")
@@ -125,22 +135,39 @@ def _qat_module(name: str, module: nn.Module, config, learnable_scales: bool) ->
     new.weight = nn.Parameter(module.weight.detach().clone())
     if module.bias is not None:
         new.bias = nn.Parameter(module.bias.detach().clone())
-    new._setup(config, learnable_scales)
+    new._setup(config, learnable_scales, kernel)
     return new
 
 
 QAT_PLAN_ATTR = "_workbench_qat_plan"
 
 
-def prepare(model: nn.Module, plan: Plan, learnable_scales: bool = False) -> nn.Module:
-    """A copy of ``model`` with fake quantization on the layers ``plan`` selects (ready to train)."""
+def prepare(model: nn.Module, plan: Plan, learnable_scales: bool = False, kernel: str = "reference") -> nn.Module:
+    """A copy of ``model`` with fake quantization on the layers ``plan`` selects (ready to train).
+
+    ``kernel``: "reference" (PyTorch ops, any device) or "triton" (`kernels.fake_quant`: forward and
+    straight-through backward fused, on a CUDA GPU; not with ``learnable_scales``, whose scale gradients
+    the PyTorch path computes)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}")
+    if kernel not in ("reference", "triton"):
+        raise ValueError(f"qat.prepare: kernel must be 'reference' or 'triton', got {kernel!r}")
+    if kernel == "triton":
+        from kernels._common import triton_available
+
+        if learnable_scales:
+            raise ValueError("qat.prepare: learnable_scales trains the scales through the PyTorch path; "
+                             "use kernel='reference' with them")
+        device = next(iter(model.parameters())).device
+        if not triton_available(device):
+            raise RuntimeError(f"qat.prepare: kernel='triton' needs a CUDA GPU (or TRITON_INTERPRET=1); the model "
+                               f"is on {device}")
     plan = plan if isinstance(plan, Plan) else Plan(plan)
     target = copy.deepcopy(model)
     replacements = {}
     for a in plan.resolve(target):
-        replacements[a.name] = _qat_module(a.name, target.get_submodule(a.name), a.config, learnable_scales)
+        replacements[a.name] = _qat_module(a.name, target.get_submodule(a.name), a.config, learnable_scales,
+                                           kernel)
     for name, new in replacements.items():
         target.set_submodule(name, new)
     object.__setattr__(target, QAT_PLAN_ATTR, plan)

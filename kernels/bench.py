@@ -1,0 +1,314 @@
+"""Kernel benchmarks: ``python -m kernels.bench [--cpu] [--gpu] [--csv kernels/results.csv]``
+
+GPU (CUDA): every Triton kernel against ``torch.matmul`` in bf16 (cuBLAS) and against torchao's matching
+configuration where torchao is installed, on weight shapes from real models (MiniLM 384x1536 and 1536x384;
+Llama-like 4096x4096, 4096x14336 and 14336x4096, written in x out) and M in {1, 4, 16, 64, 256, 2048}.
+Each row has the median time, the speedup over bf16, the effective memory bandwidth (bytes the kernel must
+move / time) in GB/s and as a fraction of the device's measured copy bandwidth, and the roofline ceiling of
+the speedup beside the measurement: ``16 / (bits + scale bits per weight)`` for the weight-only kernels (bound
+by reading the weight at small M) and 2x for the int8 / fp8 tensor-core GEMMs (twice bf16's peak).
+
+CPU: W8A8 on MiniLM (every encoder Linear) at batch 1 and 32 x 128 tokens, one thread: our
+``Dynamic(kernel="cpu")`` path vs fp32 vs ``torch.ao.quantization.quantize_dynamic`` on the same layers (and
+the reference path and bf16 weight-only int8 for context); timed in interleaved rounds, medians.
+
+Every function is importable (`gpu_table`, `cpu_minilm`, `copy_bandwidth`); tests run them on tiny shapes.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+SHAPES = {"minilm.ffn_in": (384, 1536), "minilm.ffn_out": (1536, 384), "llama.qkvo": (4096, 4096),
+          "llama.up": (4096, 14336), "llama.down": (14336, 4096)}
+MS = (1, 4, 16, 64, 256, 2048)
+KERNELS = ("int8_weight_only", "int4_g128", "w8a8", "fp8")
+
+
+def _median_ms(fn, device: torch.device, runs: int = 20, warmup: int = 3) -> float:
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device | str = "cpu", nbytes: int = 1 << 28) -> float:
+    """Measured device-to-same-device copy bandwidth in bytes/s (read + write counted)."""
+    device = torch.device(device)
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    ms = _median_ms(lambda: dst.copy_(src), device, runs=10)
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def _weights(K: int, N: int, device: torch.device) -> dict:
+    """The stored tensors of one (N, K) weight in each kernel's format, built with the package's encoders."""
+    from workbench.quantization import formats as fm
+    from workbench.quantization.modules import W8A8Linear
+
+    torch.manual_seed(0)
+    lin = nn.Linear(K, N, bias=False)
+    w = lin.weight.detach()
+    int8 = fm.encode(w, fm.IntFormat(8, None, True))
+    int4 = fm.encode(w, fm.IntFormat(4, 128 if K % 128 == 0 else 64, True))
+    w8a8 = W8A8Linear.from_float(lin)
+    fp8 = fm.encode(w, fm.FP8Format(torch.float8_e4m3fn))
+    return {"linear": lin.to(device), "int8": {k: v.to(device) for k, v in int8.items()},
+            "int4": {k: v.to(device) for k, v in int4.items()}, "int4_g": K // int4["scale"].shape[1],
+            "w8a8": (w8a8.qweight_t.to(device), w8a8.scale.to(device)),
+            "fp8": {k: v.to(device) for k, v in fp8.items()}}
+
+
+def _kernel_call(name: str, x: torch.Tensor, W: dict):
+    """(callable, weight bytes read, roofline ceiling of the speedup over bf16) for kernel ``name``."""
+    N = W["linear"].out_features
+    K = W["linear"].in_features
+    if name == "int8_weight_only":
+        from kernels.int8_weight_only import int8_weight_only_mm
+
+        t = W["int8"]
+        return (lambda: int8_weight_only_mm(x, t["qweight"], t["scale"])), N * K + 2 * N, 16 / (8 + 16 / K)
+    if name == "int4_g128":
+        from kernels.int4_weight_only import int4_weight_only_mm
+
+        t, g = W["int4"], W["int4_g"]
+        return ((lambda: int4_weight_only_mm(x, t["qweight"], t["scale"], None, g)), N * K // 2 + 2 * N * K // g,
+                16 / (4 + 16 / g))
+    if name == "w8a8":
+        from kernels.w8a8 import w8a8_mm
+
+        qw, s = W["w8a8"]
+        return (lambda: w8a8_mm(x, qw, s)), N * K + 4 * N, 2.0
+    if name == "fp8":
+        from kernels.fp8 import fp8_linear
+
+        t = W["fp8"]
+        return (lambda: fp8_linear(x, t["qweight"], t["scale"])), N * K + 4 * N, 2.0
+    raise ValueError(f"unknown kernel {name!r}; choose from {KERNELS}")
+
+
+def _torchao_call(name: str, W: dict, x: torch.Tensor):
+    """torchao's matching configuration on a copy of the layer: (callable or None, note)."""
+    try:
+        import torchao.quantization as tq
+    except ImportError:
+        return None, "torchao not installed"
+    import copy
+
+    configs = {"int8_weight_only": lambda: tq.Int8WeightOnlyConfig(),
+               "int4_g128": lambda: tq.Int4WeightOnlyConfig(group_size=W["int4_g"]),
+               "w8a8": lambda: tq.Int8DynamicActivationInt8WeightConfig(),
+               "fp8": lambda: tq.Float8DynamicActivationFloat8WeightConfig(granularity=tq.PerRow())}
+    try:
+        lin = copy.deepcopy(W["linear"]).to(x.dtype)
+        tq.quantize_(lin, configs[name]())
+        lin(x)
+        return (lambda: lin(x)), ""
+    except Exception as e:  # recorded in the table, never silently dropped
+        return None, f"torchao {name}: {type(e).__name__}: {str(e)[:80]}"
+
+
+def gpu_table(shapes: dict | None = None, ms=MS, kernels=KERNELS, device: str | torch.device = "cuda",
+              dtype: torch.dtype = torch.bfloat16, torchao: bool = True):
+    """One row per (kernel, shape, M); see the module docstring. ``device="cpu"`` only makes sense under
+    TRITON_INTERPRET=1 (the smoke test), where the times mean nothing."""
+    import pandas as pd
+
+    device = torch.device(device)
+    shapes = SHAPES if shapes is None else shapes
+    bandwidth = copy_bandwidth(device, 1 << 28 if device.type == "cuda" else 1 << 22)
+    cc = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    rows = []
+    for shape_name, (K, N) in shapes.items():
+        W = _weights(K, N, device)
+        w_bf16 = W["linear"].weight.detach().to(dtype)
+        for M in ms:
+            x = torch.randn(M, K, device=device, dtype=dtype)
+            base_ms = _median_ms(lambda x=x, w=w_bf16: torch.matmul(x, w.t()), device)
+            for name in kernels:
+                row = {"kernel": name, "shape": shape_name, "K": K, "N": N, "M": M, "bf16_ms": base_ms}
+                if name == "fp8" and cc is not None and cc < (8, 9):
+                    rows.append({**row, "note": f"fp8 needs sm_89+/sm_90, device is sm_{cc[0]}{cc[1]}"})
+                    continue
+                fn, weight_bytes, ceiling = _kernel_call(name, x, W)
+                t = _median_ms(fn, device)
+                moved = weight_bytes + x.numel() * x.element_size() + M * N * x.element_size()
+                ao, note = _torchao_call(name, W, x) if torchao else (None, "torchao comparison off")
+                ao_ms = _median_ms(ao, device) if ao is not None else float("nan")
+                rows.append({**row, "ms": t, "speedup": base_ms / t, "ceiling": ceiling,
+                             "GB/s": moved / (t * 1e-3) / 1e9, "bw_fraction": moved / (t * 1e-3) / bandwidth,
+                             "torchao_ms": ao_ms, "vs_torchao": ao_ms / t, "note": note})
+    df = pd.DataFrame(rows)
+    df.attrs["copy_bandwidth_GBs"] = bandwidth / 1e9
+    return df
+
+
+def cpu_minilm(batch_sizes=(1, 32), threads: int = 1, rounds: int = 7, layers: str = "encoder.*"):
+    """W8A8 on MiniLM on the CPU: fp32, ours (``Dynamic(kernel="cpu")``), the reference path,
+    ``quantize_dynamic`` on the same Linears, and weight-only int8 on the bf16 path; one row per (batch, path)."""
+    import warnings
+
+    import pandas as pd
+
+    import workbench as wb
+    from workbench.measurement import num_threads
+
+    model = wb.models.load("minilm")
+    task = wb.tasks.load("minilm")
+    Q = wb.quant
+    paths = {"fp32": model,
+             "w8a8 cpu (ours)": wb.apply(model, {layers: Q.Dynamic(kernel="cpu")}, progress=False),
+             "w8a8 reference": wb.apply(model, {layers: Q.Dynamic(kernel="reference")}, progress=False),
+             "int8 weight-only cpu (bf16)": wb.apply(model, {layers: Q.WeightOnly(8, None, kernel="cpu")},
+                                                     progress=False)}
+    names = [a.name for a in wb.Plan({layers: Q.Dynamic()}).resolve(model)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation notice
+        import copy
+
+        qd = torch.ao.quantization.quantize_dynamic(copy.deepcopy(model),
+                                                    {n: torch.ao.quantization.default_dynamic_qconfig for n in names},
+                                                    dtype=torch.qint8)
+    paths["torch quantize_dynamic"] = qd
+    rows = []
+    with num_threads(threads), torch.inference_mode():
+        for batch in batch_sizes:
+            inputs = task.example_inputs(batch)
+            times: dict[str, list[float]] = {p: [] for p in paths}
+            for m in paths.values():  # warm-up
+                m(*inputs)
+            for _ in range(rounds):    # interleaved rounds: drift hits every path alike
+                for p, m in paths.items():
+                    t0 = time.perf_counter()
+                    m(*inputs)
+                    times[p].append((time.perf_counter() - t0) * 1e3)
+            base = statistics.median(times["fp32"])
+            qd_ms = statistics.median(times["torch quantize_dynamic"])
+            tokens = int(inputs[0].numel())
+            for p in paths:
+                t = statistics.median(times[p])
+                rows.append({"batch": batch, "tokens": tokens, "path": p, "ms": t, "speedup_vs_fp32": base / t,
+                             "vs_quantize_dynamic": qd_ms / t, "threads": threads, "rounds": rounds})
+    return pd.DataFrame(rows)
+
+
+CPU_PATHS = ("fp32", "bf16", "w8a8 cpu", "int8 weight-only cpu", "int4 g64 weight-only")
+
+
+def cpu_layer_table(shapes: dict | None = None, ms=(1, 32, 512), threads: int = 1, rounds: int = 9,
+                    paths=CPU_PATHS):
+    """One Linear layer per (shape, M, path) on the CPU, timed in interleaved rounds (medians): time, speedup
+    over fp32, the bytes of the stored weight, the byte-ratio ceiling (fp32 weight bytes / the path's), the
+    arithmetic intensity (FLOPs per byte moved: weight + input + output) and achieved GFLOP/s and GB/s.
+    Paths: fp32 and bf16 ``F.linear``; ``Dynamic(kernel="cpu")``; weight-only int8 per channel on the bf16
+    path; int4 g64 weight-only on the reference path (decode, then fp32 matmul)."""
+    import pandas as pd
+
+    import workbench as wb
+    from workbench.measurement import num_threads
+
+    shapes = {k: SHAPES[k] for k in ("minilm.ffn_in", "minilm.ffn_out")} if shapes is None else shapes
+    Q = wb.quant
+    rows = []
+    with num_threads(threads), torch.inference_mode():
+        for shape_name, (K, N) in shapes.items():
+            torch.manual_seed(0)
+            lin = nn.Sequential(nn.Linear(K, N))
+            layers = {"fp32": lin, "bf16": wb.apply(lin, {"0": wb.precision.Cast(torch.bfloat16)}, progress=False),
+                      "w8a8 cpu": wb.apply(lin, {"0": Q.Dynamic(kernel="cpu")}, progress=False),
+                      "int8 weight-only cpu": wb.apply(lin, {"0": Q.WeightOnly(8, None, kernel="cpu")}, progress=False),
+                      "int4 g64 weight-only": wb.apply(lin, {"0": Q.WeightOnly(4, 64)}, progress=False)}
+            layers = {p: layers[p] for p in paths}
+            for M in ms:
+                x = torch.randn(M, K)
+                inputs = {p: x.to(torch.bfloat16) if p == "bf16" else x for p in layers}
+                times: dict[str, list[float]] = {p: [] for p in layers}
+                for p, m in layers.items():
+                    m(inputs[p])
+                for _ in range(rounds):
+                    for p, m in layers.items():
+                        t0 = time.perf_counter()
+                        m(inputs[p])
+                        times[p].append((time.perf_counter() - t0) * 1e3)
+                base = statistics.median(times["fp32"]) if "fp32" in times else float("nan")
+                for p, m in layers.items():
+                    t = statistics.median(times[p])
+                    wbytes = wb.size_bytes(m)
+                    moved = wbytes + 2 * M * K * (2 if p == "bf16" else 4) + M * N * (2 if p == "bf16" else 4)
+                    flops = 2.0 * M * K * N
+                    rows.append({"shape": shape_name, "K": K, "N": N, "M": M, "path": p, "ms": t,
+                                 "speedup": base / t, "weight_bytes": wbytes, "ceiling": 4 * K * N / wbytes,
+                                 "intensity": flops / moved, "GFLOP/s": flops / (t * 1e-3) / 1e9,
+                                 "GB/s": moved / (t * 1e-3) / 1e9, "threads": threads})
+    return pd.DataFrame(rows)
+
+
+def gpu_results(path: str | Path | None = None):
+    """The GPU rows of a results CSV written by ``python -m kernels.bench`` (default: kernels/results.csv);
+    an empty frame when none were recorded (no GPU run yet)."""
+    import pandas as pd
+
+    path = Path(__file__).resolve().parent / "results.csv" if path is None else Path(path)
+    if not path.is_file():
+        return pd.DataFrame()
+    df = pd.read_csv(path)
+    return df[df["part"] == "gpu"].dropna(axis=1, how="all") if "part" in df.columns else pd.DataFrame()
+
+
+def environment() -> str:
+    import triton
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    return (f"{datetime.date.today()}; {platform.processor() or platform.machine()}; {gpu}; torch {torch.__version__}; "
+            f"triton {triton.__version__}")
+
+
+def main(argv=None) -> None:
+    import pandas as pd
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cpu", action="store_true", help="the CPU W8A8 MiniLM comparison")
+    p.add_argument("--gpu", action="store_true", help="the Triton kernels on a CUDA GPU")
+    p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=None)
+    p.add_argument("--ms", nargs="+", type=int, default=list(MS))
+    p.add_argument("--kernels", nargs="+", choices=list(KERNELS), default=list(KERNELS))
+    p.add_argument("--threads", type=int, default=1, help="CPU threads for --cpu (default 1)")
+    p.add_argument("--csv", default="kernels/results.csv")
+    a = p.parse_args(argv)
+    run_gpu = a.gpu or (not a.cpu and torch.cuda.is_available())
+    run_cpu = a.cpu or not torch.cuda.is_available()
+    print(environment())
+    tables = []
+    if run_gpu:
+        shapes = None if a.shapes is None else {k: SHAPES[k] for k in a.shapes}
+        df = gpu_table(shapes, a.ms, a.kernels)
+        print(f"copy bandwidth {df.attrs['copy_bandwidth_GBs']:.0f} GB/s")
+        print(df.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+        tables.append(df.assign(part="gpu"))
+    if run_cpu:
+        df = cpu_minilm(threads=a.threads)
+        print(df.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+        tables.append(df.assign(part="cpu"))
+    out = Path(a.csv)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    pd.concat(tables).assign(environment=environment()).to_csv(out, index=False)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""fp8 (e4m3fn) scaled GEMM with row-wise scales for Hopper (sm_90): fp8 operands, fp32 accumulation.
+
+The math::
+
+    y[m, n] = (sum_k a[m, k] * b[n, k]) * scale_a[m] * scale_b[n] + bias[n]      a, b fp8; sum in fp32
+
+``a`` ``(M, K)`` fp8 with ``scale_a`` fp32 ``(M, 1)`` (one scale per row / token); ``b`` ``(N, K)`` fp8 with
+``scale_b`` fp32 ``(N, 1)``: exactly how `workbench.quantization.formats.FP8Format` stores a Linear weight
+(``qweight`` ``(out, in)``, ``scale`` ``(out, 1)``, from ``primitives.float8_quantize``). The output is
+bf16, fp16 or fp32. `quantize_rowwise` is the matching PyTorch quantizer (``scale = amax / finfo.max`` per
+row, clamped below at fp32 eps) and `fp8_linear` chains the two for a float input ``(..., K)``.
+
+Blocking (Triton tutorial 03): one program computes a ``BLOCK_M x BLOCK_N`` tile of ``y``, programs in
+groups of ``GROUP_M`` row blocks for L2 reuse of ``b``. The main loop walks K in ``BLOCK_K`` steps with
+``acc += tl.dot(a_tile, b_tile^T)``; ``b`` ``(N, K)`` row-major is K-major, the layout Hopper's fp8 wgmma
+requires for both operands, so no transpose is materialised. Hopper's fp8 MMA accumulates in reduced
+precision and Triton never promotes by default on sm_90, so the dot is called with
+``max_num_imprecise_acc=BLOCK_K``: each tile's partial sum is added into the fp32 register accumulator.
+The epilogue applies ``scale_a`` per row, ``scale_b`` per column and the bias, then casts once.
+
+Autotune space (GPU): BLOCK_M 64/128, BLOCK_N 64/128/256 (128 x 256 excluded: it spills with the promotion
+accumulator), BLOCK_K 128 (fp8 wgmma takes K = 32 per instruction; 128 bytes per row is a full swizzled
+smem line), 4/8 warps, 3-4 stages; keyed on M rounded up to a power of two, N, K. Compiled ahead of time
+for sm_90 every config lowers to ``wgmma ... f32.e4m3.e4m3`` without spills. Below sm_90 the launcher
+raises (sm_89 has fp8 MMA too, but this kernel is tuned and checked for Hopper only); the interpreter runs
+it on the CPU for tests (fp8 ``tl.dot`` works there).
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels._common import INTERPRET, cdiv, check, check_same_device, configs, require_triton
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the references and op registrations still work; launching raises in require_triton
+    triton = None
+
+__all__ = ["fp8_scaled_mm", "fp8_linear", "quantize_rowwise", "reference", "MIN_CAPABILITY"]
+
+EPS = torch.finfo(torch.float32).eps
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MIN_CAPABILITY = (9, 0)
+
+
+def _gemm_configs() -> list:
+    full = [
+        # no 128 x 256 tile and no 128 x 128 tile on 4 warps: with the fp32 promotion accumulator beside the
+        # MMA accumulator they spill registers on sm_90 (checked by compiling ahead of time)
+        {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4},
+        {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3},
+        {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
+        {"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3},
+        {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
+        {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
+    ]
+    for c in full:
+        c["GROUP_M"] = 8
+    return configs(full, {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2})
+
+
+if triton is not None:
+    @triton.autotune(configs=_gemm_configs(), key=["M_BUCKET", "N", "K"])
+    @triton.jit
+    def _fp8_scaled_mm_kernel(
+        # pointers: A (M, K) fp8, B (N, K) fp8, s_a (M,) fp32, s_b (N,) fp32, bias (N,), Y (M, N)
+        a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, y_ptr,
+        # sizes; M_BUCKET (next power of two of M) only keys the autotuner
+        M, N, K, M_BUCKET,
+        # strides
+        stride_am, stride_ak, stride_bn, stride_bk, stride_ym, stride_yn,
+        # meta-parameters
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ):
+        # grouped ordering: GROUP_M row blocks walk the column blocks together (b tiles reused in L2)
+        pid = tl.program_id(0)
+        grid_m = tl.cdiv(M, BLOCK_M)
+        grid_n = tl.cdiv(N, BLOCK_N)
+        per_group = GROUP_M * grid_n
+        first_m = (pid // per_group) * GROUP_M
+        rows_in_group = min(grid_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % rows_in_group
+        pid_n = (pid % per_group) // rows_in_group
+
+        offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # (BLOCK_M,)
+        offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # (BLOCK_N,)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_mask = offs_m < M
+        n_mask = offs_n < N
+
+        a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak   # (BLOCK_M, BLOCK_K)
+        b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn   # (BLOCK_K, BLOCK_N) = B^T
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            k_left = K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=m_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
+            b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & n_mask[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+
+        s_a = tl.load(sa_ptr + offs_m, mask=m_mask, other=0.0)
+        s_b = tl.load(sb_ptr + offs_n, mask=n_mask, other=0.0)
+        y = acc * s_a[:, None] * s_b[None, :]
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
+        tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+# --- launcher --------------------------------------------------------------------------------------------
+
+def _check(op: str, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+           bias: torch.Tensor | None, out_dtype: torch.dtype) -> None:
+    check("a", a, dtypes=FP8_DTYPES, ndim=2, op=op)
+    check("b", b, dtypes=FP8_DTYPES, ndim=2, op=op)
+    (M, K), (N, Kb) = a.shape, b.shape
+    if K != Kb:
+        raise ValueError(f"{op}: a is (M, K) = {(M, K)} and b is (N, K) = {(N, Kb)}: K differs")
+    if K == 0:
+        raise ValueError(f"{op}: K must be >= 1, got a of shape {(M, K)}")
+    check("scale_a", scale_a, dtypes=(torch.float32,), shape=(M, 1), op=op)
+    check("scale_b", scale_b, dtypes=(torch.float32,), shape=(N, 1), op=op)
+    if bias is not None:
+        check("bias", bias, dtypes=OUT_DTYPES, shape=(N,), op=op)
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"{op}: out_dtype must be one of bfloat16, float16, float32; got {out_dtype}")
+    check_same_device(op, a=a, b=b, scale_a=scale_a, scale_b=scale_b, bias=bias)
+
+
+def _require_sm90(op: str, device: torch.device) -> None:
+    require_triton(op, device)
+    if not INTERPRET and device.type == "cuda":
+        cap = torch.cuda.get_device_capability(device)
+        if cap < MIN_CAPABILITY:
+            raise RuntimeError(f"{op}: the fp8 kernel targets Hopper (sm_90) or newer; {device} is "
+                               f"sm_{cap[0]}{cap[1]}. Dequantize and use a float matmul there "
+                               f"(kernels.fp8.reference computes the same numbers).")
+
+
+@torch.library.custom_op("workbench::fp8_scaled_mm", mutates_args=())
+def fp8_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                  bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``y (M, N) = (a @ b^T) * scale_a * scale_b^T + bias`` in ``out_dtype``; a (M, K), b (N, K) fp8."""
+    op = "fp8_scaled_mm"
+    _check(op, a, b, scale_a, scale_b, bias, out_dtype)
+    _require_sm90(op, a.device)
+    M, K = a.shape
+    N = b.shape[0]
+    y = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    if M == 0 or N == 0:
+        return y
+    grid = lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+    _fp8_scaled_mm_kernel[grid](
+        a, b, scale_a, scale_b, bias if bias is not None else scale_a, y,
+        M, N, K, triton.next_power_of_2(M),
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), y.stride(0), y.stride(1),
+        HAS_BIAS=bias is not None, enable_fp_fusion=True)
+    return y
+
+
+@fp8_scaled_mm.register_fake
+def _(a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16):
+    _check("fp8_scaled_mm", a, b, scale_a, scale_b, bias, out_dtype)
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A Linear with an `FP8Format` weight and dynamically fp8-quantized activations: x (..., K) float,
+    ``qweight`` (N, K) fp8, ``scale`` (N, 1) -> (..., N) in x's dtype. (The activation quantization runs
+    in PyTorch.)"""
+    if not isinstance(x, torch.Tensor) or x.dtype not in OUT_DTYPES:
+        raise TypeError(f"fp8_linear: x must be a bfloat16, float16 or float32 tensor, got "
+                        f"{getattr(x, 'dtype', type(x).__name__)}")
+    check("qweight", qweight, dtypes=FP8_DTYPES, ndim=2, op="fp8_linear")
+    a, scale_a = quantize_rowwise(x.reshape(-1, x.shape[-1]), qweight.dtype)   # (M, K) fp8, (M, 1)
+    y = fp8_scaled_mm(a, qweight, scale_a, scale, bias, x.dtype)                # (M, N)
+    return y.reshape(*x.shape[:-1], qweight.shape[0])
+
+
+# --- references ------------------------------------------------------------------------------------------
+
+def quantize_rowwise(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(fp8 values (R, K), fp32 scale (R, 1))`` with ``x ~ values * scale`` per row of a 2-D ``x``: the
+    numbers of ``primitives.float8_quantize(x, PerChannel(0), dtype)``."""
+    if dtype not in FP8_DTYPES:
+        raise ValueError(f"quantize_rowwise: dtype must be one of {FP8_DTYPES}, got {dtype}")
+    check("x", x, ndim=2, contiguous=False, op="quantize_rowwise")
+    fmax = torch.finfo(dtype).max
+    xf = x.float()                                                         # (R, K)
+    scale = torch.clamp(xf.abs().amax(dim=1, keepdim=True) / fmax, min=EPS)  # (R, 1)
+    return torch.clamp(xf / scale, -fmax, fmax).to(dtype), scale
+
+
+def reference(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+              bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """`fp8_scaled_mm` in PyTorch: the fp8 values exactly in fp32, an fp32 matmul, the same epilogue."""
+    y = (a.float() @ b.float().t()) * scale_a * scale_b.t()               # (M, N)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)

@@ -1,0 +1,39 @@
+"""Smoke tests of `python -m kernels.bench`: the functions run and produce well-formed tables (tiny sizes;
+under the Triton interpreter on CPU the kernel times mean nothing, only the plumbing is checked)."""
+import math
+
+import pytest
+import torch
+
+from kernels import bench
+from kernels._common import triton_available
+
+
+@pytest.mark.skipif(not triton_available(), reason="no CUDA GPU and TRITON_INTERPRET is not set")
+def test_gpu_table_plumbing():
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32   # bf16 tl.dot is wrong in the interpreter
+    df = bench.gpu_table({"tiny": (128, 32)}, ms=(3,), kernels=("int8_weight_only", "int4_g128", "w8a8", "fp8"),
+                         device=device, dtype=dtype)
+    assert list(df["kernel"]) == ["int8_weight_only", "int4_g128", "w8a8", "fp8"]
+    assert (df["ms"] > 0).all() and (df["GB/s"] > 0).all()
+    assert df.set_index("kernel")["ceiling"].to_dict() == pytest.approx(
+        {"int8_weight_only": 16 / (8 + 16 / 128), "int4_g128": 16 / (4 + 16 / 128), "w8a8": 2.0, "fp8": 2.0})
+    assert df.attrs["copy_bandwidth_GBs"] > 0
+    with pytest.raises(ValueError, match="unknown kernel"):
+        bench.gpu_table({"tiny": (128, 32)}, ms=(1,), kernels=("int3",), device=device, dtype=dtype, torchao=False)
+
+
+@pytest.mark.slow
+def test_cpu_minilm_table():
+    df = bench.cpu_minilm(batch_sizes=(1,), rounds=1)
+    assert set(df["path"]) == {"fp32", "w8a8 cpu (ours)", "w8a8 reference", "int8 weight-only cpu (bf16)",
+                               "torch quantize_dynamic"}
+    assert (df["ms"] > 0).all() and df["threads"].eq(1).all()
+    fp32 = df.set_index("path").loc["fp32"]
+    assert math.isclose(fp32["speedup_vs_fp32"], 1.0)
+
+
+def test_environment_names_versions():
+    text = bench.environment()
+    assert f"torch {torch.__version__}" in text and "triton" in text

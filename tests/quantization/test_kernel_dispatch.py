@@ -1,0 +1,144 @@
+"""Explicit kernel dispatch of the quantized modules: "reference", "cpu" and "triton" give the same numbers
+(exactly where the integer math is the same, within bf16 / kernel tolerance otherwise), the path that ran is
+recorded, and a path that cannot run raises instead of falling back.
+
+The Triton paths run under TRITON_INTERPRET=1 here (tests/conftest.py sets it on machines without a GPU)."""
+import pytest
+import torch
+from torch import nn
+
+import workbench as wb
+from kernels._common import triton_available
+from workbench.quantization.modules import CPU_BLOCK_BYTES, W8A8Linear, WeightOnlyLinear
+
+Q = wb.quant
+needs_triton = pytest.mark.skipif(not triton_available(), reason="no CUDA GPU and TRITON_INTERPRET is not set")
+
+
+def linear(K, N, seed=0, bias=True):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(K, N, bias=bias))
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("M", [1, 17, 3000])
+def test_w8a8_cpu_row_blocks_equal_the_reference(static, M):
+    """The row-blocked int8 path (several blocks when M is large) computes exactly the reference's numbers."""
+    K, N = 200, 136
+    lin = linear(K, N)
+    rows = max(16, CPU_BLOCK_BYTES // (4 * max(K, N)))
+    assert M < rows or M > 2 * rows                       # 3000 spans several blocks
+    x = torch.randn(M, K) * 3
+    act = torch.tensor(x.abs().max().item() / 127.5)
+    ref = W8A8Linear.from_float(lin[0], act_scale=act if static else None)
+    cpu = W8A8Linear.from_float(lin[0], kernel="cpu", act_scale=act if static else None)
+    with torch.no_grad():
+        assert torch.equal(cpu(x), ref(x))
+
+
+def test_w8a8_cpu_is_inference_only_but_works_with_grad_enabled():
+    lin = linear(64, 32)
+    cpu = W8A8Linear.from_float(lin[0], kernel="cpu")
+    y = cpu(torch.randn(2000, 64))                         # grad mode on: no error, no graph
+    assert not y.requires_grad
+
+
+@pytest.mark.parametrize("config", [Q.WeightOnly(8, None), Q.WeightOnly(4, 32), Q.WeightOnly(4, 32, symmetric=False),
+                                    Q.NF4(32), Q.FP8()])
+def test_weight_only_cpu_bf16_path(config):
+    lin = linear(128, 96)
+    x = torch.randn(4, 7, 128)
+    ref = wb.apply(lin, {"0": config})
+    cpu = wb.apply(lin, {"0": config}).apply(lambda m: m.set_kernel("cpu") if isinstance(m, WeightOnlyLinear) else None)
+    assert cpu[0].kernel == "cpu"
+    with torch.no_grad():
+        a, b = ref(x), cpu(x)
+    assert b.dtype == x.dtype
+    assert (a - b).norm() / a.norm() < 1e-2              # bf16 operands: ~3 significant digits
+
+
+def test_kernel_choice_is_part_of_the_config_and_survives_save_load(tmp_path):
+    model = wb.models.load("digits-mlp")
+    q = wb.apply(model, {"fc*": Q.WeightOnly(4, 32, kernel="cpu")})
+    assert wb.measure(q, "digits", quick=True, progress=False).kernels == {"WeightOnlyLinear:cpu": 3}
+    wb.save(q, tmp_path / "q.safetensors")
+    again = wb.load(tmp_path / "q.safetensors", base=model)
+    assert again.fc1.kernel == "cpu"
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        assert torch.equal(q(x), again(x))
+
+
+def test_paths_that_cannot_run_raise():
+    with pytest.raises(ValueError, match="kernel='triton'.*int8 per-channel.*int4"):
+        Q.WeightOnly(3, 32, kernel="triton")
+    with pytest.raises(ValueError, match="Dynamic\\(kernel='triton'\\)"):
+        Q.Static(kernel="triton")
+    with pytest.raises(ValueError, match="WeightOnly.kernel must be one of"):
+        Q.WeightOnly(4, 32, kernel="fast")
+    m = W8A8Linear.from_float(nn.Linear(32, 16), act_scale=torch.tensor(0.1))
+    with pytest.raises(ValueError, match="static.*has no 'triton' kernel"):
+        m.set_kernel("triton")
+    nf4 = WeightOnlyLinear.from_float(nn.Linear(64, 16), wb.quant.NF4(32).format())
+    with pytest.raises(ValueError, match="has no 'triton' kernel"):
+        nf4.set_kernel("triton")
+    # the fast paths are matmuls: a conv matched by a fast-path config is refused by name, not left on the reference
+    with pytest.raises(ValueError, match="conv1"):
+        wb.apply(wb.models.load("digits-cnn"), {"conv1": Q.WeightOnly(8, None, kernel="cpu")})
+
+
+def test_triton_needs_a_gpu_without_the_interpreter(monkeypatch):
+    import kernels._common as common
+
+    monkeypatch.setattr(common, "INTERPRET", False)
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        WeightOnlyLinear.from_float(nn.Linear(64, 16), wb.quant.WeightOnly(4, 32).format(), kernel="triton")
+
+
+@needs_triton
+@pytest.mark.parametrize("config", [Q.WeightOnly(8, None, kernel="triton"), Q.WeightOnly(4, 32, kernel="triton"),
+                                    Q.WeightOnly(4, 32, symmetric=False, kernel="triton"),
+                                    Q.WeightOnly(4, 32, symmetric=False, method="hqq", kernel="triton"),
+                                    Q.Dynamic(kernel="triton")])
+def test_triton_paths_match_the_reference(config):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    lin = linear(96, 48).to(device)
+    x = torch.randn(2, 5, 96, device=device)
+    reference = type(config)(**{**config.__dict__, "kernel": "reference"})
+    ref = wb.apply(lin, {"0": reference})
+    tri = wb.apply(lin, {"0": config})
+    assert tri[0].kernel == "triton"
+    with torch.no_grad():
+        a, b = ref(x), tri(x)
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
+@needs_triton
+@pytest.mark.parametrize("config", [Q.WeightOnly(3, 8), Q.WeightOnly(4, None, symmetric=False), Q.Dynamic()])
+def test_qat_fused_fake_quant_matches_the_pytorch_path(config):
+    """kernel='triton' fake quantization: the same forward and the same weight / input gradients."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = nn.Sequential(nn.Linear(32, 24), nn.ReLU(), nn.Linear(24, 8)).to(device)
+    x = torch.randn(6, 32, device=device)
+    outs, grads = [], []
+    for kernel in ("reference", "triton"):
+        qm = wb.qat.prepare(model, {"0": config, "2": config}, kernel=kernel)
+        assert qm[0].kernel == kernel
+        y = qm(x)
+        y.square().sum().backward()
+        outs.append(y.detach())
+        grads.append([p.grad.clone() for p in qm.parameters()])
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6)
+    for a, b in zip(grads[0], grads[1], strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_qat_kernel_choice_is_checked():
+    model = nn.Sequential(nn.Linear(32, 8))
+    with pytest.raises(ValueError, match="kernel must be"):
+        wb.qat.prepare(model, {"0": Q.WeightOnly(4, 16)}, kernel="cpu")
+    if triton_available():
+        with pytest.raises(ValueError, match="learnable_scales"):
+            wb.qat.prepare(model, {"0": Q.WeightOnly(4, 16)}, learnable_scales=True, kernel="triton")

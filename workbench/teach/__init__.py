@@ -118,7 +118,7 @@ def _compare(answer: Any, expected: Any, rtol: float, atol: float) -> str | None
     if isinstance(expected, (list, tuple)):
         if not isinstance(answer, (list, tuple)) or len(answer) != len(expected):
             return f"expected {_describe(expected)}, found {_describe(answer)}"
-        for i, (a, e) in enumerate(zip(answer, expected)):
+        for i, (a, e) in enumerate(zip(answer, expected, strict=True)):
             diff = _compare(a, e, rtol, atol)
             if diff:
                 return f"item {i}: {diff}"

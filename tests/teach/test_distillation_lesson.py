@@ -1,0 +1,105 @@
+"""Lesson 30 (distillation): soft targets and the T² argument hold numerically, the KD experiment runs through
+wb.distill.fit, the exercise checks pass the right answer and explain typical mistakes, the figures build."""
+import math
+
+import pytest
+import torch
+
+import workbench as wb
+from workbench.teach import distillation as L
+
+LOGITS = torch.tensor([-1.6, -5.9, -3.5, 2.8, -3.2, -2.2, -5.0, 2.3, 0.7, 1.5])
+
+
+@pytest.fixture(autouse=True)
+def _fresh_results():
+    wb.teach.reset()
+    yield
+    wb.teach.reset()
+
+
+def test_lesson_module_loads_lazily():
+    assert wb.teach.distillation is L
+
+
+def test_soft_targets_flatten_with_temperature():
+    ents = [float(L.entropy(L.soft_targets(LOGITS, T))) for T in (0.5, 1, 2, 4, 8, 100)]
+    assert ents == sorted(ents) and ents[-1] == pytest.approx(math.log2(10), abs=0.01)
+    assert torch.allclose(L.soft_targets(LOGITS, 1), torch.softmax(LOGITS, -1))
+    with pytest.raises(ValueError, match="temperature"):
+        L.soft_targets(LOGITS, 0)
+
+
+def test_t_squared_keeps_the_gradient_scale():
+    g = torch.Generator().manual_seed(0)
+    student, teacher = torch.randn(64, 10, generator=g), 3 * torch.randn(64, 10, generator=g)
+    table = L.soft_gradient_norms(student, teacher, (1, 4, 16, 64))
+    alone, scaled = table["gradient norm (KL alone)"], table["gradient norm (T² × KL)"]
+    assert alone.is_monotonic_decreasing
+    assert alone[16] / alone[64] == pytest.approx(16, rel=0.05)                   # 1/T² for large T
+    assert scaled[64] / scaled[16] == pytest.approx(1, rel=0.05)                   # the factor undoes it
+
+
+def test_student_is_seeded_and_small():
+    a, b = L.student((16, 8), seed=3), L.student((16, 8), seed=3)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+    assert not torch.equal(L.student((16, 8), seed=4).fc1.weight, a.fc1.weight)
+    assert sum(p.numel() for p in a.parameters()) == 64 * 16 + 16 + 16 * 8 + 8 + 8 * 10 + 10
+
+
+def test_pick_example_is_correct_with_a_runner_up(digits_task):
+    teacher = wb.models.load("digits-cnn")
+    i = L.pick_example(teacher, digits_task)
+    x = torch.from_numpy(digits_task.split.x_test[i : i + 1])
+    with torch.no_grad():
+        p = torch.softmax(teacher(x), -1)[0]
+    assert int(p.argmax()) == int(digits_task.split.y_test[i]) and float(p.topk(2).values[1]) > 0.05
+
+
+def test_compare_kd_runs_both_methods(digits_task):
+    teacher = wb.models.load("digits-mlp")
+    table, histories, students = L.compare_kd(teacher, digits_task, seeds=[0], hidden=(8, 8), epochs=2)
+    assert list(table["method"]) == ["hard labels", "KD"] and table["accuracy"].between(0, 1).all()
+    assert set(histories) == set(students) == {("hard labels", 0), ("KD", 0)}
+    assert len(histories[("KD", 0)]) == 2
+    fig = L.kd_figure(table, histories, teacher_accuracy=0.97)
+    assert {t.type for t in fig.data} == {"scatter", "bar"}
+    assert fig.layout.yaxis2.title.text.startswith("test accuracy")
+    assert fig.layout.xaxis.title.text == "epoch"
+
+
+def test_check_softmax_t():
+    T = 4
+    assert L.check_softmax_t(torch.softmax(LOGITS / T, -1), LOGITS, T).passed
+    plain = L.check_softmax_t(torch.softmax(LOGITS, -1), LOGITS, T)
+    assert plain.status == "failed" and "plain softmax" in plain.hint
+    assert "multiplied" in L.check_softmax_t(torch.softmax(LOGITS * T, -1), LOGITS, T).hint
+    assert "normalisation" in L.check_softmax_t(torch.exp(LOGITS / T), LOGITS, T).hint
+    assert "shape" in L.check_softmax_t(torch.softmax(LOGITS / T, -1)[:5], LOGITS, T).message
+    assert L.check_softmax_t(..., LOGITS, T).status == "not attempted"
+
+
+def test_check_t_squared():
+    assert L.check_t_squared(16, 4).passed and L.check_t_squared(4.0 ** 2, 4.0).passed
+    assert "one of the two" in L.check_t_squared(4, 4).hint
+    assert "multiply" in L.check_t_squared(1 / 16, 4).hint
+    assert "fades" in L.check_t_squared(1, 4).hint
+
+
+def test_check_flattest():
+    temps = [1, 2, 4, 8]
+    assert L.check_flattest(8, LOGITS, temps).passed
+    sharpest = L.check_flattest(1, LOGITS, temps)
+    assert sharpest.status == "failed" and "sharpest" in sharpest.hint
+    assert "larger T" in L.check_flattest(4, LOGITS, temps).hint
+    assert "one of the temperatures" in L.check_flattest(3, LOGITS, temps).hint
+
+
+def test_temperature_figure_builds():
+    image = torch.rand(64)
+    fig = L.temperature_figure(LOGITS, (1, 2, 4, 8), image=image, label=3)
+    bars = [t for t in fig.data if t.type == "bar"]
+    assert [b.name for b in bars] == ["T = 1", "T = 2", "T = 4", "T = 8"] and len(bars[0].y) == 10
+    assert fig.data[0].type == "heatmap" and "label 3" in fig.layout.annotations[0].text
+    assert fig.layout.xaxis2.title.text == "class" and fig.layout.yaxis3.title.text == "entropy (bits)"
+    assert len(L.temperature_figure(LOGITS).data) == 6                      # no image: 4 bars + 2 entropy traces

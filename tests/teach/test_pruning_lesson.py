@@ -1,0 +1,104 @@
+"""Lesson 20 (pruning): the lesson's masks agree with the package, the exercise checks pass the right answer and
+explain typical mistakes, the figures build."""
+import pandas as pd
+import pytest
+import torch
+
+import workbench as wb
+from workbench.teach import pruning as L
+
+
+@pytest.fixture(autouse=True)
+def _fresh_results():
+    wb.teach.reset()
+    yield
+    wb.teach.reset()
+
+
+@pytest.fixture(scope="module")
+def cnn():
+    return wb.models.load("digits-cnn")
+
+
+def test_lesson_module_loads_lazily():
+    assert wb.teach.pruning is L
+
+
+def test_masks_have_their_patterns(cnn):
+    w = cnn.fc1.weight.detach()                                            # (128, 256)
+    masks = L.lesson_masks(w, 0.5)
+    assert [L.mask_sparsity(m) for m in masks.values()] == [0.5, 0.5, 0.5]
+    rows = masks["structured rows (L1)"]
+    assert bool((rows.all(1) | ~rows.any(1)).all())                          # whole rows kept or dropped
+    assert bool((masks["2:4 semi-structured"].reshape(-1, 4).sum(1) == 2).all())
+    assert torch.equal(masks["unstructured magnitude"], wb.prune.masks.magnitude_mask(w, 0.5))
+    with pytest.raises(ValueError, match="2-D"):
+        L.lesson_masks(cnn.conv1.weight, 0.5)
+
+
+def test_row_mask_removes_what_prune_channels_removes(cnn):
+    w = cnn.conv1.weight.detach()
+    mask = L.row_mask(w, 0.25)
+    dropped = (~mask.reshape(32, -1).any(1)).nonzero().flatten()
+    pruned = wb.prune.channels(cnn, {"conv1": 0.25}, example_inputs=wb.tasks.load("digits").example_inputs(2))
+    kept = pruned.conv1.weight.detach()
+    # the pruned model keeps exactly the other 24 channels, in order
+    others = [i for i in range(32) if i not in dropped.tolist()]
+    assert len(dropped) == 8 and torch.equal(kept, w[others])
+
+
+def test_check_sparsity(cnn):
+    mask = wb.prune.masks.magnitude_mask(cnn.conv2.weight, 0.3)
+    assert L.check_sparsity(1 - mask.float().mean(), mask).passed
+    density = L.check_sparsity(mask.float().mean(), mask)
+    assert density.status == "failed" and "density" in density.hint
+    percent = L.check_sparsity(30.0, mask)
+    assert percent.status == "failed" and "percentage" in percent.hint
+    count = L.check_sparsity(int((~mask).sum()), mask)
+    assert count.status == "failed" and "divide by the total" in count.hint
+    assert L.check_sparsity(..., mask).status == "not attempted"
+
+
+def test_check_nm_kept(cnn):
+    w = cnn.conv2.weight                                                    # 18432 weights
+    assert L.check_nm_kept(9216, w).passed
+    everything = L.check_nm_kept(18432, w)
+    assert everything.status == "failed" and "every weight" in everything.hint
+    one_of_four = L.check_nm_kept(4608, w)
+    assert "1 of every 4" in one_of_four.hint
+    assert "fraction kept" in L.check_nm_kept(0.5, w).hint
+    assert "number pruned" in L.check_nm_kept(13824, w, n=1, m=4).hint      # 1:4 keeps 4608, prunes 13824
+
+
+def test_check_removed_channels(cnn):
+    w = cnn.conv1.weight.detach()
+    l1 = w.abs().sum(dim=(1, 2, 3))
+    smallest = l1.argsort()[:8]
+    assert L.check_removed_channels(smallest, w, 0.25).passed
+    assert L.check_removed_channels(smallest.flip(0).tolist(), w, 0.25).passed            # any order
+    largest = L.check_removed_channels(l1.argsort()[-8:], w, 0.25)
+    assert largest.status == "failed" and "largest" in largest.hint
+    l2 = w.pow(2).sum(dim=(1, 2, 3)).sqrt().argsort()[:8]
+    if sorted(l2.tolist()) != sorted(smallest.tolist()):
+        assert "L2" in L.check_removed_channels(l2, w, 0.25).hint
+    short = L.check_removed_channels(smallest[:5], w, 0.25)
+    assert short.status == "failed" and "8 channels" in short.hint
+    assert "list" in L.check_removed_channels("0 1 2", w, 0.25).hint
+    assert L.check_removed_channels(..., w, 0.25).status == "not attempted"
+
+
+def test_figures_build(cnn):
+    w = cnn.fc1.weight.detach()
+    fig = L.mask_heatmaps(w, L.lesson_masks(w), rows=8, cols=16, layer="fc1")
+    assert len(fig.data) == 3 and all(t.type == "heatmap" for t in fig.data)
+    assert len(fig.data[0].z) == 8 and len(fig.data[0].z[0]) == 16
+    assert "fc1" in fig.layout.title.text and fig.layout.xaxis.title.text == "input"
+    bars = L.channel_norms(cnn, "conv1", 0.25)
+    assert len(bars.data[0].y) == 32 and list(bars.data[0].marker.color).count("#d62728") == 8
+    assert bars.layout.yaxis.title.text.startswith("L1")
+    sweep = pd.DataFrame({"sparsity": [0.0, 0.5, 0.0, 0.5], "finetuned": [False, False, True, True],
+                          "accuracy": [0.99, 0.9, 0.99, 0.98]})
+    random = pd.DataFrame({"sparsity": [0.0, 0.5], "finetuned": [False, False], "accuracy": [0.99, 0.2]})
+    curves = L.sparsity_curves(sweep, random, dense_accuracy=0.99)
+    assert [t.name for t in curves.data] == ["magnitude", "magnitude + fine-tune", "random"]
+    assert list(curves.data[1].x) == [0.0, 50.0] and "sparsity" in curves.layout.xaxis.title.text

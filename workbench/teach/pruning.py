@@ -1,0 +1,222 @@
+"""Lesson 20, pruning: which weights a mask removes, what it costs in accuracy, and what it buys in speed.
+
+Three ways to choose the weights ``W`` (out x in) to drop, all at the same 50 % sparsity (= fraction of zeros):
+
+- **unstructured magnitude**: drop the smallest ``|w|`` anywhere - the zeros land scattered over the matrix,
+  which dense kernels still multiply, so nothing gets faster;
+- **structured**: drop whole output rows (neurons / channels) with the smallest L1 norm ``sum_j |w_ij|`` - the
+  layer (and the input of the next one) really becomes smaller, so dense kernels run faster;
+- **N:M semi-structured** (2:4): in every group of M = 4 consecutive inputs keep the N = 2 largest - a pattern
+  sparse tensor cores on recent GPUs run at up to 2x.
+
+Here: the masks of a real layer (`lesson_masks`, `row_mask`), the figures (`mask_heatmaps`, `channel_norms`,
+`sparsity_curves`) and the exercise checks (``check_*``), which compute their expected values themselves.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from workbench.pruning import masks as M
+from workbench.pruning.structured import channel_importance
+from workbench.teach import Feedback, check
+
+__all__ = ["row_mask", "lesson_masks", "mask_sparsity", "mask_heatmaps", "channel_norms", "sparsity_curves",
+           "check_sparsity", "check_nm_kept", "check_removed_channels"]
+
+_COLOURS = {"magnitude": "#1f77b4", "magnitude + fine-tune": "#2ca02c", "random": "#d62728"}
+
+
+def _norms(weight: torch.Tensor, criterion: str = "l1") -> torch.Tensor:
+    """Per output channel (row) norm of ``weight`` (out, ...), as `wb.prune.channel_importance` ranks them."""
+    w = weight.detach().float().reshape(weight.shape[0], -1)                   # (out, in * k)
+    if criterion == "l1":
+        return w.abs().sum(1)
+    if criterion == "l2":
+        return w.pow(2).sum(1).sqrt()
+    raise ValueError(f"criterion must be 'l1' or 'l2', got {criterion!r}")
+
+
+def _removed(weight: torch.Tensor, amount: float, criterion: str = "l1") -> list[int]:
+    """Indices of the ``round(amount * out)`` rows with the smallest norm (those structured pruning removes)."""
+    norms = _norms(weight, criterion)
+    keep = len(norms) - round(amount * len(norms))
+    kept = set(torch.topk(norms, keep).indices.tolist())                     # the same rule as wb.prune.channels
+    return [i for i in range(len(norms)) if i not in kept]
+
+
+def row_mask(weight: torch.Tensor, amount: float, criterion: str = "l1") -> torch.Tensor:
+    """Boolean keep-mask of ``weight``'s shape that drops the ``amount`` of rows with the smallest L1 norm."""
+    M.check_sparsity(amount, "amount")
+    keep = torch.ones(weight.shape[0], dtype=torch.bool)
+    keep[_removed(weight, amount, criterion)] = False
+    return keep.reshape(-1, *[1] * (weight.ndim - 1)).expand_as(weight).clone()
+
+
+def lesson_masks(weight: torch.Tensor, sparsity: float = 0.5) -> dict[str, torch.Tensor]:
+    """The three keep-masks of the lesson for one 2-D weight: unstructured magnitude and structured rows at
+    ``sparsity``, and 2:4 (always 50 %)."""
+    if weight.ndim != 2:
+        raise ValueError(f"lesson_masks takes a 2-D (out, in) weight, got shape {tuple(weight.shape)}")
+    return {"unstructured magnitude": M.magnitude_mask(weight, sparsity),
+            "structured rows (L1)": row_mask(weight, sparsity),
+            "2:4 semi-structured": M.nm_mask(weight, 2, 4)}
+
+
+def mask_sparsity(mask: torch.Tensor) -> float:
+    """Fraction of the entries a keep-mask drops."""
+    return 1.0 - float(mask.float().mean())
+
+
+# --- figures -------------------------------------------------------------------------------------------
+
+def mask_heatmaps(weight: torch.Tensor, masks: dict[str, torch.Tensor], rows: int = 16, cols: int = 32,
+                  layer: str = "layer"):
+    """One heatmap per mask of the top-left ``rows`` x ``cols`` corner of ``weight``: ``|w|`` where the mask keeps
+    it, blank where it prunes. The titles give each mask's sparsity over the whole layer."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    w = weight.detach().float().abs()[:rows, :cols]                              # (rows, cols)
+    titles = [f"{name}<br>{mask_sparsity(m):.0%} pruned" for name, m in masks.items()]
+    fig = make_subplots(rows=1, cols=len(masks), subplot_titles=titles, horizontal_spacing=0.04)
+    top = float(w.max())
+    for i, m in enumerate(masks.values(), start=1):
+        z = torch.where(m[:rows, :cols], w, torch.full_like(w, float("nan")))
+        fig.add_trace(go.Heatmap(z=z.tolist(), zmin=0, zmax=top, colorscale=[[0, "#c6dbef"], [1, "#08306b"]],
+                                 showscale=i == len(masks),
+                                 xgap=1, ygap=1, colorbar=dict(title="|w|"), hoverongaps=False,
+                                 hovertemplate="row %{y}, input %{x}: |w| = %{z:.3f}<extra></extra>"), row=1, col=i)
+        fig.update_xaxes(title="input", dtick=4, showgrid=False, row=1, col=i)   # ticks mark the groups of 4
+        fig.update_yaxes(autorange="reversed", showticklabels=i == 1, showgrid=False, row=1, col=i)
+    fig.update_yaxes(title="output row", row=1, col=1)
+    fig.update_layout(title=f"Three ways to prune {layer} (corner {rows}x{cols}; blank = pruned)",
+                      template="plotly_white", height=380, plot_bgcolor="white")
+    return fig
+
+
+def channel_norms(model: nn.Module, layer: str, amount: float, criterion: str = "l1"):
+    """Bars of the ``criterion`` norm of each output channel of ``model.<layer>``; the channels structured pruning
+    of ``amount`` removes are red."""
+    import plotly.graph_objects as go
+
+    norms = channel_importance(model, layer, criterion)
+    gone = set(_removed(model.get_submodule(layer).weight, amount, criterion))
+    colours = ["#d62728" if i in gone else "#1f77b4" for i in range(len(norms))]
+    fig = go.Figure(go.Bar(x=list(range(len(norms))), y=norms.tolist(), marker_color=colours,
+                           hovertemplate="channel %{x}: %{y:.3f}<extra></extra>"))
+    fig.update_layout(title=f"{layer}: {criterion.upper()} norm of each output channel "
+                            f"(red: the {len(gone)} removed at {amount:.0%})",
+                      xaxis_title="output channel", yaxis_title=f"{criterion.upper()} norm of its weights",
+                      template="plotly_white", height=360)
+    return fig
+
+
+def sparsity_curves(sweep, random=None, dense_accuracy: float | None = None, metric: str = "accuracy"):
+    """Accuracy against sparsity from `wb.prune.sweep` tables: magnitude pruning with and without the fine-tune
+    (``sweep``), and random pruning (``random``, optional) - the baseline a criterion must beat."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    curves = []
+    for tuned, name in ((False, "magnitude"), (True, "magnitude + fine-tune")):
+        part = sweep[sweep["finetuned"] == tuned]
+        if len(part):
+            curves.append((name, part))
+    if random is not None:
+        curves.append(("random", random[random["finetuned"] == False]))  # noqa: E712 (pandas mask)
+    for name, part in curves:
+        fig.add_trace(go.Scatter(x=(part["sparsity"] * 100).tolist(), y=part[metric].tolist(), name=name,
+                                 mode="lines+markers", line=dict(color=_COLOURS[name], width=3),
+                                 hovertemplate=name + ": %{x:.0f} % pruned, " + metric + " %{y:.3f}<extra></extra>"))
+    if dense_accuracy is not None:
+        fig.add_hline(y=dense_accuracy, line=dict(color="grey", dash="dot"), annotation_text="dense model",
+                      annotation_position="bottom right")
+    fig.update_layout(title=f"{metric} vs sparsity: pruning alone, and after a short fine-tune",
+                      xaxis_title="sparsity (% of weights pruned)", yaxis_title=f"{metric} (higher is better)",
+                      yaxis_range=[0, 1.02], template="plotly_white", height=420)
+    return fig
+
+
+# --- exercise checks -----------------------------------------------------------------------------------
+
+def _number(answer) -> float | None:
+    try:
+        return float(answer.item() if hasattr(answer, "item") else answer)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
+
+def check_sparsity(answer, mask: torch.Tensor) -> Feedback:
+    """Exercise: the sparsity (fraction of weights pruned) of a keep-mask (True = kept)."""
+    expected = mask_sparsity(mask)
+    name = "sparsity of a mask"
+    hint = "the mask is True where a weight is kept; sparsity = pruned / total = 1 - kept / total"
+    fb = check(name, answer, expected, hint=hint, rtol=1e-6, atol=1e-6)
+    value = _number(answer)
+    if fb.status == "failed" and value is not None:
+        if math.isclose(value, 1 - expected, abs_tol=1e-6):
+            return check(name, answer, expected, hint="you computed the density (fraction kept); sparsity is the "
+                                                      "fraction pruned, 1 - density", atol=1e-6)
+        if math.isclose(value, 100 * expected, rel_tol=1e-3):
+            return check(name, answer, expected, hint="that is a percentage; give the fraction (0..1)", atol=1e-6)
+        if math.isclose(value, mask.numel() - int(mask.sum()), abs_tol=0.5):
+            return check(name, answer, expected, hint="that is the number of pruned weights; divide by the total",
+                         atol=1e-6)
+    return fb
+
+
+def check_nm_kept(answer, weight: torch.Tensor, n: int = 2, m: int = 4) -> Feedback:
+    """Exercise: how many weights N:M pruning keeps in ``weight`` (along its input dimension)."""
+    numel = weight.numel()
+    expected = numel // m * n
+    name = f"weights kept by {n}:{m}"
+    fb = check(name, answer, expected, hint=f"every group of {m} consecutive weights keeps exactly {n}",
+               rtol=0, atol=0.5)
+    value = _number(answer)
+    if fb.status == "failed" and value is not None:
+        known = [(numel, "that is every weight of the layer: N:M keeps only N of every M"),
+                 (numel // m, f"that keeps 1 of every {m}; {n}:{m} keeps {n}"),
+                 (numel - expected, "that is the number pruned; count the kept ones"),
+                 (n / m, "that is the fraction kept; multiply by the number of weights")]
+        for known_value, why in known:
+            if math.isclose(value, known_value, abs_tol=1e-9) and not math.isclose(known_value, expected):
+                return check(name, answer, expected, hint=why, rtol=0, atol=0.5)
+    return fb
+
+
+def _as_indices(answer) -> list[int] | None:
+    try:
+        values = answer.tolist() if hasattr(answer, "tolist") else list(answer)
+        return sorted(int(v) for v in values)
+    except (TypeError, ValueError):
+        return None
+
+
+def check_removed_channels(answer, weight: torch.Tensor, amount: float) -> Feedback:
+    """Exercise: the indices of the output channels that structured L1 pruning of ``amount`` removes from
+    ``weight`` (any order: a list or a tensor)."""
+    expected = _removed(weight, amount, "l1")
+    name = "channels removed by L1 pruning"
+    hint = (f"rank the {weight.shape[0]} output channels by the L1 norm of their weights (sum of |w| over every "
+            f"dimension but the first) and take the {len(expected)} smallest")
+    indices = _as_indices(answer) if answer is not ... and answer is not None else answer
+    if indices is None and answer is not ... and answer is not None:
+        return check(name, answer, expected, hint="give the channel indices as a list or a 1-D tensor of ints")
+    fb = check(name, indices, expected, hint=hint, rtol=0, atol=0)
+    if fb.status == "failed":
+        n = weight.shape[0]
+        largest = sorted(torch.topk(_norms(weight), len(expected)).indices.tolist())
+        if len(indices) != len(expected):
+            why = f"{amount:.0%} of {n} channels is {len(expected)} channels; you gave {len(indices)}"
+        elif indices == largest:
+            why = "those are the channels with the largest norms: pruning removes the least important, the smallest"
+        elif indices == sorted(_removed(weight, amount, "l2")):
+            why = "those are the smallest by L2 norm; the exercise ranks by L1 (the sum of |w|)"
+        else:
+            wrong = sorted(set(indices) - set(expected))
+            why = f"channel(s) {wrong} have larger L1 norms than some you left out; {hint}"
+        return check(name, indices, expected, hint=why, rtol=0, atol=0)
+    return fb

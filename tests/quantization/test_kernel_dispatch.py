@@ -9,7 +9,7 @@ from torch import nn
 
 import workbench as wb
 from kernels._common import triton_available
-from workbench.quantization.modules import CPU_BLOCK_BYTES, W8A8Linear, WeightOnlyLinear
+from workbench.quantization.modules import W8A8Linear, WeightOnlyLinear
 
 Q = wb.quant
 needs_triton = pytest.mark.skipif(not triton_available(), reason="no CUDA GPU and TRITON_INTERPRET is not set")
@@ -22,18 +22,33 @@ def linear(K, N, seed=0, bias=True):
 
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("M", [1, 17, 3000])
-def test_w8a8_cpu_row_blocks_equal_the_reference(static, M):
-    """The row-blocked int8 path (several blocks when M is large) computes exactly the reference's numbers."""
+def test_w8a8_cpu_fused_path_equals_the_reference(static, M):
+    """The compiled CPU path (one fused quantization pass, torch._int_mm, one fused rescale) computes exactly
+    the reference's numbers, for per-token and static activation scales, with and without a bias."""
     K, N = 200, 136
-    lin = linear(K, N)
-    rows = max(16, CPU_BLOCK_BYTES // (4 * max(K, N)))
-    assert M < rows or M > 2 * rows                       # 3000 spans several blocks
-    x = torch.randn(M, K) * 3
-    act = torch.tensor(x.abs().max().item() / 127.5)
-    ref = W8A8Linear.from_float(lin[0], act_scale=act if static else None)
-    cpu = W8A8Linear.from_float(lin[0], kernel="cpu", act_scale=act if static else None)
-    with torch.no_grad():
-        assert torch.equal(cpu(x), ref(x))
+    for bias in (True, False):
+        lin = linear(K, N, bias=bias)
+        x = torch.randn(M, K) * 3
+        act = torch.tensor(x.abs().max().item() / 127.5)
+        ref = W8A8Linear.from_float(lin[0], act_scale=act if static else None)
+        cpu = W8A8Linear.from_float(lin[0], kernel="cpu", act_scale=act if static else None)
+        with torch.no_grad():
+            assert torch.equal(cpu(x), ref(x))
+
+
+def test_w8a8_cpu_without_a_compiler_says_so(monkeypatch):
+    import workbench.quantization.modules as modules
+
+    class InductorError(RuntimeError):
+        pass
+
+    def broken(*args):
+        raise InductorError("CppCompileError: C++ compile error\n...")
+
+    monkeypatch.setattr(modules, "_compiled_w8a8_cpu", broken)
+    layer = W8A8Linear.from_float(nn.Linear(16, 8), kernel="cpu")
+    with pytest.raises(RuntimeError, match="needs a working C\\+\\+ compiler.*kernel='reference'"):
+        layer(torch.randn(2, 16))
 
 
 def test_w8a8_cpu_is_inference_only_but_works_with_grad_enabled():

@@ -14,7 +14,7 @@ here raises, naming the module and what it would need.
 | module | ``"cpu"`` (CPU tensors) | ``"triton"`` (CUDA, or ``TRITON_INTERPRET=1``) |
 |---|---|---|
 | `WeightOnlyLinear` | weight decoded to bf16, bf16 GEMM | int8 per-channel (`kernels.int8_weight_only`), int4 any group / zero (`kernels.int4_weight_only`) |
-| `W8A8Linear` | ``torch._int_mm`` on row blocks that stay in cache (quantize, int8 GEMM, rescale) | dynamic: fused per-token quantization + int8 GEMM + rescale (`kernels.w8a8`) |
+| `W8A8Linear` | ``torch._int_mm`` between one fused quantization pass and one fused rescale pass (``torch.compile``) | dynamic: fused per-token quantization + int8 GEMM + rescale (`kernels.w8a8`) |
 """
 from __future__ import annotations
 
@@ -224,7 +224,6 @@ class WeightOnlyConv2d(_PackedWeight):
 
 
 _ROUND_MAGIC = 12582912.0  # 1.5 * 2**23
-CPU_BLOCK_BYTES = 1 << 19    # W8A8Linear "cpu": fp32 bytes of one row block of the wider of input / output
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,6 +246,42 @@ def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Ten
     xg = to_groups(x, PerToken()).float()                          # (M, K)
     q = quantize(xg, scale.reshape(1, 1), torch.zeros(1, 1, dtype=torch.int32), -128, 127, torch.int8)
     return q, scale.reshape(1, 1).expand(xg.shape[0], 1)
+
+
+def _w8a8_cpu_math(x2d: torch.Tensor, qweight_t: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                   act_scale: torch.Tensor | None) -> torch.Tensor:
+    """W8A8Linear's whole forward for the CPU fast path: the numbers of ``quantize_per_token`` (or the static
+    scale) and the reference rescale, written as one function so that Inductor emits one fused pass for the
+    activation quantization (row max, scale, round, clamp, int8) and one for the rescale (int32 -> fp32,
+    times both scales, plus the bias) around ``torch._int_mm``. x2d: (M, in) -> (M, out) fp32."""
+    xf = x2d.float()
+    if act_scale is None:   # per token: max |x| / 127.5 of each row
+        s = (torch.maximum(-xf.amin(dim=1, keepdim=True), xf.amax(dim=1, keepdim=True)) / 127.5).clamp(min=EPS)
+    else:                   # static: one calibrated scale
+        s = act_scale.reshape(1, 1)
+    q = torch.clamp(torch.round(xf * (1.0 / s)), -128, 127).to(torch.int8)   # round half to even
+    y = torch._int_mm(q, qweight_t).float() * s * scale                      # (M, out)
+    return y if bias is None else y + bias
+
+
+_compiled_w8a8_cpu = None
+
+
+def w8a8_cpu(x2d, qweight_t, scale, bias, act_scale) -> torch.Tensor:
+    """`_w8a8_cpu_math` compiled once per process by ``torch.compile`` (Inductor's C++ backend, dynamic
+    shapes, the thread count read at run time). The first call compiles (seconds; Inductor caches the result
+    on disk for later processes). A machine without a working C++ compiler gets an error that says so."""
+    global _compiled_w8a8_cpu
+    if _compiled_w8a8_cpu is None:
+        _compiled_w8a8_cpu = torch.compile(_w8a8_cpu_math, dynamic=True, options={"cpp.dynamic_threads": True})
+    try:
+        return _compiled_w8a8_cpu(x2d, qweight_t, scale, bias, act_scale)
+    except Exception as e:
+        if "BackendCompilerFailed" in type(e).__name__ or "InductorError" in type(e).__name__:
+            raise RuntimeError("W8A8Linear kernel='cpu' fuses its quantization and rescale with torch.compile, "
+                               "which needs a working C++ compiler here; it failed: "
+                               f"{str(e).splitlines()[0][:300]}. Use kernel='reference' on this machine.") from e
+        raise
 
 
 class W8A8Linear(nn.Module):
@@ -316,22 +351,8 @@ class W8A8Linear(nn.Module):
         return quantize_per_tensor(x2d, self.act_scale) if self.static else quantize_per_token(x2d)
 
     def _cpu(self, x2d: torch.Tensor) -> torch.Tensor:  # x2d: (M, in) -> (M, out) fp32
-        """``torch._int_mm`` over blocks of rows small enough that the activation codes, the int32 product and
-        the output block stay in cache: quantize, multiply and rescale each block before the next. The same
-        numbers as the reference path, block by block (integer products are exact). An inference path: no
-        gradient reaches the bias (the reference path lets one through)."""
-        M = x2d.shape[0]
-        bias = None if self.bias is None else self.bias.detach()
-        out = torch.empty(M, self.out_features, dtype=torch.float32, device=x2d.device)
-        rows = max(16, CPU_BLOCK_BYTES // (4 * max(self.in_features, self.out_features)))
-        for start in range(0, M, rows):
-            qx, sx = self._quantize(x2d[start:start + rows])             # (m, in) int8, (m, 1) fp32
-            acc = torch._int_mm(qx, self.qweight_t)                       # (m, out) int32
-            block = torch.mul(acc, sx, out=out[start:start + rows])      # int32 * fp32 -> fp32, no extra copy
-            block.mul_(self.scale)
-            if bias is not None:
-                block.add_(bias)
-        return out
+        bias = None if self.bias is None else self.bias.detach()   # an inference path: no autograd
+        return w8a8_cpu(x2d, self.qweight_t, self.scale, bias, self.act_scale if self.static else None)
 
     def extra_repr(self) -> str:
         mode = "static" if self.static else "dynamic"

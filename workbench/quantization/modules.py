@@ -14,7 +14,7 @@ here raises, naming the module and what it would need.
 | module | ``"cpu"`` (CPU tensors) | ``"triton"`` (CUDA, or ``TRITON_INTERPRET=1``) |
 |---|---|---|
 | `WeightOnlyLinear` | weight decoded to bf16, bf16 GEMM | int8 per-channel (`kernels.int8_weight_only`), int4 any group / zero (`kernels.int4_weight_only`) |
-| `W8A8Linear` | ``torch._int_mm`` between one fused quantization pass and one fused rescale pass (``torch.compile``) | dynamic: fused per-token quantization + int8 GEMM + rescale (`kernels.w8a8`) |
+| `W8A8Linear` | per block of rows: one fused quantization pass, ``torch._int_mm``, one fused rescale pass (``torch.compile``) | dynamic: fused per-token quantization + int8 GEMM + rescale (`kernels.w8a8`) |
 """
 from __future__ import annotations
 
@@ -248,40 +248,49 @@ def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Ten
     return q, scale.reshape(1, 1).expand(xg.shape[0], 1)
 
 
-def _w8a8_cpu_math(x2d: torch.Tensor, qweight_t: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                   act_scale: torch.Tensor | None) -> torch.Tensor:
-    """W8A8Linear's whole forward for the CPU fast path: the numbers of ``quantize_per_token`` (or the static
-    scale) and the reference rescale, written as one function so that Inductor emits one fused pass for the
-    activation quantization (row max, scale, round, clamp, int8) and one for the rescale (int32 -> fp32,
-    times both scales, plus the bias) around ``torch._int_mm``. x2d: (M, in) -> (M, out) fp32."""
+def _w8a8_cpu_block(out: torch.Tensor, x2d: torch.Tensor, qweight_t: torch.Tensor, scale: torch.Tensor,
+                    bias: torch.Tensor | None, act_scale: torch.Tensor | None) -> None:
+    """W8A8Linear's forward for one block of rows on the CPU fast path, written into ``out`` (m, out_features):
+    the numbers of ``quantize_per_token`` (or the static scale) and of the reference rescale, as one function so
+    that Inductor emits one fused pass for the activation quantization (row max, scale, round, clamp, int8) and
+    one for the rescale (int32 -> fp32, times both scales, plus the bias, stored into ``out``) around
+    ``torch._int_mm``."""
     xf = x2d.float()
     if act_scale is None:   # per token: max |x| / 127.5 of each row
         s = (torch.maximum(-xf.amin(dim=1, keepdim=True), xf.amax(dim=1, keepdim=True)) / 127.5).clamp(min=EPS)
     else:                   # static: one calibrated scale
         s = act_scale.reshape(1, 1)
     q = torch.clamp(torch.round(xf * (1.0 / s)), -128, 127).to(torch.int8)   # round half to even
-    y = torch._int_mm(q, qweight_t).float() * s * scale                      # (M, out)
-    return y if bias is None else y + bias
+    y = torch._int_mm(q, qweight_t).float() * s * scale                      # (m, out)
+    out.copy_(y if bias is None else y + bias)
 
 
+CPU_BLOCK_ROWS = 1024   # rows per block: the int32 product of a block stays in cache instead of a round trip to DRAM
 _compiled_w8a8_cpu = None
 
 
-def w8a8_cpu(x2d, qweight_t, scale, bias, act_scale) -> torch.Tensor:
-    """`_w8a8_cpu_math` compiled once per process by ``torch.compile`` (Inductor's C++ backend, dynamic
-    shapes, the thread count read at run time). The first call compiles (seconds; Inductor caches the result
-    on disk for later processes). A machine without a working C++ compiler gets an error that says so."""
+def w8a8_cpu(x2d: torch.Tensor, qweight_t: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+             act_scale: torch.Tensor | None) -> torch.Tensor:
+    """The CPU fast path of W8A8Linear: (M, in) -> (M, out) fp32, block by block of `CPU_BLOCK_ROWS` rows with
+    `_w8a8_cpu_block` compiled once per process by ``torch.compile`` (Inductor's C++ backend, dynamic shapes, the
+    thread count read at run time). The first call compiles (seconds; Inductor caches the result on disk for
+    later processes). A machine without a working C++ compiler gets an error that says so."""
     global _compiled_w8a8_cpu
     if _compiled_w8a8_cpu is None:
-        _compiled_w8a8_cpu = torch.compile(_w8a8_cpu_math, dynamic=True, options={"cpp.dynamic_threads": True})
+        _compiled_w8a8_cpu = torch.compile(_w8a8_cpu_block, dynamic=True, options={"cpp.dynamic_threads": True})
+    M = x2d.shape[0]
+    out = torch.empty(M, qweight_t.shape[1], dtype=torch.float32, device=x2d.device)
     try:
-        return _compiled_w8a8_cpu(x2d, qweight_t, scale, bias, act_scale)
+        for start in range(0, M, CPU_BLOCK_ROWS):
+            stop = min(M, start + CPU_BLOCK_ROWS)
+            _compiled_w8a8_cpu(out[start:stop], x2d[start:stop], qweight_t, scale, bias, act_scale)
     except Exception as e:
         if "BackendCompilerFailed" in type(e).__name__ or "InductorError" in type(e).__name__:
             raise RuntimeError("W8A8Linear kernel='cpu' fuses its quantization and rescale with torch.compile, "
                                "which needs a working C++ compiler here; it failed: "
                                f"{str(e).splitlines()[0][:300]}. Use kernel='reference' on this machine.") from e
         raise
+    return out
 
 
 class W8A8Linear(nn.Module):

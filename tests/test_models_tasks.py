@@ -88,3 +88,16 @@ def test_shipped_weights_are_reproducible(tmp_path):
     import json
     assert json.loads(meta["test_metric"])["accuracy"] >= 0.97
     assert (tmp_path / "digits-mlp.safetensors").is_file()
+
+
+def test_evaluate_uses_eval_mode_and_restores_the_mode(digits_task):
+    """BatchNorm must use its running statistics (and not update them) while a task evaluates a training model."""
+    import workbench as wb
+
+    model = wb.models.load("digits-cnn")
+    expected = digits_task.evaluate(model.eval(), quick=True)
+    model.train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert digits_task.evaluate(model, quick=True) == expected
+    assert model.training
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

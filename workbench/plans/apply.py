@@ -149,7 +149,7 @@ def apply(model: nn.Module, plan: Plan | Mapping[str, Config | None], calibratio
         if not found.fits:
             raise MemoryError(f"not calibrating: {found}")
     target = model if inplace else copy.deepcopy(model)
-    inputs = _capture_inputs(target, [a.name for a in needing], batches) if needing else {}
+    inputs = _capture_inputs(target, [a.name for a in needing], batches, progress) if needing else {}
     replacements: dict[str, nn.Module] = {}
     resolved: list[tuple[str, Config]] = []
     for a in tqdm(assignments, desc="apply", disable=not progress or len(assignments) < 2, leave=False):

@@ -10,6 +10,8 @@ A task never trains anything. It answers four questions about a model:
 """
 from __future__ import annotations
 
+import contextlib
+
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -26,6 +28,17 @@ class MetricSpec:
     name: str
     higher_is_better: bool
     description: str
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module):
+    """Evaluate in eval mode (BatchNorm running statistics, no dropout); the model's own mode is restored."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
 
 
 def check_model(model: object) -> nn.Module:

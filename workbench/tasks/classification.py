@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from workbench.tasks import data
-from workbench.tasks.base import MetricSpec, Task, check_count, check_model, model_device
+from workbench.tasks.base import MetricSpec, Task, check_count, check_model, eval_mode, model_device
 
 __all__ = ["ClassificationTask"]
 
@@ -32,6 +32,10 @@ class ClassificationTask(Task):
 
     def evaluate(self, model: nn.Module, quick: bool = False) -> dict[str, float]:
         check_model(model)
+        with eval_mode(model):
+            return self._evaluate(model, quick)
+
+    def _evaluate(self, model: nn.Module, quick: bool) -> dict[str, float]:
         s = self.split
         n = min(self.quick_samples, len(s.x_test)) if quick else len(s.x_test)
         x = torch.from_numpy(s.x_test[:n]).to(model_device(model))  # (n, features)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workbench.tasks import data
-from workbench.tasks.base import MetricSpec, Task, check_count, check_model, model_device
+from workbench.tasks.base import MetricSpec, Task, check_count, check_model, eval_mode, model_device
 
 __all__ = ["CharLMTask", "perplexity"]
 
@@ -55,8 +55,9 @@ class CharLMTask(Task):
 
     def evaluate(self, model: nn.Module, quick: bool = False) -> dict[str, float]:
         check_model(model)
-        return {"perplexity": perplexity(model, self.corpus.test, self.block_size,
-                                         max_windows=self.quick_windows if quick else None)}
+        with eval_mode(model):
+            return {"perplexity": perplexity(model, self.corpus.test, self.block_size,
+                                             max_windows=self.quick_windows if quick else None)}
 
     def calibration(self, n: int, batch_size: int | None = None) -> list[tuple[torch.Tensor, ...]]:
         train = self.corpus.train

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from workbench.tasks import data
-from workbench.tasks.base import MetricSpec, Task, check_count, check_model, model_device
+from workbench.tasks.base import MetricSpec, Task, check_count, check_model, eval_mode, model_device
 
 __all__ = ["SentenceTask", "encode"]
 
@@ -91,6 +91,10 @@ class SentenceTask(Task):
 
     def evaluate(self, model: nn.Module, quick: bool = False) -> dict[str, float]:
         check_model(model)
+        with eval_mode(model):
+            return self._evaluate(model, quick)
+
+    def _evaluate(self, model: nn.Module, quick: bool) -> dict[str, float]:
         out = {"fidelity": self.fidelity(model, quick)}
         if quick:
             return out

@@ -1,0 +1,210 @@
+"""Lesson 12 (wb.teach.ptq): the GPTQ step-through is the package's GPTQ, the AWQ grid is the package's search,
+the exercise checks accept the right answer and name typical mistakes, and the figures build."""
+import pytest
+import torch
+
+import workbench as wb
+from workbench.quantization import formats as fm
+from workbench.quantization.awq import awq_search
+from workbench.quantization.gptq import gptq_quantize
+from workbench.quantization.smoothquant import activation_absmax, smoothing_factors
+
+P = wb.teach.ptq
+LAYER = "h.1.mlp.c_fc"   # tiny-lm: 192 -> 768
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return wb.models.load("tiny-lm")
+
+
+@pytest.fixture(scope="module")
+def lm_task():
+    return wb.tasks.load("tiny-lm")
+
+
+@pytest.fixture(scope="module")
+def layer_data(lm, lm_task):
+    X = P.layer_inputs(lm, LAYER, lm_task.calibration(4))
+    X_held = P.layer_inputs(lm, LAYER, [lm_task.example_inputs(2)])
+    return lm.get_submodule(LAYER), X, X_held
+
+
+def test_layer_inputs_are_the_layers_inputs(lm, lm_task, layer_data):
+    linear, X, _ = layer_data
+    assert X.shape == (4 * 128, 192) and X.dtype == torch.float32
+    assert P.layer_inputs(lm, LAYER, lm_task.calibration(4), max_tokens=100).shape == (100, 192)
+    with pytest.raises(AttributeError):
+        P.layer_inputs(lm, "h.1.nothing", lm_task.calibration(1))
+    assert lm.training is False
+
+
+@pytest.mark.parametrize("bits, group_size", [(4, 64), (3, 64), (4, None)])
+def test_gptq_trace_ends_on_the_package_result(layer_data, bits, group_size):
+    linear, X, _ = layer_data
+    W = linear.weight.detach()
+    fmt = fm.IntFormat(bits, group_size)
+    trace = P.gptq_trace(W, X, bits=bits, group_size=group_size, block_size=128, every=16, rows=8)
+    package = fm.decode(gptq_quantize(W, [(X,)], fmt), fmt, W.shape[1])
+    assert torch.equal(trace.weight, package)
+    assert torch.equal(trace.rtn_weight, fm.decode(fm.encode(W, fmt), fmt, W.shape[1]))
+    assert trace.columns[0] == 0 and trace.columns[-1] == W.shape[1] and trace.gptq_error[0] == 0.0
+    # the recorded end points are the true relative output errors of the final weights
+    assert trace.gptq_error[-1] == pytest.approx(P.relative_output_error(X, W, package), rel=1e-4)
+    assert trace.rtn_error[-1] == pytest.approx(P.relative_output_error(X, W, trace.rtn_weight), rel=1e-4)
+    assert trace.gptq_error[-1] < 0.6 * trace.rtn_error[-1]
+    # RTN's partial error only grows; the heatmap frames start at zero and end on the final change
+    assert all(b >= a - 1e-12 for a, b in zip(trace.rtn_error[:-1], trace.rtn_error[1:], strict=True))
+    assert trace.updates[0].abs().max() == 0 and trace.updates[-1].shape == (8, W.shape[1])
+    torch.testing.assert_close(trace.updates[-1], (package - W)[:8], rtol=0, atol=1e-6)
+    df = trace.to_frame()
+    assert list(df.columns) == ["columns quantized", "rtn", "gptq"] and len(df) == len(trace.columns)
+
+
+def test_gptq_trace_refuses_a_group_size_that_does_not_divide(layer_data):
+    linear, X, _ = layer_data
+    with pytest.raises(ValueError, match="does not divide"):
+        P.gptq_trace(linear.weight, X, group_size=50)
+
+
+def test_awq_grid_is_the_package_search(layer_data):
+    linear, X, _ = layer_data
+    table, x_mean, s = P.awq_grid(linear.weight, X, bits=3, group_size=64)
+    _, package_s, package_alpha = awq_search(linear.weight, [(X,)], fm.IntFormat(3, 64))
+    assert list(table["alpha"]) == pytest.approx([i / 20 for i in range(21)])
+    assert table.loc[table["error"].idxmin(), "alpha"] == package_alpha
+    assert torch.equal(s, package_s)
+    torch.testing.assert_close(x_mean, X.abs().mean(dim=0))
+    with pytest.raises(ValueError, match="at most 4096"):
+        P.awq_grid(linear.weight, X.repeat(9, 1))
+
+
+def test_layer_errors_uses_every_method(layer_data):
+    linear, X, X_held = layer_data
+    errors = P.layer_errors(linear, X, X_held, bits=3, group_size=64, smooth_alpha=0.5)
+    assert list(errors["method"]) == ["W3 rtn", "W3 gptq", "W3 awq", "W8A8", "W8A8 + SmoothQuant 0.5"]
+    assert (errors[["calibration", "held_out"]] > 0).all().all()
+    cal = dict(zip(errors["method"], errors["calibration"], strict=True))
+    assert cal["W3 gptq"] < cal["W3 rtn"] and cal["W3 awq"] <= cal["W3 rtn"] and cal["W8A8"] < cal["W3 gptq"]
+    assert 0.0 <= errors.attrs["awq_alpha"] <= 1.0 and errors.attrs["awq_scales"].shape == (192,)
+    fig = P.layer_errors_figure(errors)
+    assert len(fig.data) == 2 and fig.layout.yaxis.type == "log"
+
+
+def test_smoothing_view_matches_the_package(layer_data):
+    linear, X, _ = layer_data
+    view = P.smoothing_view(X, linear.weight, 0.5)
+    s = smoothing_factors(activation_absmax([(X,)], 192), linear.weight, 0.5)
+    assert len(view) == 192
+    torch.testing.assert_close(torch.tensor(view["s"].to_numpy()), s)
+    # the product is unchanged, so act_after * weight_after == act_before * weight_before per channel
+    torch.testing.assert_close(torch.tensor((view["act_after"] * view["weight_after"]).to_numpy()),
+                               torch.tensor((view["act_before"] * view["weight_before"]).to_numpy()), rtol=1e-5, atol=0)
+    assert view["act_after"].max() / view["act_after"].median() < view["act_before"].max() / view["act_before"].median()
+    fig = P.smoothing_figure(view, 0.5)
+    assert len(fig.data) == 4 and "SmoothQuant" in fig.layout.title.text
+
+
+def test_gptq_and_awq_figures_build(layer_data):
+    linear, X, _ = layer_data
+    trace = P.gptq_trace(linear.weight, X, bits=3, rows=8)
+    fig = P.gptq_error_figure(trace)
+    assert [t.name.split(":")[0] for t in fig.data] == ["RTN", "GPTQ"]
+    assert "columns" in fig.layout.xaxis.title.text and "error" in fig.layout.yaxis.title.text
+    heat = P.gptq_update_figure(trace)
+    assert heat.data[0].type == "heatmap" and not heat.frames
+    assert [st.label for st in heat.layout.sliders[0].steps] == [str(c) for c in trace.frame_columns]
+    assert trace.frame_columns == [0, 64, 128, 192]
+    table, x_mean, s = P.awq_grid(linear.weight, X, bits=3)
+    fig = P.awq_loss_figure(table)
+    assert len(fig.data) == 3 and fig.layout.xaxis.title.text.startswith("alpha")
+    fig = P.awq_scales_figure(x_mean, s, 0.5)
+    assert len(fig.data) == 2 and len(fig.data[0].y) == 192
+
+
+def test_measure_plans_table_and_figure(digits_task):
+    mlp = wb.models.load("digits-mlp")
+    plans = {"W4 rtn": wb.Plan({"fc*": wb.quant.WeightOnly(4, 32)}),
+             "W3 rtn": wb.Plan({"fc*": wb.quant.WeightOnly(3, 32)}),
+             "W8A8": wb.Plan({"fc*": wb.quant.Dynamic()})}
+    df = P.measure_plans(mlp, digits_task, plans, calibration=None)
+    assert list(df["label"]) == ["fp32", "W4 rtn", "W3 rtn", "W8A8"]
+    assert df.attrs["primary"] == "accuracy" and df.loc[0, "size_ratio"] == 1.0
+    assert (df["size_ratio"].iloc[1:] < 0.5).all()
+    table = P.method_table(df, "accuracy")
+    assert list(table.index) == ["rtn"] and list(table.columns) == [3, 4]
+    fig = P.results_figure({"digits-mlp": df})
+    assert list(fig.data[0].x) == ["W4 rtn", "W3 rtn", "W8A8"] and fig.layout.yaxis.type == "log"
+
+
+def test_ptq_plans_labels():
+    plans = P.ptq_plans("h.*", [4, 3], 64, 0.5)
+    assert list(plans) == ["W4 rtn", "W4 gptq", "W4 awq", "W3 rtn", "W3 gptq", "W3 awq", "W8A8", "W8A8 + SmoothQuant"]
+    assert plans["W3 awq"]["h.*"].method.value == "awq" and plans["W8A8 + SmoothQuant"]["h.*"].smooth_alpha == 0.5
+
+
+# --- exercise checks -----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def toy(layer_data):
+    linear, X, _ = layer_data
+    return P.feedback_example(linear.weight, X, rows=6, cols=4, bits=3)
+
+
+def test_feedback_check(toy):
+    right = toy.W[:, 1:] - torch.outer((toy.W[:, 0] - toy.q0) / toy.U[0, 0], toy.U[0, 1:])
+    assert P.check_feedback_update(right, toy).passed
+    assert P.check_feedback_update(..., toy).status == "not attempted"
+    wrong_sign = toy.W[:, 1:] + torch.outer((toy.W[:, 0] - toy.q0) / toy.U[0, 0], toy.U[0, 1:])
+    fb = P.check_feedback_update(wrong_sign, toy)
+    assert fb.status == "failed" and "wrong sign" in fb.hint and "values differ" in fb.message
+    no_division = toy.W[:, 1:] - torch.outer(toy.W[:, 0] - toy.q0, toy.U[0, 1:])
+    assert "did not divide" in P.check_feedback_update(no_division, toy).hint
+    assert "without any error feedback" in P.check_feedback_update(toy.W[:, 1:].clone(), toy).hint
+    fb = P.check_feedback_update(toy.W, toy)
+    assert fb.status == "failed" and "shape (6, 3)" in fb.message
+
+
+def test_feedback_example_is_consistent(toy):
+    assert toy.W.shape == (6, 4) and toy.U.shape == (4, 4) and toy.q0.shape == (6,)
+    assert torch.equal(toy.U, torch.triu(toy.U)) and (torch.diag(toy.U) > 0).all()
+    assert (toy.q0 - toy.W[:, 0]).abs().max() > 0          # column 0 really was rounded
+
+
+def test_awq_scales_check():
+    x_mean = torch.tensor([0.1, 0.5, 2.0, 8.0])
+    s = x_mean.pow(0.4).clamp(min=1e-4)
+    assert P.check_awq_scales(s / (s.max() * s.min()).sqrt(), x_mean, 0.4).passed
+    fb = P.check_awq_scales(s, x_mean, 0.4)
+    assert fb.status == "failed" and "proportional" in fb.hint and "normalise" in fb.hint
+    s1 = x_mean.pow(0.6)
+    fb = P.check_awq_scales(s1 / (s1.max() * s1.min()).sqrt(), x_mean, 0.4)
+    assert "1 − alpha" in fb.hint
+    assert P.check_awq_scales(None, x_mean, 0.4).status == "not attempted"
+
+
+def test_smoothing_factors_check(layer_data):
+    linear, X, _ = layer_data
+    W = linear.weight.detach()
+    act, w = X.abs().amax(dim=0), W.abs().amax(dim=0)
+    assert P.check_smoothing_factors(act ** 0.5 / w ** 0.5, X, W, 0.5).passed
+    assert P.check_smoothing_factors(act ** 0.8 / w ** 0.2, X, W, 0.8).passed
+    assert "swapped" in P.check_smoothing_factors(act ** 0.2 / w ** 0.8, X, W, 0.8).hint
+    assert "1 / s" in P.check_smoothing_factors(w ** 0.5 / act ** 0.5, X, W, 0.5).hint
+    fb = P.check_smoothing_factors(W.abs().amax(dim=1), X, W, 0.5)
+    assert fb.status == "failed" and "one value per output row" in fb.hint
+
+
+def test_best_method_check():
+    import pandas as pd
+
+    table = pd.DataFrame({3: [0.91, 0.945, 0.959], 4: [0.977, 0.989, 0.988]}, index=["rtn", "gptq", "awq"])
+    assert P.check_best_method("awq", table, bits=3).passed
+    assert P.check_best_method("AWQ", table, bits=3).passed
+    fb = P.check_best_method("gptq", table, bits=3)
+    assert fb.status == "failed" and "expected 'awq'" in fb.message and "gptq measured 0.9450" in fb.hint
+    assert "0.959" not in P.check_best_method(..., table, bits=3).hint      # the hint does not give it away
+    perplexity = pd.DataFrame({3: [3.99, 3.89, 3.94]}, index=["rtn", "gptq", "awq"])
+    assert P.check_best_method("gptq", perplexity, bits=3, higher_is_better=False).passed
+    assert "lower is better" in P.check_best_method("awq", perplexity, bits=3, higher_is_better=False).hint
+    assert "lowest" in P.check_best_method(None, perplexity, bits=3, higher_is_better=False).hint

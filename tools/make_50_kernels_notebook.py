@@ -21,7 +21,7 @@ weights, against bf16. At large $M$ it is **compute-bound**: only faster arithme
 Every number below is measured on this machine (the CPU here; GPU numbers appear when `python -m kernels.bench`
 has been run on a GPU and its `kernels/results.csv` kept)."""),
     new_code_cell("""# Parameters (papermill replaces these values)
-threads = 2              # CPU threads for every timing
+threads = 1              # CPU threads for every timing (the CPU target is stated at one thread)
 batches = [1, 32, 512]   # M: rows of x (tokens) per call
 rounds = 9               # interleaved timing rounds per layer (medians)
 minilm_batch = 4         # sentences of 128 tokens for the whole-model comparison

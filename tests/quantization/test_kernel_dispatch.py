@@ -157,3 +157,17 @@ def test_qat_kernel_choice_is_checked():
     if triton_available():
         with pytest.raises(ValueError, match="learnable_scales"):
             wb.qat.prepare(model, {"0": Q.WeightOnly(4, 16)}, learnable_scales=True, kernel="triton")
+
+
+def test_auto_picks_the_device_fast_path_and_records_it():
+    """kernel='auto': the CPU fast path on the CPU where the module has one, the reference elsewhere (convs)."""
+    model = wb.models.load("digits-cnn")
+    q = wb.apply(model, {"fc1": Q.WeightOnly(4, 32, kernel="auto"), "fc2": Q.Dynamic(kernel="auto"),
+                         "conv1": Q.WeightOnly(8, None, kernel="auto"), "conv2": Q.Static(kernel="auto")},
+                 calibration=wb.tasks.load("digits").calibration(16))
+    assert (q.fc1.kernel, q.fc2.kernel, q.conv1.kernel, q.conv2.kernel) == ("cpu", "cpu", "reference", "reference")
+    kernels = wb.measure(q, "digits", quick=True, progress=False).kernels
+    assert kernels["WeightOnlyLinear:cpu"] == 1 and kernels["W8A8Linear:cpu"] == 1
+    if torch.cuda.is_available():
+        gpu = wb.apply(model.cuda(), {"fc1": Q.WeightOnly(4, 32, kernel="auto")})
+        assert gpu.fc1.kernel == "triton"

@@ -61,7 +61,7 @@ class _WeightHandler:
     def supports(self, module: nn.Module, config) -> bool:
         if getattr(config, "method", Method.RTN) is not Method.RTN:  # the algorithms are written for Linear
             return type(module) is nn.Linear
-        if getattr(config, "kernel", "reference") != "reference":   # the fast paths are matmuls
+        if getattr(config, "kernel", "reference") in ("cpu", "triton"):   # the fast paths are matmuls
             return type(module) is nn.Linear
         return type(module) in self.types
 
@@ -139,7 +139,7 @@ class WeightOnly(Config):
     method: Method = Method.RTN
     damp: float = 0.01        # GPTQ: fraction of the mean Hessian diagonal added for stability
     act_order: bool = False   # GPTQ: quantize columns in order of decreasing Hessian diagonal
-    kernel: str = "reference"  # Linear matmul path: "reference", "cpu" (bf16) or "triton" (int8 per-channel, int4)
+    kernel: str = "reference"  # Linear matmul: "reference", "cpu" (bf16), "triton" (int8 per-channel, int4) or "auto"
 
     def __post_init__(self):
         if isinstance(self.method, str) and not isinstance(self.method, Method):
@@ -202,7 +202,7 @@ class _W8A8Handler:
     """Dynamic and Static W8A8 of nn.Linear (optionally SmoothQuant-smoothed); Static also for nn.Conv2d."""
 
     def supports(self, module: nn.Module, config) -> bool:
-        if isinstance(config, Static) and config.smooth_alpha is None and config.kernel == "reference":
+        if isinstance(config, Static) and config.smooth_alpha is None and config.kernel in ("reference", "auto"):
             return type(module) in (nn.Linear, nn.Conv2d)
         return type(module) is nn.Linear
 
@@ -270,7 +270,7 @@ class Dynamic(Config):
     ``smooth_alpha``: SmoothQuant migration strength (needs calibration), None for plain W8A8."""
 
     bits: int = 8
-    kernel: str = "reference"  # "reference" (fp32 math, any device), "cpu" (torch._int_mm) or "triton" (CUDA)
+    kernel: str = "reference"  # "reference" (fp32 math), "cpu" (torch._int_mm), "triton" (CUDA) or "auto"
     smooth_alpha: float | None = None
 
     def __post_init__(self):

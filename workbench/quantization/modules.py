@@ -7,9 +7,10 @@
 - `W8A8Conv2d`: static W8A8 convolution (int8 per-channel weights, calibrated activation scale).
 
 Each module has a pure-PyTorch ``reference`` path (dequantize, then a float matmul) that runs anywhere.
-Faster paths are chosen explicitly with ``kernel=`` (or `set_kernel`) and recorded in ``module.kernel``;
-`wb.measure` reports the kernels that ran. There is no silent fallback: asking for a path that cannot run
-here raises, naming the module and what it would need.
+Faster paths are chosen with ``kernel=`` (or `set_kernel`) and recorded in ``module.kernel``; `wb.measure`
+reports the kernels that ran. Asking for a path that cannot run here raises, naming the module and what it
+would need; ``kernel="auto"`` picks the device's fast path where the module has one (Triton on a CUDA GPU,
+"cpu" on the CPU) and the reference otherwise - and records which.
 
 | module | ``"cpu"`` (CPU tensors) | ``"triton"`` (CUDA, or ``TRITON_INTERPRET=1``) |
 |---|---|---|
@@ -26,15 +27,24 @@ from workbench.quantization import formats as fm
 from workbench.quantization.primitives import EPS, PerToken, choose_qparams, quantize, to_groups
 
 __all__ = ["conv_args", "WeightOnlyLinear", "WeightOnlyEmbedding", "WeightOnlyConv2d", "W8A8Linear", "W8A8Conv2d",
-           "KERNELS", "check_kernel", "triton_weight_kind"]
+           "KERNELS", "PATHS", "choose_kernel", "triton_weight_kind"]
 
-KERNELS = ("reference", "cpu", "triton")
+PATHS = ("reference", "cpu", "triton")
+KERNELS = PATHS + ("auto",)
 
 
-def check_kernel(owner: str, kernel: str, supported: tuple[str, ...], device: torch.device) -> None:
-    """Raise unless ``kernel`` is one of ``supported`` and can run on ``device`` here."""
+def choose_kernel(owner: str, kernel: str, supported: tuple[str, ...], device: torch.device) -> str:
+    """The path to run: ``kernel`` itself if it is one of ``supported`` and can run on ``device`` here (else an
+    error naming ``owner``), or for ``"auto"`` the device's fast path - "triton" on a CUDA GPU, "cpu" on the
+    CPU - where ``supported`` has it, and "reference" otherwise."""
     if kernel not in KERNELS:
         raise ValueError(f"{owner}: kernel must be one of {KERNELS}, got {kernel!r}")
+    if kernel == "auto":
+        from kernels._common import triton_available
+
+        if device.type == "cuda" and "triton" in supported and triton_available(device):
+            return "triton"
+        return "cpu" if device.type == "cpu" and "cpu" in supported else "reference"
     if kernel not in supported:
         raise ValueError(f"{owner} has no {kernel!r} kernel; it supports {supported}")
     if kernel == "cpu" and device.type not in ("cpu", "meta"):
@@ -45,6 +55,7 @@ def check_kernel(owner: str, kernel: str, supported: tuple[str, ...], device: to
         if not triton_available(device):
             raise RuntimeError(f"{owner}: kernel='triton' needs a CUDA GPU (or TRITON_INTERPRET=1 for testing); the "
                                f"module is on {device}. Use kernel='cpu' or 'reference' here.")
+    return kernel
 
 
 def triton_weight_kind(fmt: fm.WeightFormat) -> str | None:
@@ -122,8 +133,7 @@ class WeightOnlyLinear(_PackedWeight):
     def set_kernel(self, kernel: str) -> "WeightOnlyLinear":
         """Choose the matmul path (see the module docstring); raises if it cannot serve this format here."""
         supported = ("reference", "cpu") + (("triton",) if triton_weight_kind(self.fmt) else ())
-        check_kernel(f"WeightOnlyLinear({self.fmt})", kernel, supported, self.qweight.device)
-        self.kernel = kernel
+        self.kernel = choose_kernel(f"WeightOnlyLinear({self.fmt})", kernel, supported, self.qweight.device)
         return self
 
     @classmethod
@@ -320,10 +330,9 @@ class W8A8Linear(nn.Module):
 
     def set_kernel(self, kernel: str) -> "W8A8Linear":
         """Choose the matmul path (see the module docstring); raises if it cannot run here."""
-        supported = ("reference", "cpu") if self.static else KERNELS
+        supported = ("reference", "cpu") if self.static else PATHS
         owner = f"W8A8Linear({'static' if self.static else 'dynamic'})"
-        check_kernel(owner, kernel, supported, self.qweight_t.device)
-        self.kernel = kernel
+        self.kernel = choose_kernel(owner, kernel, supported, self.qweight_t.device)
         return self
 
     @classmethod

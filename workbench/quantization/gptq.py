@@ -14,16 +14,36 @@ weights up front (act_order, "static groups", so the stored groups stay contiguo
 same storage as round-to-nearest (`formats.IntFormat`): only the codes (and scales) differ.
 
 Inputs are captured from the float model (not re-propagated through already-quantized layers).
+An ``observer`` sees the algorithm's state after every column (`GPTQStep`), e.g. for a step-through.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 
 from workbench.quantization import formats as fm
 
-__all__ = ["hessian", "gptq_quantize"]
+__all__ = ["hessian", "gptq_quantize", "GPTQStep"]
+
+
+@dataclass(frozen=True)
+class GPTQStep:
+    """The state after column ``column`` (in processing order) of block ``[i1, i2)`` was quantized; live
+    tensors, to read and not to change. ``q``: the dequantized column; ``W``: the working weight (columns from
+    ``i2`` on do not have this block's feedback yet: it is applied lazily, ``W[:, i2:] - Err1 @ Hinv[i1:i2, i2:]``
+    at the end of the block); ``W1`` / ``Err1``: the block's weights and scaled errors so far; ``Hinv``: the
+    upper Cholesky factor of H^-1."""
+
+    column: int
+    i1: int
+    i2: int
+    q: torch.Tensor
+    W: torch.Tensor
+    W1: torch.Tensor
+    Err1: torch.Tensor
+    Hinv: torch.Tensor
 
 
 def hessian(inputs: Sequence[tuple[torch.Tensor, ...]] | None, in_features: int, name: str = "layer") -> torch.Tensor:
@@ -43,8 +63,10 @@ def hessian(inputs: Sequence[tuple[torch.Tensor, ...]] | None, in_features: int,
 
 
 def gptq_quantize(weight: torch.Tensor, inputs, fmt: fm.IntFormat, damp: float = 0.01, act_order: bool = False,
-                  block_size: int = 128, name: str = "layer") -> dict[str, torch.Tensor]:
-    """GPTQ-quantize ``weight`` ``(out, in)``; returns the `formats.IntFormat` tensors."""
+                  block_size: int = 128, name: str = "layer",
+                  observer: Callable[[GPTQStep], None] | None = None) -> dict[str, torch.Tensor]:
+    """GPTQ-quantize ``weight`` ``(out, in)``; returns the `formats.IntFormat` tensors. ``observer`` is called
+    with a `GPTQStep` after every column."""
     if not isinstance(fmt, fm.IntFormat):
         raise TypeError(f"GPTQ quantizes to integer formats, got {fmt!r}")
     device = weight.device
@@ -100,5 +122,7 @@ def gptq_quantize(weight: torch.Tensor, inputs, fmt: fm.IntFormat, damp: float =
             err = (w - q) / Hinv1[i, i]
             W1[:, i:] -= err.unsqueeze(1) * Hinv1[i, i:].unsqueeze(0)
             Err1[:, i] = err
+            if observer is not None:
+                observer(GPTQStep(col, i1, i2, q, W, W1, Err1, Hinv))
         W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
     return {k: v.to(device) for k, v in fm.pack_int(codes, scale_all.float(), zero_all, fmt).items()}

@@ -4,9 +4,9 @@ The notebook ``notebooks/12_ptq_algorithms.ipynb`` compares RTN, GPTQ, AWQ and S
 It cannot define functions, so what it needs beyond the package's public API lives here:
 
 - `layer_inputs`: the inputs a layer sees on calibration data, as one ``(tokens, K)`` matrix;
-- `gptq_trace`: GPTQ column by column, exactly as `workbench.quantization.gptq.gptq_quantize` does it (same
-  Hessian, damping, blocks and group scales; a test checks the final weights are identical), recording the
-  layer-output error after every few columns and the weights as the error feedback moves them;
+- `gptq_trace`: `workbench.quantization.gptq.gptq_quantize` itself, watched column by column through its
+  ``observer`` hook, recording the layer-output error after every few columns and the weights as the error
+  feedback moves them;
 - `awq_grid`: the loss of AWQ's scale search at every alpha of its grid (as `awq.awq_search` computes it);
 - `smoothing_view`: per-channel ranges of activations and weights before and after SmoothQuant;
 - figures (plotly ``go.Figure``) for each, and checks for the exercises, which compute the expected value
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from workbench.quantization import formats as fm
-from workbench.quantization.gptq import hessian
+from workbench.quantization.gptq import GPTQStep, gptq_quantize, hessian
 from workbench.quantization.smoothquant import activation_absmax, smoothing_factors
 from workbench.teach import Feedback, check
 
@@ -91,84 +91,50 @@ class GPTQTrace:
 def gptq_trace(weight: torch.Tensor, X: torch.Tensor, bits: int = 4, group_size: int | None = 64,
                damp: float = 0.01, block_size: int = 128, every: int = 16, frame_every: int | None = None,
                rows: int = 32) -> GPTQTrace:
-    """Run GPTQ on ``weight`` ``(N, K)`` with calibration inputs ``X`` ``(tokens, K)`` column by column,
-    exactly as `gptq_quantize` (``act_order=False``) does, recording the relative layer-output error every
+    """Run `gptq_quantize` (``act_order=False``) on ``weight`` ``(N, K)`` with calibration inputs ``X``
+    ``(tokens, K)``, recording the relative layer-output error every
     ``every`` columns (for RTN too) and, every ``frame_every`` columns (default: one group), the first
     ``rows`` rows of ``current - original`` weights.
 
     The recorded "current" weights of GPTQ are the quantized columns so far plus the remaining columns as
     the error feedback has moved them, including the feedback that the package applies lazily per block."""
     fmt = fm.IntFormat(bits, group_size, True)
-    W = weight.detach().to("cpu", torch.float64).clone()                           # (N, K)
-    N, K = W.shape
+    W_orig = weight.detach().to("cpu", torch.float64)                             # (N, K)
+    N, K = W_orig.shape
     g = K if group_size is None else group_size
     if K % g:
         raise ValueError(f"group_size {g} does not divide the input dimension {K}")
     frame_every = g if frame_every is None else frame_every
-    W_orig = W.clone()
-    H = hessian([(X,)], K)                                                         # (K, K) float64
-    H_err = H.clone()                                                              # undamped: the true objective
-    dead = torch.diag(H) == 0
-    H[dead, dead] = 1.0
-    W[:, dead] = 0.0
-    static = group_size is None
-    if static:
-        scale_all, zero_all = fm.int_qparams(W.float(), fmt)                       # (N, G)
-    else:
-        scale_all = torch.empty(N, K // g)
-        zero_all = torch.empty(N, K // g, dtype=torch.int32)
-    H += torch.eye(K, dtype=torch.float64) * (damp * torch.mean(torch.diag(H)))
-    L = torch.linalg.cholesky(H)
-    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)           # upper factor of H^-1
-    if not static:
-        block_size = max(1, block_size // g) * g
-
+    H_err = hessian([(X,)], K)                                                     # undamped: the true objective
     rtn = fm.decode(fm.encode(weight.detach().float().cpu(), fmt), fmt, K).double()  # (N, K)
     E = W_orig - rtn
     G = E.T @ E                                                                    # (K, K): RTN error Gram
     denom = float((W_orig @ H_err * W_orig).sum())
 
-    def error_of(current: torch.Tensor) -> float:
-        D = W_orig - current
-        return float((D @ H_err * D).sum()) / denom
-
     columns, gptq_err, rtn_err = [0], [0.0], [0.0]
     frame_cols, updates = [0], [torch.zeros(min(rows, N), K)]
-    maxq = (1 << bits) - 1
-    Q = torch.empty_like(W)                                                        # dequantized columns
-    for i1 in range(0, K, block_size):
-        i2 = min(i1 + block_size, K)
-        W1 = W[:, i1:i2].clone()
-        Err1 = torch.zeros_like(W1)
-        Hinv1 = Hinv[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            col = i1 + i
-            grp = col // g
-            if not static and col % g == 0:
-                s, z = fm.int_qparams(W1[:, i:i + g].float(), fm.IntFormat(bits, None, True))
-                scale_all[:, grp], zero_all[:, grp] = s[:, 0], z[:, 0]
-            s = scale_all[:, grp].double()
-            z = zero_all[:, grp].double()
-            w = W1[:, i]
-            u = torch.clamp(torch.round(w.float() * (1.0 / s.float())).double() + z, 0, maxq)
-            q = (u - z) * s
-            Q[:, col] = q
-            err = (w - q) / Hinv1[i, i]
-            W1[:, i:] -= err.unsqueeze(1) * Hinv1[i, i:].unsqueeze(0)
-            Err1[:, i] = err
-            done = col + 1
-            if done % every == 0 or done == K or done % frame_every == 0:
-                rest = W[:, i2:] - Err1[:, :i + 1] @ Hinv[i1:i1 + i + 1, i2:]     # lazy block feedback
-                current = torch.cat([Q[:, :done], W1[:, i + 1:], rest], dim=1)
-                if done % every == 0 or done == K:
-                    columns.append(done)
-                    gptq_err.append(error_of(current))
-                    rtn_err.append(float((G[:done, :done] * H_err[:done, :done]).sum()) / denom)
-                if done % frame_every == 0 or done == K:
-                    frame_cols.append(done)
-                    updates.append((current - W_orig)[:rows].float())
-        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
-    return GPTQTrace(columns, gptq_err, rtn_err, frame_cols, updates, Q.float(), rtn.float(), block_size,
+    Q = torch.empty_like(W_orig)                                                   # dequantized columns
+
+    def observe(step: GPTQStep) -> None:
+        Q[:, step.column] = step.q
+        done = step.column + 1
+        if done % every and done % frame_every and done != K:
+            return
+        i = step.column - step.i1
+        rest = step.W[:, step.i2:] - step.Err1[:, :i + 1] @ step.Hinv[step.i1:step.i1 + i + 1, step.i2:]
+        current = torch.cat([Q[:, :done], step.W1[:, i + 1:], rest], dim=1)       # the lazy feedback applied
+        if done % every == 0 or done == K:
+            D = W_orig - current
+            columns.append(done)
+            gptq_err.append(float((D @ H_err * D).sum()) / denom)
+            rtn_err.append(float((G[:done, :done] * H_err[:done, :done]).sum()) / denom)
+        if done % frame_every == 0 or done == K:
+            frame_cols.append(done)
+            updates.append((current - W_orig)[:rows].float())
+
+    gptq_quantize(weight, [(X,)], fmt, damp=damp, block_size=block_size, observer=observe)
+    block = block_size if group_size is None else max(1, block_size // g) * g
+    return GPTQTrace(columns, gptq_err, rtn_err, frame_cols, updates, Q.float(), rtn.float(), block,
                      group_size, bits)
 
 

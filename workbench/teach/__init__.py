@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Feedback", "check", "summary", "reset"]
+__all__ = ["Feedback", "check", "summary", "reset", "as_number"]
 
 _results: dict[str, "Feedback"] = {}
 
@@ -62,6 +62,14 @@ class Feedback:
         p.text(str(self))
 
 
+def as_number(answer: Any) -> float | None:
+    """``answer`` (a number, a 0-d tensor or array) as a float, or None when it is not a number."""
+    try:
+        return float(answer.item() if hasattr(answer, "item") else answer)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
+
 def _describe(x: Any) -> str:
     import torch
 
@@ -98,9 +106,8 @@ def _compare(answer: Any, expected: Any, rtol: float, atol: float) -> str | None
             isinstance(expected, str) else answer is expected or answer == expected
         return None if same else f"expected {expected!r}, found {answer!r}"
     if isinstance(expected, (int, float)):
-        try:
-            value = float(answer.item() if hasattr(answer, "item") else answer)
-        except (TypeError, ValueError):
+        value = as_number(answer)
+        if value is None:
             return f"expected a number close to {expected:.6g}, found {_describe(answer)}"
         if math.isclose(value, float(expected), rel_tol=rtol, abs_tol=atol):
             return None

@@ -21,7 +21,7 @@ import torch
 from workbench.quantization import formats as QF
 from workbench.quantization import observers as QO
 from workbench.quantization import primitives as P
-from workbench.teach import Feedback, check
+from workbench.teach import Feedback, as_number, check
 from workbench.teach.formats import layer_inputs
 
 __all__ = ["layer_inputs", "mse", "bytes_per_weight", "granularity_table", "granularity_figure",
@@ -282,12 +282,6 @@ def calibration_figure(table):
 
 # --- exercise checks -----------------------------------------------------------------------------------
 
-def _number(answer) -> float | None:
-    try:
-        return float(answer.item() if hasattr(answer, "item") else answer)
-    except (TypeError, ValueError, RuntimeError):
-        return None
-
 
 def check_bytes_per_weight(answer, bits: int = 4, group_size: int = 64) -> Feedback:
     """Exercise: bytes per weight of symmetric int``bits`` with groups of ``group_size`` and fp16 scales,
@@ -295,7 +289,7 @@ def check_bytes_per_weight(answer, bits: int = 4, group_size: int = 64) -> Feedb
     w = torch.linspace(-1, 1, 8 * group_size * 4).reshape(8, 4 * group_size)     # (rows, K): any weight will do
     expected = bytes_per_weight(w, bits, P.PerGroup(group_size))
     name = f"bytes per weight, int{bits} g{group_size}"
-    value = _number(answer)
+    value = as_number(answer)
     codes, scale = QF.IntFormat(bits).slot_bits / 8, 2 / group_size
     known = {codes: f"{codes:g} counts only the codes; every {group_size} weights also share one fp16 scale "
                     f"(2 bytes)",
@@ -345,7 +339,7 @@ def check_best_clipping(answer, curve) -> Feedback:
     t = curve["threshold"].values
     expected = float(t[best])
     step = float(max(t[min(best + 1, len(t) - 1)] - t[best], t[best] - t[max(best - 1, 0)]))
-    value = _number(answer)
+    value = as_number(answer)
     name = "best clipping threshold"
     hint = "read the threshold at the bottom of the curve: the row of `curve` with the smallest mse"
     if value is not None and math.isclose(value, float(t[-1]), rel_tol=1e-6):
@@ -362,7 +356,7 @@ def check_codes_used(answer, x: torch.Tensor, bits: int = 8) -> Feedback:
     expected, asym = int(q.unique().numel()), int(qa.unique().numel())
     hint = (f"quantize x with primitives.quantize_affine(x, {bits}, PerTensor(), symmetric=True) and count the "
             f"distinct codes (tensor.unique().numel())")
-    value = _number(answer)
+    value = as_number(answer)
     if value == asym and asym != expected:
         hint = "that is the count for asymmetric quantization; the exercise asks for symmetric"
     elif value == 1 << bits:

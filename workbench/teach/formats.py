@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from workbench.quantization import primitives as P
-from workbench.teach import Feedback, check
+from workbench.teach import Feedback, as_number, check
 
 __all__ = ["Format", "FORMATS", "format_of", "format_table", "grid", "bit_layout", "cast", "quantize_dequantize",
            "error_table", "flushed_fraction", "layer_inputs", "spacing_figure", "grid_figure",
@@ -396,7 +396,7 @@ def check_int8_scale(answer, x: torch.Tensor) -> Feedback:
     fb = check("int8 scale", answer, expected, hint=hint, rtol=1e-4)
     if fb.status == "failed":
         amax, hi = float(x.abs().max()), float(x.max())
-        value = _number(answer)
+        value = as_number(answer)
         known = {amax / 127: "max|x| / 127: that is the restricted range -127..127 some libraries use; the "
                              "workbench (like PyTorch) divides by (127 - (-128)) / 2 = 127.5",
                  amax / 255: "max|x| / 255: that spreads max|x| over all 255 steps, but symmetric quantization "
@@ -423,19 +423,12 @@ def check_e4m3_max(answer) -> Feedback:
              65504.0: "65504 is fp16's largest value"}
     fb = check("e4m3 largest value", answer, expected, hint=hint, rtol=1e-6)
     if fb.status == "failed":
-        value = _number(answer)
+        value = as_number(answer)
         for k, why in known.items():
             if value is not None and math.isclose(value, k):
                 return check("e4m3 largest value", answer, expected, hint=why)
     return fb
 
-
-def _number(answer) -> float | None:
-    """``answer`` as a float, or None when it is not a number."""
-    try:
-        return float(answer.item() if hasattr(answer, "item") else answer)
-    except (TypeError, ValueError, RuntimeError):
-        return None
 
 
 def _canonical(answer) -> object:
@@ -462,7 +455,7 @@ def check_fp16_exp_limit(answer) -> Feedback:
     fb = check("largest logit with a finite fp16 exp", answer, expected, rtol=1e-3,
                hint="exp(x) must stay below fp16's largest value, 65504: x = ln(65504)")
     if fb.status == "failed":
-        value = _number(answer)
+        value = as_number(answer)
         for k, why in {math.log10(65504): "that is log10(65504); exp is base e: use math.log",
                        math.log2(65504): "that is log2(65504); exp is base e: use math.log",
                        65504.0: "65504 is the largest fp16 value itself; the exercise asks for the x with "

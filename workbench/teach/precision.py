@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workbench.teach import Feedback, check
+from workbench.teach import Feedback, as_number, check
 
 __all__ = ["DTYPES", "smallest_subnormal", "format_table", "Autocast", "autocast_table", "gradient_magnitudes",
            "underflow_fraction", "overflow_fraction", "scale_table", "scale_trace", "gradient_histogram",
@@ -243,12 +243,6 @@ def scale_trace_figure(trace):
 
 # --- exercise checks -----------------------------------------------------------------------------------
 
-def _number(answer) -> float | None:
-    try:
-        return float(answer.item() if hasattr(answer, "item") else answer)
-    except (TypeError, ValueError, RuntimeError):
-        return None
-
 
 def check_bytes_saved(answer, layer: nn.Module, dtype: str | torch.dtype = torch.bfloat16) -> Feedback:
     """Exercise: the bytes saved by storing ``layer``'s parameters (weight and bias) in ``dtype`` instead of fp32."""
@@ -259,7 +253,7 @@ def check_bytes_saved(answer, layer: nn.Module, dtype: str | torch.dtype = torch
     name = f"bytes saved by {str(d).removeprefix('torch.')}"
     hint = f"fp32 takes 4 bytes per value, {str(d).removeprefix('torch.')} {4 - per}: count every parameter"
     fb = check(name, answer, expected, hint=hint, rtol=0, atol=0.5)
-    value = _number(answer)
+    value = as_number(answer)
     if fb.status == "failed" and value is not None:
         weight = layer.weight.numel()
         known = [(weight * per, "you counted the weight only; the bias is cast too"),
@@ -301,7 +295,7 @@ def check_loss_scale(answer, gradient: float, target: float | None = None) -> Fe
     name = "loss scale"
     hint = "S = 2^k with the smallest k such that S × gradient ≥ 2^-14: k = ceil(log2(2^-14 / gradient))"
     fb = check(name, answer, expected, hint=hint, rtol=1e-9)
-    value = _number(answer)
+    value = as_number(answer)
     if fb.status == "failed" and value is not None and value > 0:
         if not math.isclose(math.log2(value), round(math.log2(value)), abs_tol=1e-9):
             why = f"{value:g} is not a power of two (scaling by powers of two is exact in floating point)"

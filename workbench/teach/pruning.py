@@ -21,7 +21,7 @@ from torch import nn
 
 from workbench.pruning import masks as M
 from workbench.pruning.structured import channel_importance
-from workbench.teach import Feedback, check
+from workbench.teach import Feedback, as_number, check
 
 __all__ = ["row_mask", "lesson_masks", "mask_sparsity", "mask_heatmaps", "channel_norms", "sparsity_curves",
            "check_sparsity", "check_nm_kept", "check_removed_channels"]
@@ -142,12 +142,6 @@ def sparsity_curves(sweep, random=None, dense_accuracy: float | None = None, met
 
 # --- exercise checks -----------------------------------------------------------------------------------
 
-def _number(answer) -> float | None:
-    try:
-        return float(answer.item() if hasattr(answer, "item") else answer)
-    except (TypeError, ValueError, RuntimeError):
-        return None
-
 
 def check_sparsity(answer, mask: torch.Tensor) -> Feedback:
     """Exercise: the sparsity (fraction of weights pruned) of a keep-mask (True = kept)."""
@@ -155,7 +149,7 @@ def check_sparsity(answer, mask: torch.Tensor) -> Feedback:
     name = "sparsity of a mask"
     hint = "the mask is True where a weight is kept; sparsity = pruned / total = 1 - kept / total"
     fb = check(name, answer, expected, hint=hint, rtol=1e-6, atol=1e-6)
-    value = _number(answer)
+    value = as_number(answer)
     if fb.status == "failed" and value is not None:
         if math.isclose(value, 1 - expected, abs_tol=1e-6):
             return check(name, answer, expected, hint="you computed the density (fraction kept); sparsity is the "
@@ -175,7 +169,7 @@ def check_nm_kept(answer, weight: torch.Tensor, n: int = 2, m: int = 4) -> Feedb
     name = f"weights kept by {n}:{m}"
     fb = check(name, answer, expected, hint=f"every group of {m} consecutive weights keeps exactly {n}",
                rtol=0, atol=0.5)
-    value = _number(answer)
+    value = as_number(answer)
     if fb.status == "failed" and value is not None:
         known = [(numel, "that is every weight of the layer: N:M keeps only N of every M"),
                  (numel // m, f"that keeps 1 of every {m}; {n}:{m} keeps {n}"),

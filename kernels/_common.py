@@ -9,15 +9,21 @@
   Triton compile error or a silent wrong result.
 - ``triton_available(device)``: whether a Triton kernel can run on ``device`` here (a CUDA GPU, or any
   device under the interpreter).
+- The split-K weight-only GEMMs' shared plumbing: autotune lists for decode (M <= ``SMALL_M``, split-K) and
+  prefill, the M bucket of the autotune key, config pruning, pinned-config checks and `launch_split_k`
+  (reshape, empty shapes, grid, autotuned or pinned kernel, the fp32 split-K buffer, device guard).
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
-__all__ = ["INTERPRET", "configs", "check", "check_same_device", "triton_available", "require_triton", "cdiv"]
+__all__ = ["INTERPRET", "configs", "check", "check_same_device", "triton_available", "require_triton", "cdiv",
+           "SMALL_M", "split_k_configs", "m_bucket", "fit_m_bucket", "check_pinned_config", "launch_split_k"]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -85,3 +91,76 @@ def require_triton(op: str, device: torch.device) -> None:
     if not triton_available(device):
         raise RuntimeError(f"{op}: the Triton kernel needs a CUDA GPU (or TRITON_INTERPRET=1 for testing on the "
                            f"CPU); the tensors are on {device}. Use kernel='cpu' or kernel='reference' there.")
+
+
+# --- split-K weight-only GEMMs (int8_weight_only, int4_weight_only) ------------------------------------------
+
+SMALL_M = 64   # M <= SMALL_M runs the split-K (decode) configs
+_PREFILL_TILES = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 128, 8, 3), (64, 256, 64, 8, 4),
+                  (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (64, 64, 128, 4, 5)]  # (M, N, K blocks, warps, stages)
+
+
+def split_k_configs(small_m: bool, decode_tiles: Iterable[tuple[int, int, int, int]]) -> list:
+    """Decode: BLOCK_M in 16/32/64 (pruned to M's bucket) x ``decode_tiles`` (BLOCK_N, BLOCK_K, warps, stages)
+    x SPLIT_K 1/2/4/8. Prefill: the usual GEMM tiles, no split."""
+    if small_m:
+        full = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, num_warps=w, num_stages=s)
+                for bm in (16, 32, 64) for bn, bk, w, s in decode_tiles for sk in (1, 2, 4, 8)]
+        return configs(full, interpret=dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=2))
+    full = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=1, num_warps=w, num_stages=s)
+            for bm, bn, bk, w, s in _PREFILL_TILES]
+    return configs(full, interpret=dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, SPLIT_K=1))
+
+
+def m_bucket(M: int) -> int:
+    """The autotune key for M: a power of two >= 16 (decode sizes 1..16 share one tuning, and so on)."""
+    return max(16, 1 << max(0, M - 1).bit_length())
+
+
+def fit_m_bucket(configs: list, bucket: int, K: int) -> list:
+    """The configs whose BLOCK_M fits the M bucket and that split K into no more parts than K-tiles."""
+    return [c for c in configs
+            if (c.kwargs["BLOCK_M"] == min(bucket, SMALL_M) if bucket <= SMALL_M else c.kwargs["BLOCK_M"] <= bucket)
+            and c.kwargs["SPLIT_K"] * c.kwargs["BLOCK_K"] <= max(K, c.kwargs["BLOCK_K"])]
+
+
+def check_pinned_config(op: str, config: dict, min_block_k: int) -> None:
+    """A pinned config names the four block sizes, as powers of two a GPU accepts (tl.dot needs every block
+    dim >= 16 there)."""
+    need, optional = {"BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K"}, {"num_warps", "num_stages"}
+    if not isinstance(config, dict) or not need <= set(config) or set(config) - need - optional:
+        raise ValueError(f"{op}: config must be a dict with keys {sorted(need)} (and optionally "
+                         f"{sorted(optional)}), got {config!r}")
+    for name, low in (("BLOCK_M", 16), ("BLOCK_N", 16), ("BLOCK_K", min_block_k), ("SPLIT_K", 1)):
+        v = config[name]
+        if isinstance(v, bool) or not isinstance(v, int) or v < low or v & (v - 1):
+            raise ValueError(f"{op}: config[{name!r}] must be a power of two >= {low}, got {v!r}")
+
+
+def launch_split_k(op: str, x: torch.Tensor, N: int, K: int, bias: torch.Tensor | None, config: dict | None,
+                   autotuned: tuple, jit_kernel, min_block_k: int, call: Callable) -> torch.Tensor:
+    """Run a split-K GEMM over x ``(..., K)`` -> ``(..., N)`` in x's dtype. ``autotuned``: the (decode, prefill)
+    autotuned kernels; ``config`` pins one blocking of ``jit_kernel`` instead. ``call(kernel, x2, c, M)``
+    launches with the kernel's own arguments; ``c`` is an fp32 zeroed buffer when K is split (partial sums
+    are added atomically), else the output in x's dtype."""
+    require_triton(op, x.device)
+    x2 = x.reshape(-1, K)                                                   # (M, K), a view: x is contiguous
+    M = x2.shape[0]
+    if M == 0 or N == 0 or K == 0:   # nothing to launch: an empty product (plus the bias)
+        y = x.new_zeros(*x.shape[:-1], N)
+        return y if bias is None else y + bias.to(x.dtype)
+
+    def grid(meta):
+        return cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"]
+
+    if config is None:
+        split = M <= SMALL_M
+        kernel = autotuned[0 if split else 1][grid]
+    else:
+        check_pinned_config(op, config, min_block_k)
+        split = config["SPLIT_K"] > 1
+        kernel = functools.partial(jit_kernel[grid], **config)
+    c = (torch.zeros if split else torch.empty)((M, N), device=x.device, dtype=torch.float32 if split else x.dtype)
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        call(kernel, x2, c, M)
+    return c.to(x.dtype).reshape(*x.shape[:-1], N)

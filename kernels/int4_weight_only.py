@@ -50,43 +50,30 @@ by plain integer ops, and one small config runs. Tests: ``python -m pytest tests
 """
 from __future__ import annotations
 
-import contextlib
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels._common import INTERPRET, cdiv, check, check_same_device, configs, require_triton
+from kernels._common import (
+    INTERPRET, SMALL_M, check, check_same_device, fit_m_bucket, launch_split_k, m_bucket, split_k_configs,
+)
 
 __all__ = ["int4_weight_only_mm", "launch", "reference", "unpack_int4", "SMALL_M"]
 
 OP = "int4_weight_only_mm"
-SMALL_M = 64                 # M <= SMALL_M runs the split-K (decode) configs
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ZERO_DTYPES = (torch.uint8, *FLOAT_DTYPES)
 
 
 # ----------------------------------------------------------------------------------------------- configs
+_DECODE_TILES = [(64, 128, 4, 4), (128, 128, 4, 4), (128, 64, 4, 5), (64, 256, 4, 3), (128, 256, 8, 3),
+                 (256, 64, 8, 4), (128, 32, 4, 6), (256, 32, 8, 5)]     # (BLOCK_N, BLOCK_K, warps, stages)
+
+
 def _autotune_configs(small_m: bool) -> list:
-    """Decode: BLOCK_M in 16/32/64 (pruned to M's bucket) x tile shapes x SPLIT_K 1/2/4/8. Prefill: no split."""
-    if small_m:
-        tiles = [(64, 128, 4, 4), (128, 128, 4, 4), (128, 64, 4, 5), (64, 256, 4, 3), (128, 256, 8, 3),
-                 (256, 64, 8, 4), (128, 32, 4, 6), (256, 32, 8, 5)]      # (BLOCK_N, BLOCK_K, warps, stages)
-        full = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, num_warps=w, num_stages=s)
-                for bm in (16, 32, 64) for bn, bk, w, s in tiles for sk in (1, 2, 4, 8)]
-        return configs(full, interpret=dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=2))
-    tiles = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 128, 8, 3), (64, 256, 64, 8, 4),
-             (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (64, 64, 128, 4, 5)]  # (M, N, K blocks, warps, stages)
-    full = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=1, num_warps=w, num_stages=s)
-            for bm, bn, bk, w, s in tiles]
-    return configs(full, interpret=dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, SPLIT_K=1))
-
-
-def _m_bucket(M: int) -> int:
-    """The autotune key for M: a power of two >= 16 (decode sizes 1..16 share one tuning, and so on)."""
-    return max(16, triton.next_power_of_2(M))
+    return split_k_configs(small_m, _DECODE_TILES)
 
 
 def _prune(configs: list, named_args: dict, **kwargs) -> list:
@@ -94,25 +81,10 @@ def _prune(configs: list, named_args: dict, **kwargs) -> list:
     (when another config avoids it) whose K-tile spans several groups (the slower gathered dequantization);
     the BLOCK_K = 32 tiles are there for g = 32 only."""
     args = {**named_args, **kwargs}
-    bucket, K, g = args["M_BUCKET"], args["K"], args["GROUP_SIZE"]
-    fit = [c for c in configs
-           if (c.kwargs["BLOCK_M"] == min(bucket, SMALL_M) if bucket <= SMALL_M else c.kwargs["BLOCK_M"] <= bucket)
-           and c.kwargs["SPLIT_K"] * c.kwargs["BLOCK_K"] <= max(K, c.kwargs["BLOCK_K"])]
+    g = args["GROUP_SIZE"]
+    fit = fit_m_bucket(configs, args["M_BUCKET"], args["K"])
     one_group = [c for c in fit if g % c.kwargs["BLOCK_K"] == 0 and (c.kwargs["BLOCK_K"] >= 64 or g < 64)]
     return one_group or fit or configs[:1]
-
-
-def _check_config(config: dict, min_block_k: int) -> None:
-    """A pinned config names the four block sizes, as powers of two a GPU accepts (tl.dot needs every block
-    dim >= 16 there, and each nibble plane is BLOCK_K / 2 deep)."""
-    need, optional = {"BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K"}, {"num_warps", "num_stages"}
-    if not isinstance(config, dict) or not need <= set(config) or set(config) - need - optional:
-        raise ValueError(f"{OP}: config must be a dict with keys {sorted(need)} (and optionally "
-                         f"{sorted(optional)}), got {config!r}")
-    for name, low in (("BLOCK_M", 16), ("BLOCK_N", 16), ("BLOCK_K", min_block_k), ("SPLIT_K", 1)):
-        v = config[name]
-        if isinstance(v, bool) or not isinstance(v, int) or v < low or v & (v - 1):
-            raise ValueError(f"{OP}: config[{name!r}] must be a power of two >= {low}, got {v!r}")
 
 
 # ------------------------------------------------------------------------------------------------ kernel
@@ -315,35 +287,21 @@ def launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: to
     """Check, allocate, launch: ``(..., K) -> (..., N)`` in x's dtype (the custom op's implementation).
 
     ``config`` pins one configuration -- ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``SPLIT_K`` (and optionally
-    ``num_warps``, ``num_stages``) -- instead of autotuning: for tests and benchmarks of a given blocking."""
+    ``num_warps``, ``num_stages``) -- instead of autotuning: for tests and benchmarks of a given blocking
+    (each nibble plane is BLOCK_K / 2 deep, so BLOCK_K >= 32)."""
     N, K = _check_inputs(x, qweight, scale, zero, group_size, bias)
-    require_triton(OP, x.device)
-    x2 = x.reshape(-1, K)                                                   # (M, K), a view: x is contiguous
-    M = x2.shape[0]
-    if M == 0 or N == 0 or K == 0:   # nothing to launch: an empty product (plus the bias)
-        y = x.new_zeros(*x.shape[:-1], N)
-        return y if bias is None else y + bias.to(x.dtype)
 
-    def grid(meta):
-        return cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"]
-
-    if config is None:
-        split = M <= SMALL_M          # the decode configs may split K: partial sums go to an fp32 buffer
-        kernel = (_kernel_small_m if split else _kernel_large_m)[grid]
-    else:
-        _check_config(config, min_block_k=32)
-        split = config["SPLIT_K"] > 1
-        kernel = functools.partial(_int4_weight_only_mm_kernel[grid], **config)
-    c = (torch.zeros if split else torch.empty)((M, N), device=x.device, dtype=torch.float32 if split else x.dtype)
-    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+    def call(kernel, x2, c, M):
         kernel(x2, qweight, scale, scale if zero is None else zero, scale if bias is None else bias, c,
-               M, N, K, qweight.shape[1], _m_bucket(M),
+               M, N, K, qweight.shape[1], m_bucket(M),
                x2.stride(0), x2.stride(1), qweight.stride(0), qweight.stride(1), scale.stride(0),
                scale.stride(1), c.stride(0), c.stride(1),
                GROUP_SIZE=group_size, HAS_ZERO=zero is not None, HAS_BIAS=bias is not None,
                DOT_FP32=x.dtype == torch.float32 or (INTERPRET and x.dtype == torch.bfloat16),
                FAST_UNPACK=not INTERPRET and x.dtype != torch.float32, GROUP_M=8)
-    return c.to(x.dtype).reshape(*x.shape[:-1], N)
+
+    return launch_split_k(OP, x, N, K, bias, config, (_kernel_small_m, _kernel_large_m),
+                          _int4_weight_only_mm_kernel, min_block_k=32, call=call)
 
 
 # --------------------------------------------------------------------------------------------- reference

@@ -8,11 +8,6 @@ Tolerances are relative errors ``||y - ref|| / ||ref||`` against the fp32 refere
 exact for integer zero points, weights with float zeros or gathered scales are not -- then the output), 1e-2
 for bf16 (the same with 8 mantissa bits).
 """
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,7 +18,6 @@ from kernels._common import INTERPRET, triton_available
 from workbench.quantization import formats as fm
 from workbench.quantization import packing
 
-ROOT = Path(__file__).resolve().parents[2]
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 needs_triton = pytest.mark.skipif(not triton_available(DEVICE), reason="needs a CUDA GPU or TRITON_INTERPRET=1")
@@ -219,26 +213,11 @@ print(json.dumps(out))
 """
 
 
-def compile_sm90(cases):
-    try:
-        import triton
-
-        assert triton.knobs.nvidia.ptxas.path  # raises RuntimeError when there is none
-    except (ImportError, AttributeError, RuntimeError, AssertionError) as e:
-        pytest.skip(f"no ptxas to compile for sm_90 with: {e}")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, "-c", SM90_SCRIPT, json.dumps(cases)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
-
-
-def test_compiles_for_sm90_with_pipelined_tiles():
+def test_compiles_for_sm90_with_pipelined_tiles(compile_sm90):
     # (x dtype, g, zero dtype, decode family?, config index): bf16 decode with the fast unpacking, fp16 with a
     # K-tile spanning groups (gathered scales; odd g), and a prefill (wgmma) config
     cases = [("bf16", 128, "u8", True, 0), ("fp16", 21, "fp16", True, 1), ("bf16", 64, "none", False, 1)]
-    for r in compile_sm90(cases):
+    for r in compile_sm90(SM90_SCRIPT, cases):
         assert r["async_copies"] >= 2, r          # x and weight tiles both go through cp.async stages
         assert r["shared"] <= 227 * 1024, r       # fits an H100's shared memory per block
         assert r["asm"] == (r["case"][1] % r["config"]["BLOCK_K"] == 0), r   # fast unpacking on the one-group path

@@ -7,11 +7,6 @@ Tolerances are relative errors ``||y - ref|| / ||ref||`` against the fp32 refere
 1e-5 for fp32 activations (only the summation order differs), 2e-3 for fp16 and 1e-2 for bf16 (the codes
 ``u - 128`` are exact in both and x is already in that dtype: the error is the output's rounding).
 """
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,7 +16,6 @@ from kernels import int8_weight_only as k8
 from kernels._common import INTERPRET, triton_available
 from workbench.quantization import formats as fm
 
-ROOT = Path(__file__).resolve().parents[2]
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 needs_triton = pytest.mark.skipif(not triton_available(DEVICE), reason="needs a CUDA GPU or TRITON_INTERPRET=1")
@@ -202,25 +196,10 @@ print(json.dumps(out))
 """
 
 
-def compile_sm90(cases):
-    try:
-        import triton
-
-        assert triton.knobs.nvidia.ptxas.path  # raises RuntimeError when there is none
-    except (ImportError, AttributeError, RuntimeError, AssertionError) as e:
-        pytest.skip(f"no ptxas to compile for sm_90 with: {e}")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, "-c", SM90_SCRIPT, json.dumps(cases)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
-
-
-def test_compiles_for_sm90_with_pipelined_tiles():
+def test_compiles_for_sm90_with_pipelined_tiles(compile_sm90):
     # (x dtype, decode family?, config index): bf16 and fp16 decode with the fast conversion, a bf16 prefill
     # (wgmma) config
-    for r in compile_sm90([("bf16", True, 0), ("fp16", True, 1), ("bf16", False, 1)]):
+    for r in compile_sm90(SM90_SCRIPT, [("bf16", True, 0), ("fp16", True, 1), ("bf16", False, 1)]):
         assert r["async_copies"] >= 2, r          # x and weight tiles both go through cp.async stages
         assert r["shared"] <= 227 * 1024, r       # fits an H100's shared memory per block
         assert r["asm"], r

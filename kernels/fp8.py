@@ -77,13 +77,8 @@ if triton is not None:
     ):
         # grouped ordering: GROUP_M row blocks walk the column blocks together (b tiles reused in L2)
         pid = tl.program_id(0)
-        grid_m = tl.cdiv(M, BLOCK_M)
         grid_n = tl.cdiv(N, BLOCK_N)
-        per_group = GROUP_M * grid_n
-        first_m = (pid // per_group) * GROUP_M
-        rows_in_group = min(grid_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % rows_in_group
-        pid_n = (pid % per_group) // rows_in_group
+        pid_m, pid_n = tl.swizzle2d(pid // grid_n, pid % grid_n, tl.cdiv(M, BLOCK_M), grid_n, GROUP_M)
 
         offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # (BLOCK_M,)
         offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # (BLOCK_N,)

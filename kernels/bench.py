@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import platform
 import statistics
 import time
@@ -45,6 +46,20 @@ def _median_ms(fn, device: torch.device, runs: int = 20, warmup: int = 3) -> flo
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def _interleaved(calls: dict, rounds: int) -> dict[str, float]:
+    """Median ms of each call over ``rounds`` interleaved rounds (after one warm-up call each): slow drift of
+    the machine hits every call alike."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for fn in calls.values():
+        fn()
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def copy_bandwidth(device: torch.device | str = "cpu", nbytes: int = 1 << 28) -> float:
@@ -189,19 +204,10 @@ def cpu_minilm(batch_sizes=(1, 32), threads: int = 1, rounds: int = 7, layers: s
     with num_threads(threads), torch.inference_mode():
         for batch in batch_sizes:
             inputs = task.example_inputs(batch)
-            times: dict[str, list[float]] = {p: [] for p in paths}
-            for m in paths.values():  # warm-up
-                m(*inputs)
-            for _ in range(rounds):    # interleaved rounds: drift hits every path alike
-                for p, m in paths.items():
-                    t0 = time.perf_counter()
-                    m(*inputs)
-                    times[p].append((time.perf_counter() - t0) * 1e3)
-            base = statistics.median(times["fp32"])
-            qd_ms = statistics.median(times["torch quantize_dynamic"])
+            ms = _interleaved({p: functools.partial(m, *inputs) for p, m in paths.items()}, rounds)
+            base, qd_ms = ms["fp32"], ms["torch quantize_dynamic"]
             tokens = int(inputs[0].numel())
-            for p in paths:
-                t = statistics.median(times[p])
+            for p, t in ms.items():
                 rows.append({"batch": batch, "tokens": tokens, "path": p, "ms": t, "speedup_vs_fp32": base / t,
                              "vs_quantize_dynamic": qd_ms / t, "threads": threads, "rounds": rounds})
     return pd.DataFrame(rows)
@@ -237,19 +243,12 @@ def cpu_layer_table(shapes: dict | None = None, ms=(1, 32, 512), threads: int = 
             for M in ms:
                 x = torch.randn(M, K)
                 inputs = {p: x.to(torch.bfloat16) if p == "bf16" else x for p in layers}
-                times: dict[str, list[float]] = {p: [] for p in layers}
+                ms_of = _interleaved({p: functools.partial(m, inputs[p]) for p, m in layers.items()}, rounds)
+                base = ms_of.get("fp32", float("nan"))
                 for p, m in layers.items():
-                    m(inputs[p])
-                for _ in range(rounds):
-                    for p, m in layers.items():
-                        t0 = time.perf_counter()
-                        m(inputs[p])
-                        times[p].append((time.perf_counter() - t0) * 1e3)
-                base = statistics.median(times["fp32"]) if "fp32" in times else float("nan")
-                for p, m in layers.items():
-                    t = statistics.median(times[p])
+                    t = ms_of[p]
                     wbytes = wb.size_bytes(m)
-                    moved = wbytes + 2 * M * K * (2 if p == "bf16" else 4) + M * N * (2 if p == "bf16" else 4)
+                    moved = wbytes + (M * K + M * N) * inputs[p].element_size()   # weight, input, output
                     flops = 2.0 * M * K * N
                     rows.append({"shape": shape_name, "K": K, "N": N, "M": M, "path": p, "ms": t,
                                  "speedup": base / t, "weight_bytes": wbytes, "ceiling": 4 * K * N / wbytes,

@@ -9,8 +9,11 @@ the speedup beside the measurement: ``16 / (bits + scale bits per weight)`` for 
 by reading the weight at small M) and 2x for the int8 / fp8 tensor-core GEMMs (twice bf16's peak).
 
 CPU: W8A8 on MiniLM (every encoder Linear) at batch 1 and 32 x 128 tokens, one thread: our
-``Dynamic(kernel="cpu")`` path vs fp32 vs ``torch.ao.quantization.quantize_dynamic`` on the same layers (and
-the reference path and bf16 weight-only int8 for context); timed in interleaved rounds, medians.
+``Dynamic(kernel="cpu")`` path (`kernels.w8a8_cpu`) vs fp32 vs ``torch.ao.quantization.quantize_dynamic`` on
+the same layers (and the reference path and bf16 weight-only int8 for context); timed in interleaved rounds,
+medians, with the median minor page faults per forward beside each time. ``--malloc-keep`` re-runs the
+benchmark with glibc told to keep freed memory (`MALLOC_KEEP`): with the default settings a 32 x 128 forward
+takes tens of thousands of page faults that move every path's time by +-10 % from run to run.
 
 Every function is importable (`gpu_table`, `cpu_minilm`, `copy_bandwidth`); tests run them on tiny shapes.
 """
@@ -19,8 +22,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -48,18 +53,34 @@ def _median_ms(fn, device: torch.device, runs: int = 20, warmup: int = 3) -> flo
     return statistics.median(times)
 
 
-def _interleaved(calls: dict, rounds: int) -> dict[str, float]:
-    """Median ms of each call over ``rounds`` interleaved rounds (after one warm-up call each): slow drift of
-    the machine hits every call alike."""
+def _minor_faults() -> int:
+    """Minor page faults of this process so far (0 where the platform does not count them)."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _interleaved(calls: dict, rounds: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Median ms and median minor page faults of each call over ``rounds`` interleaved rounds (after one warm-up
+    call each): slow drift of the machine hits every call alike. Page faults are counted because with glibc's
+    default malloc settings a forward pass that frees large buffers hands memory back to the OS and faults it
+    in again on the next pass (tens of thousands of faults, ~1-2 us each, on MiniLM at 32 x 128 tokens): they
+    move a path's time by +-10 % between runs, so a comparison should show them."""
     times: dict[str, list[float]] = {name: [] for name in calls}
+    faults: dict[str, list[int]] = {name: [] for name in calls}
     for fn in calls.values():
         fn()
     for _ in range(rounds):
         for name, fn in calls.items():
+            f0 = _minor_faults()
             t0 = time.perf_counter()
             fn()
             times[name].append((time.perf_counter() - t0) * 1e3)
-    return {name: statistics.median(t) for name, t in times.items()}
+            faults[name].append(_minor_faults() - f0)
+    return ({name: statistics.median(t) for name, t in times.items()},
+            {name: statistics.median(f) for name, f in faults.items()})
 
 
 def copy_bandwidth(device: torch.device | str = "cpu", nbytes: int = 1 << 28) -> float:
@@ -204,12 +225,13 @@ def cpu_minilm(batch_sizes=(1, 32), threads: int = 1, rounds: int = 7, layers: s
     with num_threads(threads), torch.inference_mode():
         for batch in batch_sizes:
             inputs = task.example_inputs(batch)
-            ms = _interleaved({p: functools.partial(m, *inputs) for p, m in paths.items()}, rounds)
+            ms, faults = _interleaved({p: functools.partial(m, *inputs) for p, m in paths.items()}, rounds)
             base, qd_ms = ms["fp32"], ms["torch quantize_dynamic"]
             tokens = int(inputs[0].numel())
             for p, t in ms.items():
                 rows.append({"batch": batch, "tokens": tokens, "path": p, "ms": t, "speedup_vs_fp32": base / t,
-                             "vs_quantize_dynamic": qd_ms / t, "threads": threads, "rounds": rounds})
+                             "vs_quantize_dynamic": qd_ms / t, "page_faults": faults[p], "threads": threads,
+                             "rounds": rounds})
     return pd.DataFrame(rows)
 
 
@@ -243,7 +265,7 @@ def cpu_layer_table(shapes: dict | None = None, ms=(1, 32, 512), threads: int = 
             for M in ms:
                 x = torch.randn(M, K)
                 inputs = {p: x.to(torch.bfloat16) if p == "bf16" else x for p in layers}
-                ms_of = _interleaved({p: functools.partial(m, inputs[p]) for p, m in layers.items()}, rounds)
+                ms_of, _ = _interleaved({p: functools.partial(m, inputs[p]) for p, m in layers.items()}, rounds)
                 base = ms_of.get("fp32", float("nan"))
                 for p, m in layers.items():
                     t = ms_of[p]
@@ -269,12 +291,19 @@ def gpu_results(path: str | Path | None = None):
     return df[df["part"] == "gpu"].dropna(axis=1, how="all") if "part" in df.columns else pd.DataFrame()
 
 
+MALLOC_KEEP = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+"""glibc settings under which freed memory stays in the process (no mmap per large buffer, no trimming): the
+effect PyTorch's CPU performance guide gets from jemalloc / tcmalloc, without page faults in every pass."""
+
+
 def environment() -> str:
     import triton
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    malloc = "glibc malloc kept (" + ", ".join(f"{k}={v}" for k, v in MALLOC_KEEP.items()) + ")" if all(
+        os.environ.get(k) == v for k, v in MALLOC_KEEP.items()) else "default malloc"
     return (f"{datetime.date.today()}; {platform.processor() or platform.machine()}; {gpu}; torch {torch.__version__}; "
-            f"triton {triton.__version__}")
+            f"triton {triton.__version__}; {malloc}")
 
 
 def main(argv=None) -> None:
@@ -288,7 +317,13 @@ def main(argv=None) -> None:
     p.add_argument("--kernels", nargs="+", choices=list(KERNELS), default=list(KERNELS))
     p.add_argument("--threads", type=int, default=1, help="CPU threads for --cpu (default 1)")
     p.add_argument("--csv", default="kernels/results.csv")
+    p.add_argument("--malloc-keep", action="store_true",
+                   help="re-run under glibc settings that keep freed memory (see MALLOC_KEEP); Linux only")
     a = p.parse_args(argv)
+    if a.malloc_keep and not all(os.environ.get(k) == v for k, v in MALLOC_KEEP.items()):
+        args = [x for x in (sys.argv[1:] if argv is None else argv) if x != "--malloc-keep"]
+        os.execve(sys.executable, [sys.executable, "-m", "kernels.bench", *args, "--malloc-keep"],
+                  {**os.environ, **MALLOC_KEEP})
     run_gpu = a.gpu or (not a.cpu and torch.cuda.is_available())
     run_cpu = a.cpu or not torch.cuda.is_available()
     print(environment())

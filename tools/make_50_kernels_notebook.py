@@ -53,7 +53,8 @@ wb.teach.kernels.check_ceiling(answer, bits=4, group_size=128, in_features=4096)
 MiniLM's two FFN shapes (384→1536 and 1536→384) at several batch sizes, each path timed in interleaved rounds:
 
 - `fp32`, `bf16`: plain `F.linear`;
-- `w8a8 cpu`: `wb.quant.Dynamic(kernel="cpu")` - per-token int8 activations, `torch._int_mm`, fp32 rescale;
+- `w8a8 cpu`: `wb.quant.Dynamic(kernel="cpu")` - per-token int8 activations, `torch._int_mm` (oneDNN), fp32
+  rescale, fused block by block in C++ (`kernels/w8a8_cpu.cpp`);
 - `int8 weight-only cpu`: int8 weights decoded to bf16 for a bf16 GEMM on every call;
 - `int4 g64 weight-only`: the reference path (decode to fp32, then an fp32 GEMM).
 
@@ -91,8 +92,11 @@ wb.teach.kernels.check_bound(answer, M=512, K=384, N=1536, weight_bytes_per_valu
 
 MiniLM with every encoder Linear in W8A8: our CPU path against fp32 and against
 `torch.ao.quantization.quantize_dynamic` on the same layers (fbgemm's fused kernels), plus the reference path
-and int8 weight-only on the bf16 path. The full-size comparison (32 × 128 tokens, one thread) is
-`python -m kernels.bench --cpu`; its results are in `kernels/README.md`."""),
+and int8 weight-only on the bf16 path. `page_faults` counts the minor page faults per forward: memory the
+allocator gave back to the operating system and has to fault in again. At large batches they cost every path
+milliseconds, differently from run to run - one reason to compare paths in interleaved rounds, never from two
+separate runs. The full-size comparison (32 × 128 tokens, one thread) is `python -m kernels.bench --cpu`; its
+results are in `kernels/README.md`."""),
     new_code_cell("""model_paths = bench.cpu_minilm(batch_sizes=(minilm_batch,), threads=threads, rounds=3)
 model_paths.round(3)"""),
     new_markdown_cell("""## 4. On a GPU

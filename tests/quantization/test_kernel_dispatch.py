@@ -23,8 +23,9 @@ def linear(K, N, seed=0, bias=True):
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("M", [1, 17, 3000])
 def test_w8a8_cpu_fused_path_equals_the_reference(static, M):
-    """The compiled CPU path (one fused quantization pass, torch._int_mm, one fused rescale) computes exactly
-    the reference's numbers, for per-token and static activation scales, with and without a bias."""
+    """The CPU path (kernels/w8a8_cpu: quantization, torch._int_mm and the rescale fused block by block)
+    computes exactly the reference's numbers, for per-token and static activation scales, with and without a
+    bias."""
     K, N = 200, 136
     for bias in (True, False):
         lin = linear(K, N, bias=bias)
@@ -37,17 +38,11 @@ def test_w8a8_cpu_fused_path_equals_the_reference(static, M):
 
 
 def test_w8a8_cpu_without_a_compiler_says_so(monkeypatch):
-    import workbench.quantization.modules as modules
+    import kernels.w8a8_cpu as w8a8_cpu
 
-    class InductorError(RuntimeError):
-        pass
-
-    def broken(*args):
-        raise InductorError("CppCompileError: C++ compile error\n...")
-
-    monkeypatch.setattr(modules, "_compiled_w8a8_cpu", broken)
+    monkeypatch.setattr(w8a8_cpu, "_build", lambda: (None, RuntimeError("Error building extension\nc++: not found")))
     layer = W8A8Linear.from_float(nn.Linear(16, 8), kernel="cpu")
-    with pytest.raises(RuntimeError, match="needs a working C\\+\\+ compiler.*kernel='reference'"):
+    with pytest.raises(RuntimeError, match="needs ninja and a working C\\+\\+ compiler.*kernel='reference'"):
         layer(torch.randn(2, 16))
 
 

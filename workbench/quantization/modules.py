@@ -258,51 +258,6 @@ def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Ten
     return q, scale.reshape(1, 1).expand(xg.shape[0], 1)
 
 
-def _w8a8_cpu_block(out: torch.Tensor, x2d: torch.Tensor, qweight_t: torch.Tensor, scale: torch.Tensor,
-                    bias: torch.Tensor | None, act_scale: torch.Tensor | None) -> None:
-    """W8A8Linear's forward for one block of rows on the CPU fast path, written into ``out`` (m, out_features):
-    the numbers of ``quantize_per_token`` (or the static scale) and of the reference rescale, as one function so
-    that Inductor emits one fused pass for the activation quantization (row max, scale, round, clamp, int8) and
-    one for the rescale (int32 -> fp32, times both scales, plus the bias, stored into ``out``) around
-    ``torch._int_mm``."""
-    xf = x2d.float()
-    if act_scale is None:   # per token: max |x| / 127.5 of each row
-        s = (torch.maximum(-xf.amin(dim=1, keepdim=True), xf.amax(dim=1, keepdim=True)) / 127.5).clamp(min=EPS)
-    else:                   # static: one calibrated scale
-        s = act_scale.reshape(1, 1)
-    q = torch.clamp(torch.round(xf * (1.0 / s)), -128, 127).to(torch.int8)   # round half to even
-    y = torch._int_mm(q, qweight_t).float() * s * scale                      # (m, out)
-    out.copy_(y if bias is None else y + bias)
-
-
-CPU_BLOCK_ROWS = 1024   # rows per block: the int32 product of a block stays in cache instead of a round trip to DRAM
-_compiled_w8a8_cpu = None
-
-
-def w8a8_cpu(x2d: torch.Tensor, qweight_t: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-             act_scale: torch.Tensor | None) -> torch.Tensor:
-    """The CPU fast path of W8A8Linear: (M, in) -> (M, out) fp32, block by block of `CPU_BLOCK_ROWS` rows with
-    `_w8a8_cpu_block` compiled once per process by ``torch.compile`` (Inductor's C++ backend, dynamic shapes, the
-    thread count read at run time). The first call compiles (seconds; Inductor caches the result on disk for
-    later processes). A machine without a working C++ compiler gets an error that says so."""
-    global _compiled_w8a8_cpu
-    if _compiled_w8a8_cpu is None:
-        _compiled_w8a8_cpu = torch.compile(_w8a8_cpu_block, dynamic=True, options={"cpp.dynamic_threads": True})
-    M = x2d.shape[0]
-    out = torch.empty(M, qweight_t.shape[1], dtype=torch.float32, device=x2d.device)
-    try:
-        for start in range(0, M, CPU_BLOCK_ROWS):
-            stop = min(M, start + CPU_BLOCK_ROWS)
-            _compiled_w8a8_cpu(out[start:stop], x2d[start:stop], qweight_t, scale, bias, act_scale)
-    except Exception as e:
-        if "BackendCompilerFailed" in type(e).__name__ or "InductorError" in type(e).__name__:
-            raise RuntimeError("W8A8Linear kernel='cpu' fuses its quantization and rescale with torch.compile, "
-                               "which needs a working C++ compiler here; it failed: "
-                               f"{str(e).splitlines()[0][:300]}. Use kernel='reference' on this machine.") from e
-        raise
-    return out
-
-
 class W8A8Linear(nn.Module):
     """W8A8 Linear: int8 per-output-channel weights and int8 activations.
 
@@ -312,7 +267,9 @@ class W8A8Linear(nn.Module):
     module computes ``(x / smooth) (W * smooth)^T``: the same product, with activation outliers migrated into
     the weights, which quantize more easily. (Here the division is applied in the module rather than folded
     into the previous LayerNorm, so it works on any Linear; the numerics are those of the folded form.)
-    ``kernel="cpu"`` multiplies with ``torch._int_mm``; ``"reference"`` does the same math in fp32.
+    ``kernel="cpu"`` runs `kernels.w8a8_cpu` (quantization, ``torch._int_mm``'s oneDNN int8 GEMM and the
+    rescale fused block by block in C++, bit-identical to the reference); ``"triton"`` the Triton kernel on a GPU;
+    ``"reference"`` the same math in fp32.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, static: bool = False,
@@ -356,7 +313,7 @@ class W8A8Linear(nn.Module):
             bias = None if self.bias is None else self.bias.detach()   # an inference kernel: no autograd
             return w8a8_mm(xs.contiguous(), self.qweight_t, self.scale, bias)
         if self.kernel == "cpu":
-            y = self._cpu(to_groups(xs, PerToken()))
+            return self._cpu(xs)
         else:
             qx, sx = self._quantize(to_groups(xs, PerToken()))            # (M, in) int8, (M, 1)
             acc = qx.float() @ self.qweight_t.float()                     # the same integers, in fp32
@@ -368,9 +325,27 @@ class W8A8Linear(nn.Module):
     def _quantize(self, x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return quantize_per_tensor(x2d, self.act_scale) if self.static else quantize_per_token(x2d)
 
-    def _cpu(self, x2d: torch.Tensor) -> torch.Tensor:  # x2d: (M, in) -> (M, out) fp32
-        bias = None if self.bias is None else self.bias.detach()   # an inference path: no autograd
-        return w8a8_cpu(x2d, self.qweight_t, self.scale, bias, self.act_scale if self.static else None)
+    def _cpu(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out) in x's dtype
+        """The C++ kernel called directly: the module's own tensors need no per-call checks (a batch-1 MiniLM
+        Linear takes ~100 us, and the checked entry point's argument checks cost ~15 us); under
+        ``torch.compile`` the checked custom op instead."""
+        from kernels import w8a8_cpu
+
+        act = self.act_scale if self.static else None
+        bias = self.bias
+        if torch.compiler.is_compiling():
+            return w8a8_cpu.w8a8_linear_cpu(x, self.qweight_t, self.scale, bias, act)
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"W8A8Linear: the input has {x.shape[-1]} features, the layer takes {self.in_features}")
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != torch.float32 or not x2.is_contiguous():
+            x2 = x2.float().contiguous()
+        scale = self.scale.reshape(-1)
+        if scale.dtype != torch.float32 or (bias is not None and bias.dtype != torch.float32):   # after .half()
+            scale, bias, act = (None if t is None else t.float() for t in (scale, bias, act))
+        y = w8a8_cpu.load_extension().w8a8_linear(x2, self.qweight_t, scale, bias, act, 0, "auto")
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def extra_repr(self) -> str:
         mode = "static" if self.static else "dynamic"

@@ -1,0 +1,156 @@
+"""W8A8 Linear on the CPU: per-token int8 activations x int8 per-channel weights, oneDNN's int8 GEMM between a
+fused quantization pass and a fused rescale, block by block of rows so the int32 product never leaves L2.
+
+The math (the numbers of ``workbench.quantization.modules.W8A8Linear``, reference path)::
+
+    s_x[m] = max(max_k |x[m, k]| / 127.5, eps)          per token; or one calibrated scale (static)
+    q_x[m, k] = clamp(round_half_even(x[m, k] * (1 / s_x[m])), -128, 127)               fp32
+    y[m, n] = float(sum_k q_x[m, k] q_w[k, n]) * s_x[m] * s_w[n] + bias[n]                int32 sum, fp32
+
+Blocking (``w8a8_cpu.cpp``): rows of x are taken ``block_rows`` at a time (by default so that the block's
+int32 product, ``block_rows x N x 4`` bytes, is about 512 KB). For each block: quantize its rows into a
+per-thread int8 buffer (max |x| and the codes in one read of each row; the row is still in L1 for the second
+sweep), ``at::_int_mm_out`` into a per-thread int32 buffer (oneDNN's s8 x s8 -> s32 GEMM, VNNI where the CPU
+has it), then one pass that converts, multiplies by both scales, adds the bias and writes the fp32 output.
+Compared with quantize -> ``torch._int_mm`` -> rescale as whole tensors, the int32 product (as many bytes as
+the output) never goes to DRAM and back, no M x N temporary is allocated per call, and nothing goes through
+Python between the three steps. With several threads each thread takes whole row blocks (its GEMM runs
+single-threaded); below ``32 x threads`` rows (decode) one thread walks the blocks and the GEMM uses them all.
+
+Vector code: AVX-512 or AVX2 intrinsics chosen at run time from what the CPU reports (``cpu_isa()``), a
+scalar loop elsewhere (e.g. ARM); ``isa=`` forces one for tests. Every float operation is the reference's, in
+the same order, built with ``-ffp-contract=off`` (no multiply-add contraction): the output equals the
+reference bit for bit (tests check each ISA, ragged shapes, static scales, NaN rows).
+
+Build: compiled on first use with ``torch.utils.cpp_extension.load`` (ninja and the system C++ compiler;
+about 30 s once, then cached under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``). No
+``-march=native``: the cached library runs on any x86-64 and picks its ISA at run time. A machine without a
+compiler gets an error that says so and names ``kernel='reference'`` as the way out.
+
+``workbench::w8a8_linear_cpu`` is also a ``torch.library`` custom op with a fake implementation, so modules
+that call it trace under ``torch.compile``; eager calls go straight to the extension (the op's dispatch costs
+~20 us, a tenth of a batch-1 MiniLM Linear).
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from kernels._common import check, check_same_device
+
+__all__ = ["w8a8_linear_cpu", "reference", "cpu_isa", "load_extension", "ISAS"]
+
+SOURCE = Path(__file__).with_name("w8a8_cpu.cpp")
+ISAS = ("auto", "avx512", "avx2", "scalar")
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_OP = "w8a8_linear_cpu"
+
+
+@functools.cache
+def _build():
+    """(extension module, None) or (None, the error): a failed build is not retried in this process."""
+    from torch.utils.cpp_extension import load
+
+    try:
+        ext = load(name="workbench_w8a8_cpu", sources=[str(SOURCE)], extra_cflags=["-O3", "-ffp-contract=off"],
+                   verbose=False)
+        return ext, None
+    except Exception as e:  # no compiler, no ninja, no Python headers: reported by load_extension
+        return None, e
+
+
+def load_extension():
+    """The compiled extension (built on first use, then cached on disk); raises a RuntimeError that says what
+    is missing when it cannot be built here."""
+    ext, err = _build()
+    if ext is None:
+        first = str(err).strip().splitlines()[-1][:300] if str(err).strip() else type(err).__name__
+        raise RuntimeError(f"{_OP}: the CPU W8A8 kernel is C++ compiled on first use (torch.utils.cpp_extension, "
+                           f"which needs ninja and a working C++ compiler); building it failed here: {first}. "
+                           "Use kernel='reference' on this machine.") from err
+    return ext
+
+
+def cpu_isa() -> str:
+    """The vector ISA the kernel uses on this CPU: "avx512", "avx2" or "scalar"."""
+    return load_extension().cpu_isa()
+
+
+def _check(x: torch.Tensor, qweight_t: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+           act_scale: torch.Tensor | None, block_rows: int, isa: str) -> None:
+    check("x", x, dtypes=_FLOAT_DTYPES, contiguous=False, op=_OP)
+    if x.ndim < 1 or x.shape[-1] == 0:
+        raise ValueError(f"{_OP}: x must have shape (..., K) with K >= 1, got {tuple(x.shape)}")
+    check("qweight_t", qweight_t, dtypes=(torch.int8,), ndim=2, contiguous=False, op=_OP)
+    K, N = qweight_t.shape
+    if x.shape[-1] != K:
+        raise ValueError(f"{_OP}: x has K = {x.shape[-1]} columns but qweight_t is (K, N) = {(K, N)}")
+    check("scale", scale, dtypes=(torch.float32,), contiguous=False, op=_OP)
+    if scale.numel() != N:
+        raise ValueError(f"{_OP}: scale must hold one value per output column (N = {N}), got shape "
+                         f"{tuple(scale.shape)}")
+    if bias is not None:
+        check("bias", bias, dtypes=_FLOAT_DTYPES, shape=(N,), contiguous=False, op=_OP)
+    if act_scale is not None:
+        check("act_scale", act_scale, dtypes=(torch.float32,), contiguous=False, op=_OP)
+        if act_scale.numel() != 1:
+            raise ValueError(f"{_OP}: act_scale must be one value (static activations), got shape "
+                             f"{tuple(act_scale.shape)}")
+    device = check_same_device(_OP, x=x, qweight_t=qweight_t, scale=scale, bias=bias, act_scale=act_scale)
+    if device.type != "cpu":
+        raise ValueError(f"{_OP}: the CPU kernel needs CPU tensors, got {device}; use kernel='triton' on a GPU")
+    if isinstance(block_rows, bool) or not isinstance(block_rows, int) or block_rows < 0:
+        raise ValueError(f"{_OP}: block_rows must be an int >= 0 (0 picks it from N), got {block_rows!r}")
+    if isa not in ISAS:
+        raise ValueError(f"{_OP}: isa must be one of {ISAS}, got {isa!r}")
+
+
+def _run(x, qweight_t, scale, bias, act_scale, block_rows: int = 0, isa: str = "auto") -> torch.Tensor:
+    K, N = qweight_t.shape
+    x2 = x.reshape(-1, K).to(torch.float32).contiguous()                  # no copy when already fp32 contiguous
+    y = load_extension().w8a8_linear(
+        x2, qweight_t, scale.reshape(-1).contiguous(), None if bias is None else bias.float().contiguous(),
+        None if act_scale is None else act_scale.reshape(1).contiguous(), block_rows, isa)
+    return y.reshape(*x.shape[:-1], N).to(x.dtype)
+
+
+@torch.library.custom_op("workbench::w8a8_linear_cpu", mutates_args=())
+def _w8a8_linear_cpu_op(x: torch.Tensor, qweight_t: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                        act_scale: torch.Tensor | None) -> torch.Tensor:
+    return _run(x, qweight_t, scale, bias, act_scale)
+
+
+@_w8a8_linear_cpu_op.register_fake
+def _(x, qweight_t, scale, bias, act_scale):
+    _check(x, qweight_t, scale, bias, act_scale, 0, "auto")
+    return x.new_empty((*x.shape[:-1], qweight_t.shape[1]))
+
+
+def w8a8_linear_cpu(x: torch.Tensor, qweight_t: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                    act_scale: torch.Tensor | None = None, *, block_rows: int = 0, isa: str = "auto") -> torch.Tensor:
+    """``y (..., N)`` in x's dtype: x ``(..., K)`` quantized per token (or with the one static ``act_scale``)
+    times ``qweight_t`` int8 ``(K, N)``, rescaled by the row scale and ``scale`` (N values), plus ``bias``.
+    ``block_rows`` (0: chosen from N) and ``isa`` ("auto" or one of "avx512" / "avx2" / "scalar") exist for
+    tests and tuning. Inference only: no autograd graph is recorded."""
+    _check(x, qweight_t, scale, bias, act_scale, block_rows, isa)
+    if torch.compiler.is_compiling():
+        return _w8a8_linear_cpu_op(x, qweight_t, scale, bias, act_scale)
+    return _run(x, qweight_t, scale, bias, act_scale, block_rows, isa)
+
+
+def reference(x: torch.Tensor, qweight_t: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+              act_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The same math in PyTorch (the module's reference path): fp32 matmul of the integer codes."""
+    x2 = x.reshape(-1, x.shape[-1]).float()                                # (M, K)
+    if act_scale is None:
+        s = (torch.maximum(-x2.amin(dim=1, keepdim=True), x2.amax(dim=1, keepdim=True)) / 127.5).clamp(
+            min=torch.finfo(torch.float32).eps)                            # (M, 1)
+    else:
+        s = act_scale.float().reshape(1, 1).expand(x2.shape[0], 1)
+    q = torch.clamp(torch.round(x2 * (1.0 / s)), -128, 127)               # integers, held in fp32
+    y = (q @ qweight_t.float()) * s * scale.reshape(1, -1)
+    if bias is not None:
+        y = y + bias.float()
+    return y.reshape(*x.shape[:-1], qweight_t.shape[1]).to(x.dtype)

@@ -11,9 +11,12 @@ launches, a reference, and a ``torch.library`` custom op with a fake implementat
   inside the GEMM (small M) or by a separate pass (large M), int32 accumulation, fused rescale epilogue;
 - `fake_quant` - ``workbench::fake_quantize`` (+ backward): QAT fake quantization with the straight-through
   gradient, per channel or per group;
-- `fp8` - ``workbench::fp8_scaled_mm``: e4m3 x e4m3 with row-wise scales on sm_90.
+- `fp8` - ``workbench::fp8_scaled_mm``: e4m3 x e4m3 with row-wise scales on sm_90;
+- `w8a8_cpu` - ``workbench::w8a8_linear_cpu``: the CPU fast path of W8A8 (C++ compiled on first use:
+  per-token quantization, oneDNN's int8 GEMM and the rescale fused block by block of rows).
 
 `bench` is ``python -m kernels.bench`` (results in kernels/README.md). The quantized modules of
-`workbench.quantization` call these kernels with ``kernel="triton"``. Importing this package does not import
-Triton or initialise CUDA: each kernel module imports Triton when it is imported.
+`workbench.quantization` call the Triton kernels with ``kernel="triton"`` and `w8a8_cpu` with ``kernel="cpu"``.
+Importing this package does not import Triton or initialise CUDA: each kernel module imports Triton when it is
+imported.
 """

@@ -48,6 +48,17 @@ def test_fit_rejects_mismatched_pairs():
         wb.distill.fit(nn.Linear(64, 10), teacher, wb.tasks.load("minilm"), epochs=1, progress=False)
 
 
+def test_fit_takes_a_bare_split_like_the_task():
+    teacher = wb.models.load("digits-mlp")
+    task = wb.tasks.load("digits")
+    runs = []
+    for data in (task, task.split):
+        torch.manual_seed(0)
+        student = nn.Sequential(nn.Linear(64, 10))
+        runs.append((wb.distill.fit(student, teacher, data, epochs=1, progress=False), student[0].weight.clone()))
+    assert runs[0][0].equals(runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+
+
 def test_nan_loss_stops_and_keeps_last_good_weights():
     teacher = wb.models.load("digits-mlp")
     student = nn.Sequential(nn.Linear(64, 10))

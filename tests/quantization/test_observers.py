@@ -72,3 +72,16 @@ def test_histogram_grows_its_range():
     h.observe(torch.randn(1000) * 10)
     assert h.edge >= float(h.hi.abs().max()) and h.hist.sum().item() == 2000
     assert 0 < h.threshold(8) <= h.edge
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 1000, 100_003])
+@pytest.mark.parametrize("q", [1.0, 0.9999, 0.999, 0.99, 0.9, 0.75, 0.6, 0.4, 0.1, 0.01, 0.0001, 0.0])
+def test_percentile_quantiles_equal_torch_quantile(n, q):
+    """The top-k shortcut gives torch.quantile's numbers bit for bit, on both tails and (by falling back to it)
+    in the middle; rows of different distributions, ties included."""
+    from workbench.quantization.observers import _quantile
+
+    g = torch.Generator().manual_seed(n)
+    xg = torch.stack([torch.randn(n, generator=g), torch.rand(n, generator=g).round(decimals=1),
+                      torch.randn(n, generator=g).exp()])
+    assert torch.equal(_quantile(xg, q), torch.quantile(xg, q, dim=1))

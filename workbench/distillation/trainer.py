@@ -67,10 +67,10 @@ def fit(student: nn.Module, teacher: nn.Module, task, *, epochs: int = 10, lr: f
     from workbench.distillation.losses import Projection, feature_loss
 
     check_kd_args(alpha, temperature)
-    split = getattr(task, "split", None)
-    if split is None:
-        raise TypeError(f"fit needs a classification task (digits, mnist1d); for sentence encoders use "
-                        f"fit_embeddings; got {task!r}")
+    split = getattr(task, "split", task)          # a classification task, or a tasks.data.Split
+    if not hasattr(split, "x_train"):
+        raise TypeError(f"fit needs a classification task (digits, mnist1d) or a Split; for sentence encoders "
+                        f"use fit_embeddings; got {task!r:.80}")
     if not isinstance(epochs, int) or epochs < 1:
         raise ValueError(f"epochs must be a positive int, got {epochs!r}")
     rng = np.random.default_rng(seed)

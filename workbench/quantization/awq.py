@@ -63,11 +63,18 @@ def awq_search(weight: torch.Tensor, inputs, fmt: fm.WeightFormat, grid: int = 2
 
 
 def _clip_search(W: torch.Tensor, X: torch.Tensor, fmt: fm.IntFormat, steps: int = 20) -> dict[str, torch.Tensor]:
-    """Per (row, group) clipping ratio minimising || X_g (W_g - Q_r(W_g))^T ||^2 over calibration tokens."""
+    """Per (row, group) clipping ratio minimising || X_g (W_g - Q_r(W_g))^T ||^2 over calibration tokens.
+
+    The error of a (row, group) is ``dW^T H_g dW`` with ``H_g = X_g^T X_g / T`` the group's (g, g) Gram matrix
+    of the inputs: computed once, it makes each ratio cost N G g^2 instead of T N G g (T = 1024 tokens: 8-16x
+    less for groups of 64-128). For groups wider than the token count the products with X are cheaper and
+    are used instead."""
     N, K = W.shape
     g = K if fmt.group_size is None else fmt.group_size
     G = K // g
     Xg = X.reshape(-1, G, g)                                                   # (T, G, g)
+    T = Xg.shape[0]
+    H = torch.einsum("tgk,tgl->gkl", Xg, Xg) / T if g < T else None           # (G, g, g)
     best_err = torch.full((N, G), float("inf"))
     best_scale = torch.empty(N, G)
     best_zero = torch.empty(N, G, dtype=torch.int32)
@@ -80,7 +87,10 @@ def _clip_search(W: torch.Tensor, X: torch.Tensor, fmt: fm.IntFormat, steps: int
         codes = fm.int_codes(W, scale, zero, fmt)                              # clamps codes: clipping
         dq = fm.decode(fm.pack_int(codes, scale, zero, fmt), fmt, K)           # (N, K)
         dW = (W - dq).reshape(N, G, g)
-        err = torch.einsum("tgk,ngk->tng", Xg, dW).pow(2).mean(dim=0)          # (N, G)
+        if H is None:
+            err = torch.einsum("tgk,ngk->tng", Xg, dW).pow(2).mean(dim=0)      # (N, G)
+        else:
+            err = torch.einsum("ngk,gkl,ngl->ng", dW, H, dW)                   # the same, via the Gram matrices
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best_scale = torch.where(better, scale, best_scale)

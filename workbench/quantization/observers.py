@@ -83,7 +83,32 @@ class MovingAverageMinMax(Observer):
             self.hi = self.hi + self.momentum * (hi - self.hi)
 
 
-_QUANTILE_MAX = 1 << 24
+_QUANTILE_MAX = 1 << 24   # torch.quantile's input limit
+
+
+def _quantile(xg: torch.Tensor, q: float) -> torch.Tensor:
+    """``torch.quantile(xg, q, dim=1)`` (linear interpolation), the same numbers, for any width.
+
+    A tail quantile needs only the order statistics on either side of rank ``q (n - 1)``: ``torch.topk`` of
+    the ``n - rank`` largest (or ``rank + 2`` smallest) values finds them without sorting each row, and has no
+    input-size limit (``torch.quantile`` stops at 2^24 values). The rank, its floor /
+    ceiling, the weight and the final ``lerp`` are computed as ``torch.quantile`` computes them (q and the
+    rank in the tensor's dtype); tests compare the two bit for bit."""
+    n = xg.shape[1]
+    rank = torch.tensor(q, dtype=xg.dtype) * (n - 1)
+    below, above = int(rank.item()), math.ceil(rank.item())
+    weight = rank - below
+    if min(n - below, above + 1) > max(n // 8, 1):   # a central quantile: a sort is as cheap
+        if n > _QUANTILE_MAX:  # past torch.quantile's limit: estimate on a seeded random subset
+            xg = xg[:, torch.randperm(n, generator=torch.Generator().manual_seed(n))[:_QUANTILE_MAX]]
+        return torch.quantile(xg, q, dim=1)
+    if n - below <= above + 1:      # upper tail: the n - below largest, descending
+        top = torch.topk(xg, n - below, dim=1, largest=True, sorted=True).values
+        lo_v, hi_v = top[:, n - 1 - below], top[:, n - 1 - above]
+    else:                           # lower tail: the above + 1 smallest, ascending
+        bottom = torch.topk(xg, above + 1, dim=1, largest=False, sorted=True).values
+        lo_v, hi_v = bottom[:, below], bottom[:, above]
+    return torch.lerp(lo_v, hi_v, weight)
 
 
 class Percentile(Observer):
@@ -95,11 +120,8 @@ class Percentile(Observer):
         self._sum_lo = self._sum_hi = None
 
     def _update(self, lo, hi, xg):
-        if xg.shape[1] > _QUANTILE_MAX:  # torch.quantile's input limit: estimate on a seeded random subset
-            idx = torch.randperm(xg.shape[1], generator=torch.Generator().manual_seed(self.count))[:_QUANTILE_MAX]
-            xg = xg[:, idx]
-        hi_q = torch.quantile(xg, self.q / 100, dim=1)
-        lo_q = torch.quantile(xg, 1 - self.q / 100, dim=1)
+        hi_q = _quantile(xg, self.q / 100)
+        lo_q = _quantile(xg, 1 - self.q / 100)
         self._sum_lo = lo_q if self._sum_lo is None else self._sum_lo + lo_q
         self._sum_hi = hi_q if self._sum_hi is None else self._sum_hi + hi_q
         n = self.count + 1

@@ -34,6 +34,9 @@ that call it trace under ``torch.compile``; eager calls go straight to the exten
 from __future__ import annotations
 
 import functools
+import os
+import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -48,12 +51,28 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _OP = "w8a8_linear_cpu"
 
 
+def _ninja_on_path() -> None:
+    """torch.utils.cpp_extension runs ``ninja`` from PATH; the pip-installed one lives in the environment's bin
+    directory, which is not on PATH when the interpreter is run without activating its venv (as ``make test``
+    does). Add it when no other ninja is found."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja
+
+        bin_dir = ninja.BIN_DIR
+    except (ImportError, AttributeError):
+        bin_dir = str(Path(sys.executable).parent)
+    os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+
+
 @functools.cache
 def _build():
     """(extension module, None) or (None, the error): a failed build is not retried in this process."""
     from torch.utils.cpp_extension import load
 
     try:
+        _ninja_on_path()
         ext = load(name="workbench_w8a8_cpu", sources=[str(SOURCE)], extra_cflags=["-O3", "-ffp-contract=off"],
                    verbose=False)
         return ext, None

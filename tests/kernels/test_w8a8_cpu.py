@@ -119,3 +119,16 @@ def test_opcheck_and_compile():
 
     compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(x), fn(x))
+
+
+def test_the_pip_ninja_is_found_without_an_activated_venv(monkeypatch):
+    """make test runs .venv/bin/python without activating the venv: the ninja that pip installed there must be
+    put on PATH for torch.utils.cpp_extension when no other ninja is."""
+    import os
+
+    import ninja
+
+    monkeypatch.setattr(wk.shutil, "which", lambda name: None)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    wk._ninja_on_path()
+    assert os.environ["PATH"].split(os.pathsep)[0] == ninja.BIN_DIR

@@ -85,7 +85,9 @@ def load_extension():
     is missing when it cannot be built here."""
     ext, err = _build()
     if ext is None:
-        first = str(err).strip().splitlines()[-1][:300] if str(err).strip() else type(err).__name__
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        first = next((line for line in lines if "error" in line.lower() and "error building extension" not in
+                      line.lower()), lines[-1] if lines else type(err).__name__)[:300]   # the compiler's message
         raise RuntimeError(f"{_OP}: the CPU W8A8 kernel is C++ compiled on first use (torch.utils.cpp_extension, "
                            f"which needs ninja and a working C++ compiler); building it failed here: {first}. "
                            "Use kernel='reference' on this machine.") from err

@@ -90,3 +90,30 @@ def test_lower_is_better_direction():
     worse = wb.measure(wb.models.architectures.TinyLM(model.config).eval(), "tiny-lm", quick=True)
     assert m.better_than(worse)
     assert "lower is better" in str(m)
+
+
+def test_training_helpers_take_threads_and_restore_the_setting():
+    """fit_classifier and distill.fit (like every helper with threads_option) run under `threads=` and put torch's
+    thread count back, also when the argument is refused."""
+    seen = []
+
+    class Probe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(64, 10)
+
+        def forward(self, x):
+            seen.append(torch.get_num_threads())
+            return self.fc(x)
+
+    task = wb.tasks.load("digits")
+    before = torch.get_num_threads()
+    want = 1 if before > 1 else 2
+    wb.training.fit_classifier(Probe(), task, epochs=1, lr=1e-3, progress=False, threads=want)
+    assert set(seen) == {want} and torch.get_num_threads() == before
+    seen.clear()
+    wb.distill.fit(Probe(), wb.models.load("digits-mlp"), task.split, epochs=1, progress=False, threads=want)
+    assert set(seen) == {want} and torch.get_num_threads() == before
+    with pytest.raises(ValueError, match="threads must be a positive int"):
+        wb.training.fit_classifier(Probe(), task, epochs=1, lr=1e-3, progress=False, threads=0)
+    assert torch.get_num_threads() == before

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from workbench.measurement.latency import threads_option
+
 __all__ = ["fit_classifier", "train_epoch", "one_cycle"]
 
 
@@ -43,6 +45,7 @@ def train_epoch(model: nn.Module, opt, sched, n: int, batch_size: int, generator
     return total / n
 
 
+@threads_option
 def fit_classifier(model: nn.Module, task, *, epochs: int, lr: float, batch_size: int = 64,
                    weight_decay: float = 1e-4, seed: int = 0, progress: bool = True,
                    optimizer_cls=torch.optim.AdamW, return_optimizer: bool = False):

@@ -23,6 +23,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from workbench.distillation.losses import check_kd_args, embedding_loss, kd_loss
+from workbench.measurement.latency import threads_option
 from workbench.training import one_cycle, train_epoch
 
 __all__ = ["fit", "fit_embeddings"]
@@ -56,6 +57,7 @@ def _flat_features(t: torch.Tensor) -> torch.Tensor:
     return t.movedim(1, -1) if t.ndim > 2 and t.shape[1] != t.shape[-1] else t
 
 
+@threads_option
 def fit(student: nn.Module, teacher: nn.Module, task, *, epochs: int = 10, lr: float = 1e-3, alpha: float = 0.5,
         temperature: float = 4.0, batch_size: int = 64, patience: int | None = 3, seed: int = 0,
         weight_decay: float = 1e-4, features: dict[str, str] | None = None, beta: float = 1.0,
@@ -150,6 +152,7 @@ def fit(student: nn.Module, teacher: nn.Module, task, *, epochs: int = 10, lr: f
     return history
 
 
+@threads_option
 def fit_embeddings(student: nn.Module, teacher: nn.Module, task, *, epochs: int = 3, lr: float = 5e-5,
                    n: int = 150, batch_size: int = 8, kind: str = "cosine", progress: bool = True):
     """Distil a sentence encoder on ``n`` calibration documents of ``task`` (embedding loss); returns the history."""

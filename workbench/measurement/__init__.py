@@ -1,7 +1,7 @@
 """Measurement: quality, latency, real bytes and peak memory of a model on a task."""
 from workbench.measurement.footprint import bytes_by_dtype, layer_table, peak_memory, size_bytes
-from workbench.measurement.latency import num_threads, time_forward
+from workbench.measurement.latency import num_threads, threads_option, time_forward
 from workbench.measurement.metrics import Metrics, compare, measure
 
 __all__ = ["Metrics", "measure", "compare", "size_bytes", "bytes_by_dtype", "layer_table", "peak_memory",
-           "time_forward", "num_threads"]
+           "time_forward", "num_threads", "threads_option"]

@@ -7,6 +7,8 @@ so queued kernels are counted. The thread count is set for the measurement and r
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import time
 from dataclasses import dataclass
 
@@ -14,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["Latency", "time_forward", "num_threads"]
+__all__ = ["Latency", "time_forward", "num_threads", "threads_option"]
 
 
 @contextlib.contextmanager
@@ -29,6 +31,20 @@ def num_threads(n: int | None):
         yield torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
+
+
+def threads_option(fn):
+    """Give ``fn`` a keyword argument ``threads`` (default None: leave torch's setting alone): the call runs
+    under `num_threads` and the previous thread count is restored afterwards, also on error or interrupt."""
+    @functools.wraps(fn)
+    def wrapper(*args, threads: int | None = None, **kwargs):
+        with num_threads(threads):
+            return fn(*args, **kwargs)
+
+    sig = inspect.signature(fn)
+    extra = inspect.Parameter("threads", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="int | None")
+    wrapper.__signature__ = sig.replace(parameters=[*sig.parameters.values(), extra])
+    return wrapper
 
 
 @dataclass(frozen=True)

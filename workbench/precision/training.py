@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from workbench.measurement.latency import threads_option
+
 __all__ = ["PRECISIONS", "AmpStep", "fit_mixed", "compare_precisions"]
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -74,6 +76,7 @@ def _train_step_peak(model: nn.Module, step: AmpStep, x: torch.Tensor, y: torch.
     return peak_allocated_during(lambda: step(lambda: F.cross_entropy(model(x), y)))
 
 
+@threads_option
 def fit_mixed(model: nn.Module, task, *, precision: str = "fp32", epochs: int = 5, lr: float = 3e-3,
               batch_size: int = 64, seed: int = 0, progress: bool = True) -> dict:
     """Train ``model`` in ``precision``; returns step times, peak step memory, skipped steps and accuracy."""

@@ -48,8 +48,10 @@ float absmax_scalar(const float* x, int64_t K) {
 
 void quantize_row_scalar(const float* x, int64_t K, float inv, int8_t* q) {
   for (int64_t k = 0; k < K; ++k) {
-    const float v = std::nearbyint(x[k] * inv);  // the default rounding mode: half to even
-    q[k] = static_cast<int8_t>(static_cast<int32_t>(std::min(std::max(v, -128.f), 127.f)));
+    float v = std::nearbyint(x[k] * inv);  // the default rounding mode: half to even
+    v = v >= -128.f ? v : -128.f;          // NaN -> -128, as the vector paths' max_ps (the row's scale is NaN then)
+    v = v <= 127.f ? v : 127.f;
+    q[k] = static_cast<int8_t>(static_cast<int32_t>(v));
   }
 }
 
@@ -223,6 +225,9 @@ torch::Tensor w8a8_linear(const torch::Tensor& x, const torch::Tensor& wt, const
   TORCH_CHECK(!is_static || (act_scale->scalar_type() == torch::kFloat && act_scale->numel() == 1),
               "w8a8_linear_cpu: act_scale must be one float32 value");
   const Kernels kern = kernels_for(parse_isa(isa_name));
+  // _int_mm wants a weight with one unit stride (row-major or its transpose); anything else (a zero-stride
+  // expand gives wrong sums on torch 2.13's CPU build) is copied first.
+  const torch::Tensor w = wt.is_contiguous() || wt.t().is_contiguous() ? wt : wt.contiguous();
 
   auto out = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
@@ -264,12 +269,15 @@ torch::Tensor w8a8_linear(const torch::Tensor& x, const torch::Tensor& wt, const
       const int64_t r0 = b * block, rows = std::min(block, M - r0);
       for (int64_t r = 0; r < rows; ++r) {
         const float* xr = xp + (r0 + r) * K;
-        s[r] = is_static ? static_scale : std::max(kern.absmax(xr, K) / 127.5f, kEps);
+        // A row holding NaN or Inf gets a NaN scale, so its whole output row is NaN (as in the reference); a
+        // static scale needs the row's max |x| only for that check.
+        const float m = kern.absmax(xr, K);
+        s[r] = !std::isfinite(m) ? kNaN : is_static ? static_scale : std::max(m / 127.5f, kEps);
         kern.quantize_row(xr, K, 1.0f / s[r], q + r * K);
       }
       auto qt = torch::from_blob(q, {rows, K}, x.options().dtype(torch::kChar));
       auto acct = torch::from_blob(acc, {rows, N}, x.options().dtype(torch::kInt));
-      at::_int_mm_out(acct, qt, wt);
+      at::_int_mm_out(acct, qt, w);
       for (int64_t r = 0; r < rows; ++r) kern.rescale_row(acc + r * N, N, s[r], wsp, bp, op + (r0 + r) * N, stream);
     }
 #if WB_X86

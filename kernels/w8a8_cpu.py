@@ -7,8 +7,11 @@ The math (the numbers of ``workbench.quantization.modules.W8A8Linear``, referenc
     q_x[m, k] = clamp(round_half_even(x[m, k] * (1 / s_x[m])), -128, 127)               fp32
     y[m, n] = float(sum_k q_x[m, k] q_w[k, n]) * s_x[m] * s_w[n] + bias[n]                int32 sum, fp32
 
-Blocking (``w8a8_cpu.cpp``): rows of x are taken ``block_rows`` at a time (by default so that the block's
-int32 product, ``block_rows x N x 4`` bytes, is about 512 KB). For each block: quantize its rows into a
+A row of x holding NaN or Inf gets a NaN scale, hence a NaN output row, on every path.
+
+Blocking (``w8a8_cpu.cpp``): rows of x are taken ``block_rows`` at a time (by default 64-512 rows, the block's
+int32 product ``block_rows x N x 4`` bytes at most 3 MB; the per-thread buffers keep their largest size for
+the next call). For each block: quantize its rows into a
 per-thread int8 buffer (max |x| and the codes in one read of each row; the row is still in L1 for the second
 sweep), ``at::_int_mm_out`` into a per-thread int32 buffer (oneDNN's s8 x s8 -> s32 GEMM, VNNI where the CPU
 has it), then one pass that converts, multiplies by both scales, adds the bias and writes the fp32 output.
@@ -20,7 +23,9 @@ single-threaded); below ``32 x threads`` rows (decode) one thread walks the bloc
 Vector code: AVX-512 or AVX2 intrinsics chosen at run time from what the CPU reports (``cpu_isa()``), a
 scalar loop elsewhere (e.g. ARM); ``isa=`` forces one for tests. Every float operation is the reference's, in
 the same order, built with ``-ffp-contract=off`` (no multiply-add contraction): the output equals the
-reference bit for bit (tests check each ISA, ragged shapes, static scales, NaN rows).
+reference bit for bit whenever the reference's fp32 matmul of the codes is exact (every partial sum below
+2^24, e.g. K <= 1024; past that the int32 sum here is the more exact of the two). Tests check each ISA, ragged
+shapes, static scales, non-finite rows.
 
 Build: compiled on first use with ``torch.utils.cpp_extension.load`` (ninja and the system C++ compiler;
 about 30 s once, then cached under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``). No
@@ -170,6 +175,7 @@ def reference(x: torch.Tensor, qweight_t: torch.Tensor, scale: torch.Tensor, bia
             min=torch.finfo(torch.float32).eps)                            # (M, 1)
     else:
         s = act_scale.float().reshape(1, 1).expand(x2.shape[0], 1)
+    s = torch.where(torch.isfinite(x2).all(dim=1, keepdim=True), s, float("nan"))   # NaN / Inf rows -> NaN
     q = torch.clamp(torch.round(x2 * (1.0 / s)), -128, 127)               # integers, held in fp32
     y = (q @ qweight_t.float()) * s * scale.reshape(1, -1)
     if bias is not None:

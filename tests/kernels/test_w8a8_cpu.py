@@ -30,8 +30,8 @@ def operands(M, K, N, seed=0, static=False, bias=True):
                                               (1100, 64, 48, 0), (2048, 40, 300, 0), (2048, 40, 300, 96)])
 @pytest.mark.parametrize("static", [False, True])
 def test_equals_the_reference_bit_for_bit(isa, M, K, N, block_rows, static):
-    """(2048, 40, 300): a 2.4 MB output, written with non-temporal stores; N = 300 puts most rows at
-    addresses the vector stores must peel to align. K = 7 / 40 exercise the scalar tails of each sweep."""
+    """(2048, 40, 300): a 2.4 MB output, written with non-temporal stores; with N = 300 most rows start at
+    addresses where the vector stores fall back to ordinary ones. K = 7 / 40 exercise the scalar tails."""
     if isa not in supported_isas():
         pytest.skip(f"this CPU has no {isa}")
     x, w, s, b, act = operands(M, K, N, static=static, bias=M != 17)
@@ -46,6 +46,42 @@ def test_threads_split_the_rows_and_give_the_same_numbers():
         with num_threads(threads):
             assert torch.equal(wk.w8a8_linear_cpu(x, w, s, b), ref)
             assert torch.equal(wk.w8a8_linear_cpu(x[:5], w, s, b), ref[:5])   # decode: the GEMM gets the threads
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_module_cpu_path_equals_its_reference_path_in_half_and_with_bad_rows(static):
+    """After module.half() (scales and bias in fp16) and with NaN / Inf rows, kernel='cpu' and 'reference' of
+    the same module agree: the same finite numbers, the same NaN rows."""
+    from torch import nn
+
+    from workbench.quantization.modules import W8A8Linear
+
+    torch.manual_seed(0)
+    lin = nn.Linear(48, 20)
+    act = torch.tensor(0.03) if static else None
+    ref = W8A8Linear.from_float(lin, act_scale=act).half()
+    cpu = W8A8Linear.from_float(lin, act_scale=act, kernel="cpu").half()
+    x = torch.randn(6, 48).half()
+    x[2, 5], x[4, 0] = float("nan"), float("inf")
+    with torch.no_grad():
+        a, c = ref(x), cpu(x)
+    torch.testing.assert_close(c, a, rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(c[[2, 4]]).all() and torch.isfinite(c[[0, 1, 3, 5]]).all()
+
+
+def test_module_compiles_with_grad_enabled():
+    """torch.compile of a model holding kernel='cpu' layers traces the custom op (bias detached: no autograd
+    formula is needed) and gives the eager numbers."""
+    from torch import nn
+
+    import workbench as wb
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 24), nn.ReLU(), nn.Linear(24, 8))
+    q = wb.apply(model, {"0": wb.quant.Dynamic(kernel="cpu"), "2": wb.quant.Dynamic(kernel="cpu")}, progress=False)
+    x = torch.randn(5, 32)
+    compiled = torch.compile(q, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x), q(x))
 
 
 def test_matches_the_module_reference_path_and_keeps_the_input_dtype():
@@ -65,15 +101,29 @@ def test_matches_the_module_reference_path_and_keeps_the_input_dtype():
             assert torch.equal(y, ref(x))
 
 
-def test_a_nan_row_stays_nan_and_leaves_the_other_rows_alone():
-    x, w, s, b, _ = operands(40, 50, 24)
-    x[3, 17] = float("nan")
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_row_gives_a_nan_row_and_leaves_the_others_alone(static, bad):
+    """On every ISA, whether the bad value falls in the vector body or the scalar tail (column 37 of 40)."""
+    x, w, s, b, act = operands(40, 40, 24, static=static)
+    x[3, 17] = bad
+    x[9, 37] = bad
+    keep = torch.ones(40, dtype=torch.bool)
+    keep[[3, 9]] = False
+    ref = wk.reference(x, w, s, b, act)
+    assert torch.isnan(ref[~keep]).all()
     for isa in supported_isas():
-        y = wk.w8a8_linear_cpu(x, w, s, b, isa=isa)
-        assert torch.isnan(y[3]).all(), isa
-        keep = torch.ones(40, dtype=torch.bool)
-        keep[3] = False
-        assert torch.equal(y[keep], wk.reference(x[keep], w, s, b)), isa
+        y = wk.w8a8_linear_cpu(x, w, s, b, act, isa=isa)
+        assert torch.isnan(y[~keep]).all(), isa
+        assert torch.equal(y[keep], ref[keep]), isa
+
+
+def test_a_weight_without_a_unit_stride_is_copied_not_misread():
+    x, w, s, b, _ = operands(20, 32, 24)
+    expanded = torch.randint(-128, 128, (32, 1), dtype=torch.int8).expand(32, 24)   # stride (1, 0)
+    strided = torch.randint(-128, 128, (64, 48), dtype=torch.int8)[::2, ::2]          # no unit stride
+    for weight in (expanded, strided):
+        assert torch.equal(wk.w8a8_linear_cpu(x, weight, s, b), wk.reference(x, weight, s, b))
 
 
 def test_empty_inputs():

@@ -244,6 +244,7 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xg = to_groups(x, PerToken()).float()                          # (M, K)
     lo, hi = xg.amin(dim=1, keepdim=True), xg.amax(dim=1, keepdim=True)  # (aminmax(dim) is 10x slower here)
     scale = (torch.maximum(-lo, hi) / 127.5).clamp_(min=EPS)
+    scale = torch.where(torch.isfinite(scale), scale, float("nan"))   # a NaN / Inf row: NaN scale, NaN outputs
     r = xg * (1.0 / scale)                                         # |r| <= 127.5
     # round half to even by adding and removing 1.5 * 2^23 (fp32's ulp is 1 there): the same result as
     # torch.round for |r| < 2^22, and several times faster than aten::round on the CPU
@@ -252,10 +253,12 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 quantization of activations with a calibrated scale: (codes (M, K), scale (M, 1))."""
+    """Symmetric int8 quantization of activations with a calibrated scale: (codes (M, K), scale (M, 1)); a row
+    holding NaN or Inf gets a NaN scale (so NaN outputs), as in the per-token case."""
     xg = to_groups(x, PerToken()).float()                          # (M, K)
-    q = quantize(xg, scale.reshape(1, 1), torch.zeros(1, 1, dtype=torch.int32), -128, 127, torch.int8)
-    return q, scale.reshape(1, 1).expand(xg.shape[0], 1)
+    scale = scale.float().reshape(1, 1)                            # fp32 even after module.half()
+    q = quantize(xg, scale, torch.zeros(1, 1, dtype=torch.int32), -128, 127, torch.int8)
+    return q, torch.where(torch.isfinite(xg).all(dim=1, keepdim=True), scale, float("nan"))
 
 
 class W8A8Linear(nn.Module):
@@ -332,17 +335,17 @@ class W8A8Linear(nn.Module):
         from kernels import w8a8_cpu
 
         act = self.act_scale if self.static else None
-        bias = self.bias
+        bias = None if self.bias is None else self.bias.detach()   # an inference path: no autograd
+        scale = self.scale.reshape(-1)
+        if any(t is not None and t.dtype != torch.float32 for t in (scale, bias, act)):   # after module.half()
+            scale, bias, act = (None if t is None else t.float() for t in (scale, bias, act))
         if torch.compiler.is_compiling():
-            return w8a8_cpu.w8a8_linear_cpu(x, self.qweight_t, self.scale, bias, act)
+            return w8a8_cpu.w8a8_linear_cpu(x, self.qweight_t, scale, bias, act)
         if x.shape[-1] != self.in_features:
             raise ValueError(f"W8A8Linear: the input has {x.shape[-1]} features, the layer takes {self.in_features}")
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.float().contiguous()
-        scale = self.scale.reshape(-1)
-        if scale.dtype != torch.float32 or (bias is not None and bias.dtype != torch.float32):   # after .half()
-            scale, bias, act = (None if t is None else t.float() for t in (scale, bias, act))
         y = w8a8_cpu.load_extension().w8a8_linear(x2, self.qweight_t, scale, bias, act, 0, "auto")
         y = y.view(*x.shape[:-1], self.out_features)
         return y if y.dtype == x.dtype else y.to(x.dtype)

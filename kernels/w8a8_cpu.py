@@ -54,6 +54,7 @@ SOURCE = Path(__file__).with_name("w8a8_cpu.cpp")
 ISAS = ("auto", "avx512", "avx2", "scalar")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _OP = "w8a8_linear_cpu"
+_NAME = "workbench_w8a8_cpu"
 
 
 def _ninja_on_path() -> None:
@@ -71,6 +72,17 @@ def _ninja_on_path() -> None:
     os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
 
+def _looks_built() -> bool:
+    """Whether a compiled library is already in the extension's build directory (then loading takes ~0.1 s,
+    else ~30 s: worth a line of notice). A guess: a changed source is rebuilt under a new name."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return any(Path(_get_build_directory(_NAME, False)).glob(f"{_NAME}*.so"))
+    except Exception:  # a private helper of torch: no notice rather than an error
+        return True
+
+
 @functools.cache
 def _build():
     """(extension module, None) or (None, the error): a failed build is not retried in this process."""
@@ -78,7 +90,10 @@ def _build():
 
     try:
         _ninja_on_path()
-        ext = load(name="workbench_w8a8_cpu", sources=[str(SOURCE)], extra_cflags=["-O3", "-ffp-contract=off"],
+        if not _looks_built():
+            print("kernels.w8a8_cpu: compiling the CPU W8A8 kernel (first use on this machine, ~30 s; cached "
+                  "afterwards) ...", file=sys.stderr, flush=True)
+        ext = load(name=_NAME, sources=[str(SOURCE)], extra_cflags=["-O3", "-ffp-contract=off"],
                    verbose=False)
         return ext, None
     except Exception as e:  # no compiler, no ninja, no Python headers: reported by load_extension

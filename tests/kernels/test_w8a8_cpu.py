@@ -182,3 +182,8 @@ def test_the_pip_ninja_is_found_without_an_activated_venv(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     wk._ninja_on_path()
     assert os.environ["PATH"].split(os.pathsep)[0] == ninja.BIN_DIR
+
+
+def test_a_built_extension_is_recognised_so_no_compile_notice_is_printed():
+    wk.load_extension()
+    assert wk._looks_built()

@@ -296,12 +296,16 @@ MALLOC_KEEP = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_":
 effect PyTorch's CPU performance guide gets from jemalloc / tcmalloc, without page faults in every pass."""
 
 
+def _malloc_kept() -> bool:
+    return all(os.environ.get(k) == v for k, v in MALLOC_KEEP.items())
+
+
 def environment() -> str:
     import triton
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    malloc = "glibc malloc kept (" + ", ".join(f"{k}={v}" for k, v in MALLOC_KEEP.items()) + ")" if all(
-        os.environ.get(k) == v for k, v in MALLOC_KEEP.items()) else "default malloc"
+    malloc = ("glibc malloc kept (" + ", ".join(f"{k}={v}" for k, v in MALLOC_KEEP.items()) + ")"
+              if _malloc_kept() else "default malloc")
     return (f"{datetime.date.today()}; {platform.processor() or platform.machine()}; {gpu}; torch {torch.__version__}; "
             f"triton {triton.__version__}; {malloc}")
 
@@ -320,7 +324,7 @@ def main(argv=None) -> None:
     p.add_argument("--malloc-keep", action="store_true",
                    help="re-run under glibc settings that keep freed memory (see MALLOC_KEEP); Linux only")
     a = p.parse_args(argv)
-    if a.malloc_keep and not all(os.environ.get(k) == v for k, v in MALLOC_KEEP.items()):
+    if a.malloc_keep and not _malloc_kept():
         args = [x for x in (sys.argv[1:] if argv is None else argv) if x != "--malloc-keep"]
         os.execve(sys.executable, [sys.executable, "-m", "kernels.bench", *args, "--malloc-keep"],
                   {**os.environ, **MALLOC_KEEP})

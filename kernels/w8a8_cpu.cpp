@@ -161,13 +161,18 @@ WB_TARGET("avx512f") void rescale_row_avx512(const int32_t* acc, int64_t N, floa
 }
 #endif  // WB_X86
 
-Isa best_isa() {
+Isa detect_isa() {
 #if WB_X86
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f")) return Isa::Avx512;
   if (__builtin_cpu_supports("avx2")) return Isa::Avx2;
 #endif
   return Isa::Scalar;
+}
+
+Isa best_isa() {
+  static const Isa best = detect_isa();  // once per process, not per call
+  return best;
 }
 
 Isa parse_isa(const std::string& name) {
@@ -238,8 +243,9 @@ torch::Tensor w8a8_linear(const torch::Tensor& x, const torch::Tensor& wt, const
   float* op = out.data_ptr<float>();
 
   // Rows per block: 64..512, the int32 block (rows x N x 4 bytes) at most 3 MB. Measured on MiniLM's shapes
-  // (one thread, 4096 rows): oneDNN's GEMM loses ~8 % per row in 64-row blocks and 2-4 % in 256-512-row
-  // ones; 512 rows of N = 1536 (3 MB, L2 is 2 MB here) still beat 256 (L2-resident) by ~2 %.
+  // (one thread, 4096 rows): oneDNN's GEMM alone is 5-8 % slower in 128-row blocks and ~4 % in 256-row ones
+  // than on the whole matrix; the whole kernel with 512 rows of N = 1536 (3 MB, L2 is 2 MB here) beat 256
+  // (L2-resident) by ~2 %.
   int64_t block = block_rows > 0 ? block_rows
                                  : std::clamp<int64_t>((int64_t{3} << 20) / (4 * N) / 32 * 32, 64, 512);
   // An output larger than a core's L2 is written with non-temporal stores: no read-for-ownership of lines

@@ -34,7 +34,7 @@ compiler gets an error that says so and names ``kernel='reference'`` as the way 
 
 ``workbench::w8a8_linear_cpu`` is also a ``torch.library`` custom op with a fake implementation, so modules
 that call it trace under ``torch.compile``; eager calls go straight to the extension (the op's dispatch costs
-~20 us, a tenth of a batch-1 MiniLM Linear).
+~6 us a call, measured, as much as the argument checks).
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ import torch
 
 from kernels._common import check, check_same_device
 
-__all__ = ["w8a8_linear_cpu", "reference", "cpu_isa", "load_extension", "ISAS"]
+__all__ = ["w8a8_linear_cpu", "linear_unchecked", "reference", "cpu_isa", "load_extension", "ISAS"]
 
 SOURCE = Path(__file__).with_name("w8a8_cpu.cpp")
 ISAS = ("auto", "avx512", "avx2", "scalar")
@@ -148,19 +148,30 @@ def _check(x: torch.Tensor, qweight_t: torch.Tensor, scale: torch.Tensor, bias: 
         raise ValueError(f"{_OP}: isa must be one of {ISAS}, got {isa!r}")
 
 
-def _run(x, qweight_t, scale, bias, act_scale, block_rows: int = 0, isa: str = "auto") -> torch.Tensor:
+def linear_unchecked(x, qweight_t, scale, bias, act_scale, block_rows: int = 0, isa: str = "auto") -> torch.Tensor:
+    """`w8a8_linear_cpu` without its argument checks, for callers whose tensors are known good (W8A8Linear):
+    the checks cost ~6 us a call, 5 % of a 128-token MiniLM Linear. Copies only what is not already fp32 and
+    contiguous."""
     K, N = qweight_t.shape
-    x2 = x.reshape(-1, K).to(torch.float32).contiguous()                  # no copy when already fp32 contiguous
-    y = load_extension().w8a8_linear(
-        x2, qweight_t, scale.reshape(-1).contiguous(), None if bias is None else bias.float().contiguous(),
-        None if act_scale is None else act_scale.reshape(1).contiguous(), block_rows, isa)
-    return y.reshape(*x.shape[:-1], N).to(x.dtype)
+    x2 = x.reshape(-1, K)
+    if x2.dtype != torch.float32 or not x2.is_contiguous():
+        x2 = x2.float().contiguous()
+    scale = scale.reshape(-1)
+    if not scale.is_contiguous():
+        scale = scale.contiguous()
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        bias = bias.float().contiguous()
+    if act_scale is not None:
+        act_scale = act_scale.reshape(1)
+    y = load_extension().w8a8_linear(x2, qweight_t, scale, bias, act_scale, block_rows, isa)
+    y = y.view(*x.shape[:-1], N)
+    return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 @torch.library.custom_op("workbench::w8a8_linear_cpu", mutates_args=())
 def _w8a8_linear_cpu_op(x: torch.Tensor, qweight_t: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                         act_scale: torch.Tensor | None) -> torch.Tensor:
-    return _run(x, qweight_t, scale, bias, act_scale)
+    return linear_unchecked(x, qweight_t, scale, bias, act_scale)
 
 
 @_w8a8_linear_cpu_op.register_fake
@@ -178,21 +189,18 @@ def w8a8_linear_cpu(x: torch.Tensor, qweight_t: torch.Tensor, scale: torch.Tenso
     _check(x, qweight_t, scale, bias, act_scale, block_rows, isa)
     if torch.compiler.is_compiling():
         return _w8a8_linear_cpu_op(x, qweight_t, scale, bias, act_scale)
-    return _run(x, qweight_t, scale, bias, act_scale, block_rows, isa)
+    return linear_unchecked(x, qweight_t, scale, bias, act_scale, block_rows, isa)
 
 
 def reference(x: torch.Tensor, qweight_t: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
               act_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """The same math in PyTorch (the module's reference path): fp32 matmul of the integer codes."""
-    x2 = x.reshape(-1, x.shape[-1]).float()                                # (M, K)
-    if act_scale is None:
-        s = (torch.maximum(-x2.amin(dim=1, keepdim=True), x2.amax(dim=1, keepdim=True)) / 127.5).clamp(
-            min=torch.finfo(torch.float32).eps)                            # (M, 1)
-    else:
-        s = act_scale.float().reshape(1, 1).expand(x2.shape[0], 1)
-    s = torch.where(torch.isfinite(x2).all(dim=1, keepdim=True), s, float("nan"))   # NaN / Inf rows -> NaN
-    q = torch.clamp(torch.round(x2 * (1.0 / s)), -128, 127)               # integers, held in fp32
-    y = (q @ qweight_t.float()) * s * scale.reshape(1, -1)
+    """The same math in PyTorch: the module's reference path (its quantization functions, then an fp32 matmul
+    of the integer codes)."""
+    from workbench.quantization.modules import quantize_per_tensor, quantize_per_token
+
+    x2 = x.reshape(-1, x.shape[-1])                                        # (M, K)
+    q, s = quantize_per_token(x2) if act_scale is None else quantize_per_tensor(x2, act_scale)
+    y = (q.float() @ qweight_t.float()) * s * scale.float().reshape(1, -1)
     if bias is not None:
         y = y + bias.float()
     return y.reshape(*x.shape[:-1], qweight_t.shape[1]).to(x.dtype)

@@ -329,26 +329,20 @@ class W8A8Linear(nn.Module):
         return quantize_per_tensor(x2d, self.act_scale) if self.static else quantize_per_token(x2d)
 
     def _cpu(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out) in x's dtype
-        """The C++ kernel called directly: the module's own tensors need no per-call checks (a batch-1 MiniLM
-        Linear takes ~100 us, and the checked entry point's argument checks cost ~15 us); under
-        ``torch.compile`` the checked custom op instead."""
+        """`kernels.w8a8_cpu` without its per-call argument checks (the module's own tensors are known good);
+        under ``torch.compile`` the checked custom op."""
         from kernels import w8a8_cpu
 
         act = self.act_scale if self.static else None
         bias = None if self.bias is None else self.bias.detach()   # an inference path: no autograd
-        scale = self.scale.reshape(-1)
+        scale = self.scale
         if any(t is not None and t.dtype != torch.float32 for t in (scale, bias, act)):   # after module.half()
             scale, bias, act = (None if t is None else t.float() for t in (scale, bias, act))
         if torch.compiler.is_compiling():
             return w8a8_cpu.w8a8_linear_cpu(x, self.qweight_t, scale, bias, act)
         if x.shape[-1] != self.in_features:
             raise ValueError(f"W8A8Linear: the input has {x.shape[-1]} features, the layer takes {self.in_features}")
-        x2 = x.reshape(-1, self.in_features)
-        if x2.dtype != torch.float32 or not x2.is_contiguous():
-            x2 = x2.float().contiguous()
-        y = w8a8_cpu.load_extension().w8a8_linear(x2, self.qweight_t, scale, bias, act, 0, "auto")
-        y = y.view(*x.shape[:-1], self.out_features)
-        return y if y.dtype == x.dtype else y.to(x.dtype)
+        return w8a8_cpu.linear_unchecked(x, self.qweight_t, scale, bias, act)
 
     def extra_repr(self) -> str:
         mode = "static" if self.static else "dynamic"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import os
 import sys
 from pathlib import Path
 
@@ -73,6 +74,9 @@ def _app(args: argparse.Namespace) -> int:
     nbformat.write(nb, str(path))
     print(f"serving {path} at http://{args.ip}:{args.port}/ (Ctrl-C stops)", flush=True)
     cmd = [sys.executable, "-m", "voila", str(path), "--no-browser", f"--port={args.port}", f"--Voila.ip={args.ip}"]
+    if os.name == "posix":   # become the server: a SIGTERM to this process then stops Voila and its kernels,
+        sys.stdout.flush()   # instead of orphaning them behind a dead parent
+        os.execv(sys.executable, cmd)
     return subprocess.call(cmd)
 
 

@@ -108,7 +108,8 @@ def _tokens(t: torch.Tensor) -> int:
 
 def estimate_calibration(model: nn.Module, plan, calibration: Iterable[Any], *, inplace: bool = False) -> Estimate:
     """Peak memory and time of ``wb.apply(model, plan, calibration)`` (see the module docstring)."""
-    from workbench.plans.apply import _as_plan, _capture_inputs, normalize_calibration
+    from workbench.plans.apply import _as_plan, normalize_calibration
+    from workbench.plans.layers import capture_inputs, transform_layer
     from workbench.plans.registry import handler_for
     from workbench.tasks.base import model_device
 
@@ -128,11 +129,11 @@ def estimate_calibration(model: nn.Module, plan, calibration: Iterable[Any], *, 
     records: dict[str, list] = {}
 
     def capture():
-        records.update(_capture_inputs(model, names, batches[:1], progress=False))
+        records.update(capture_inputs(model, names, batches[:1], progress=False))
 
     capture_peak = peak_allocated_during(capture)
     t0 = time.perf_counter()
-    _capture_inputs(model, names, batches[:1], progress=False)
+    capture_inputs(model, names, batches[:1], progress=False)
     forward_s = time.perf_counter() - t0
     seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
             for batch_list in records.values() for batch in batch_list for t in batch}
@@ -153,9 +154,9 @@ def estimate_calibration(model: nn.Module, plan, calibration: Iterable[Any], *, 
         key = (type(module), tuple(weight.shape) if isinstance(weight, torch.Tensor) else None, a.config)
         inputs = [first[a.name]] if a.name in first else None
         if key not in samples:
-            peak_1 = peak_allocated_during(functools.partial(handler.apply, a.name, module, a.config, inputs))
+            peak_1 = peak_allocated_during(functools.partial(transform_layer, a.name, module, a.config, inputs))
             t0 = time.perf_counter()
-            handler.apply(a.name, module, a.config, inputs)
+            transform_layer(a.name, module, a.config, inputs)
             samples[key] = (peak_1, time.perf_counter() - t0)
         peak_1, t_1 = samples[key]
         cost = getattr(handler, "calibration_cost", None)

@@ -57,11 +57,23 @@ def _tensor_bytes(value) -> int:
 class _Replay(nn.Module):
     """Stands in for a block: returns its recorded outputs, one per call, in order."""
 
-    def __init__(self, name: str, outputs: list):
+    def __init__(self, name: str, outputs: list, block: nn.Module | None = None):
         super().__init__()
         self.block_name = name
         self.outputs = outputs
         self.calls = 0
+        # The replaced block, not registered as a child: containers that inspect their first block before
+        # calling it (nn.TransformerEncoder reads ``layers[0].self_attn.batch_first``) still find what they read.
+        object.__setattr__(self, "_block", block)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            block = self.__dict__.get("_block")
+            if block is None:
+                raise
+            return getattr(block, name)
 
     def forward(self, *args, **kwargs):
         if self.calls >= len(self.outputs):
@@ -144,7 +156,7 @@ class PrefixReplay:
         """Replay the blocks that finished before ``layer`` first ran (none if the replay is off)."""
         k = self.skippable.get(layer, 0) if self.outputs else 0
         originals = {b: self.model.get_submodule(b) for b in self.blocks[:k]}
-        stand_ins = {b: _Replay(b, self.outputs[b]) for b in originals}
+        stand_ins = {b: _Replay(b, self.outputs[b], m) for b, m in originals.items()}
         for b, m in stand_ins.items():
             self.model.set_submodule(b, m)
         try:

@@ -33,6 +33,7 @@ from workbench.analysis.executors import Executor, InProcess, get_executor
 from workbench.analysis.replay import PrefixReplay
 from workbench.measurement.footprint import size_bytes
 from workbench.measurement.latency import num_threads, time_forward
+from workbench.plans.layers import swap_layers, transform_layer
 from workbench.plans.plan import _matcher
 from workbench.plans.registry import Config, config_to_dict, handler_for
 from workbench.tasks.base import Task, check_model, model_device
@@ -160,13 +161,13 @@ class _Session:
         self.inputs: dict[str, list] = {}
         needing = [c for _, c in candidates if handler_for(c).needs_calibration(c)]
         if needing:
-            from workbench.plans.apply import _capture_inputs
+            from workbench.plans.layers import capture_inputs
 
             batches = _calibration_batches(task, opts.calibration, self.work)
             if not batches:
                 raise ValueError(f"candidate(s) {[cands_mod.label(c) for c in needing]} need calibration data; "
                                  f"pass calibration=<number of samples> or a list of batches")
-            self.inputs = _capture_inputs(self.work, layers, batches, progress=False)
+            self.inputs = capture_inputs(self.work, layers, batches, progress=False)
         self.latency_inputs: dict[str, tuple] = {}
         if opts.latency:
             self.latency_inputs = self._layer_inputs(task.example_inputs(opts.batch_size))
@@ -203,11 +204,11 @@ class _Session:
                 row["status"] = "unsupported"
             else:
                 try:
-                    new = handler.apply(layer, original, config, self.inputs.get(layer))
+                    new = transform_layer(layer, original, config, self.inputs.get(layer)).module
                 except Exception as e:  # recorded per row: one unsuitable layer must not stop the analysis
                     row["status"] = f"error: {type(e).__name__}: {e}"
                 else:
-                    self.work.set_submodule(layer, new)
+                    previous = swap_layers(self.work, {layer: new})
                     try:
                         if self.replay is not None:
                             with self.replay.skip_before(layer):
@@ -215,7 +216,7 @@ class _Session:
                         else:
                             value = self._evaluate()
                     finally:
-                        self.work.set_submodule(layer, original)
+                        swap_layers(self.work, previous)
                     row.update(status="ok", value=value, loss=_loss(self.base, value, self.higher),
                                size_after=size_bytes(new),
                                latency_after_ms=self._time(new, layer) if self.opts.latency else float("nan"))

@@ -12,34 +12,35 @@ The applied plans are recorded on the result (`applied_plans`), which is what `w
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from workbench.plans.plan import Assignment, Plan
+from workbench.plans.layers import (
+    PLANS_ATTR, ApplyError, Transformed, applied_plans, capture_inputs, record_plan, share_tied, skeleton_layer,
+    swap_layers, tie_groups, transform_layer,
+)
+from workbench.plans.plan import Plan
 from workbench.plans.registry import Config, handler_for
 
-__all__ = ["apply", "build_skeleton", "applied_plans", "ApplyError", "normalize_calibration"]
-
-PLANS_ATTR = "_workbench_plans"
+__all__ = ["apply", "build_skeleton", "applied_plans", "applied_report", "ApplyError", "normalize_calibration",
+           "PLANS_ATTR"]
 
 Batch = tuple[torch.Tensor, ...]
+REPORT_ATTR = "_workbench_report"
 
 
-class ApplyError(RuntimeError):
-    """A layer could not be transformed; the message names the layer and the config."""
+def applied_report(model: nn.Module):
+    """What the last `apply` did, one row per layer its plan matched: layer, type, pattern, config, status
+    ("compressed" / "passed over"), the concrete config recorded, and the handler's note or the reason a layer
+    was passed over (a DataFrame; empty for a model `apply` did not produce)."""
+    import pandas as pd
 
-    def __init__(self, layer: str, config: Config, cause: BaseException):
-        self.layer = layer
-        self.config = config
-        super().__init__(f"layer {layer!r} with {config!r} failed: {type(cause).__name__}: {cause}")
-
-
-def applied_plans(model: nn.Module) -> tuple[Plan, ...]:
-    """The plans applied to ``model`` by `apply`, oldest first (empty for an untouched model)."""
-    return tuple(getattr(model, PLANS_ATTR, ()))
+    return pd.DataFrame(getattr(model, REPORT_ATTR, []),
+                        columns=["layer", "type", "pattern", "config", "status", "recorded", "note"])
 
 
 def _as_plan(plan: Plan | Mapping[str, Config | None]) -> Plan:
@@ -83,40 +84,8 @@ def normalize_calibration(calibration: Iterable[Any], model: nn.Module) -> list[
     return out
 
 
-def _describe(batch: Batch) -> str:
-    return ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in batch)
-
-
-def _capture_inputs(model: nn.Module, names: Sequence[str], batches: list[Batch],
-                    progress: bool = True) -> dict[str, list[Batch]]:
-    """Run the calibration batches through ``model`` and record the inputs of the named layers."""
-    records: dict[str, list[Batch]] = {n: [] for n in names}
-    handles = []
-    for name in names:
-        def hook(mod, args, _name=name):
-            records[_name].append(tuple(a.detach() for a in args if isinstance(a, torch.Tensor)))
-        handles.append(model.get_submodule(name).register_forward_pre_hook(hook))
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.inference_mode():
-            for i, batch in enumerate(tqdm(batches, desc="calibration", leave=False, disable=not progress)):
-                try:
-                    model(*batch)
-                except Exception as e:
-                    raise ValueError(
-                        f"calibration batch {i} ({_describe(batch)}) could not be run through "
-                        f"{type(model).__name__}: {type(e).__name__}: {e}") from e
-    finally:
-        for h in handles:
-            h.remove()
-        model.train(was_training)
-    return records
-
-
-def _swap(model: nn.Module, replacements: dict[str, nn.Module]) -> None:
-    for name, new in replacements.items():
-        model.set_submodule(name, new)
+def _capture_inputs(model, names, batches, progress=True):  # the name older callers use
+    return capture_inputs(model, names, batches, progress)
 
 
 def apply(model: nn.Module, plan: Plan | Mapping[str, Config | None], calibration: Iterable[Any] | None = None,
@@ -131,7 +100,7 @@ def apply(model: nn.Module, plan: Plan | Mapping[str, Config | None], calibratio
     """
     _check_module(model)
     plan = _as_plan(plan)
-    assignments: list[Assignment] = plan.resolve(model)
+    assignments, passed = plan.survey(model)
     needing = [a for a in assignments if handler_for(a.config).needs_calibration(a.config)]
     batches: list[Batch] | None = None
     if calibration is not None:
@@ -149,43 +118,71 @@ def apply(model: nn.Module, plan: Plan | Mapping[str, Config | None], calibratio
         if not found.fits:
             raise MemoryError(f"not calibrating: {found}")
     target = model if inplace else copy.deepcopy(model)
-    inputs = _capture_inputs(target, [a.name for a in needing], batches, progress) if needing else {}
-    replacements: dict[str, nn.Module] = {}
-    resolved: list[tuple[str, Config]] = []
+    inputs = capture_inputs(target, [a.name for a in needing], batches, progress) if needing else {}
+    done: dict[str, Transformed] = {}
     for a in tqdm(assignments, desc="apply", disable=not progress or len(assignments) < 2, leave=False):
-        module = target.get_submodule(a.name)
-        handler = handler_for(a.config)
-        try:
-            new = handler.apply(a.name, module, a.config, inputs.get(a.name))
-        except (KeyboardInterrupt, ApplyError):
-            raise
-        except Exception as e:
-            raise ApplyError(a.name, a.config, e) from e
-        if not isinstance(new, nn.Module):
-            raise ApplyError(a.name, a.config, TypeError(f"handler returned {type(new).__name__}, not a module"))
-        replacements[a.name] = new
-        concrete = getattr(handler, "resolved", None)
-        if concrete is not None and (c := concrete(a.config, new)) != a.config:
-            resolved.append((a.name, c))
-    _swap(target, replacements)
+        done[a.name] = transform_layer(a.name, target.get_submodule(a.name), a.config, inputs.get(a.name))
+    _share_tied_groups(target, {n: t.module for n, t in done.items()}, {n: t.config for n, t in done.items()})
+    swap_layers(target, {n: t.module for n, t in done.items()})
     # A config whose structure depends on the data (e.g. a rank chosen by an energy threshold) is recorded
     # as the concrete per-layer config, ahead of the user's patterns, so wb.load rebuilds the same shapes.
+    resolved = [(n, t.concrete) for n, t in done.items() if t.concrete != t.config]
     recorded = Plan([*resolved, *((p, c) for p, c in plan.items() if p not in dict(resolved))]) if resolved else plan
-    object.__setattr__(target, PLANS_ATTR, (*applied_plans(model), recorded))
+    record_plan(target, (*applied_plans(model), recorded))
+    rows = [{"layer": a.name, "type": a.module_type, "pattern": a.pattern, "config": repr(a.config),
+             "status": "compressed", "recorded": repr(done[a.name].concrete), "note": done[a.name].note}
+            for a in assignments]
+    rows += [{"layer": p.name, "type": p.module_type, "pattern": p.pattern, "config": repr(p.config),
+              "status": "passed over", "recorded": "", "note": p.reason} for p in passed]
+    object.__setattr__(target, REPORT_ATTR, rows)
+    _warn_passed_over(passed)
     return target
+
+
+def _share_tied_groups(model: nn.Module, modules: dict[str, nn.Module], configs: dict[str, Config]) -> None:
+    """Tied layers (all assigned the same config, which `Plan.resolve` guarantees) keep one stored copy."""
+    for group in tie_groups(model):
+        if all(n in modules for n in group):
+            try:
+                share_tied(group, modules)
+            except ValueError as e:
+                raise ApplyError(group[-1], configs[group[-1]], e) from None
+
+
+def _warn_passed_over(passed) -> None:
+    """A layer that computes with a weight matrix (a parameter of 2+ dimensions) and was matched but not
+    compressed is worth a warning: it is what a user expected "*" to take."""
+    heavy = [p for p in passed if p.holds_matrix]
+    if heavy:
+        shown = "; ".join(f"{p.name} ({p.module_type}): {p.reason}" for p in heavy[:3])
+        more = f"; and {len(heavy) - 3} more" if len(heavy) > 3 else ""
+        warnings.warn(f"wb.apply passed over {len(heavy)} matched layer(s): {shown}{more} "
+                      f"(wb.applied_report(model) lists every layer)", stacklevel=3)
 
 
 def build_skeleton(model: nn.Module, plans: Sequence[Plan]) -> nn.Module:
     """A deep copy of ``model`` with the compressed *structure* of ``plans`` (values to be loaded)."""
     target = copy.deepcopy(_check_module(model))
     for plan in plans:
-        replacements = {}
-        for a in plan.resolve(target):
-            module = target.get_submodule(a.name)
-            try:
-                replacements[a.name] = handler_for(a.config).skeleton(a.name, module, a.config)
-            except Exception as e:
-                raise ApplyError(a.name, a.config, e) from e
-        _swap(target, replacements)
-        object.__setattr__(target, PLANS_ATTR, (*applied_plans(target), plan))
+        assignments = plan.resolve(target)
+        modules = {a.name: skeleton_layer(a.name, target.get_submodule(a.name), a.config) for a in assignments}
+        for group in tie_groups(target):   # the same sharing as `apply`, so the file's single copy fills both
+            if all(n in modules for n in group):
+                _tie_skeleton(group, modules)
+        swap_layers(target, modules)
+        record_plan(target, (*applied_plans(target), plan))
     return target
+
+
+def _tie_skeleton(group, modules: dict[str, nn.Module]) -> None:
+    first = modules[group[0]]
+    ref = dict(first.named_parameters(recurse=False)) | dict(first.named_buffers(recurse=False))
+    for name in group[1:]:
+        other = modules[name]
+        for key, t in [*other.named_parameters(recurse=False), *other.named_buffers(recurse=False)]:
+            r = ref.get(key)
+            if r is not None and r.shape == t.shape and r.dtype == t.dtype:
+                if key in other._parameters and isinstance(r, nn.Parameter):
+                    other._parameters[key] = r
+                elif key in other._buffers:
+                    other._buffers[key] = r

@@ -23,7 +23,7 @@ from torch import nn
 
 from workbench.plans.registry import Config, config_from_dict, config_to_dict, handler_for
 
-__all__ = ["Plan", "Assignment", "PLAN_FORMAT_VERSION"]
+__all__ = ["Plan", "Assignment", "PassedOver", "PLAN_FORMAT_VERSION"]
 
 PLAN_FORMAT_VERSION = 1
 
@@ -51,6 +51,18 @@ class Assignment:
     module_type: str
     pattern: str
     config: Config
+
+
+@dataclass(frozen=True)
+class PassedOver:
+    """A layer a pattern matched but did not assign, and why."""
+
+    name: str
+    module_type: str
+    pattern: str
+    config: Config
+    reason: str
+    holds_matrix: bool = False   # it owns a parameter of 2+ dimensions (a weight matrix, not a norm's vector)
 
 
 class Plan(Mapping[str, Config | None]):
@@ -112,13 +124,24 @@ class Plan(Mapping[str, Config | None]):
 
         Only modules the config's technique supports are assigned (a glob over ``encoder.*``
         assigns its nn.Linear layers, not the containers around them), and a module nested inside an
-        already-assigned module is not assigned again.
+        already-assigned module is not assigned again. A layer whose weight is tied to another layer's
+        (GPT-2's ``lm_head`` and ``transformer.wte``) is assigned only if every layer of its tie group gets the
+        same config (they are then compressed into one stored copy); a glob passes it over otherwise (see
+        `survey`), an exact name raises. Every pattern must assign or keep at least one layer.
         """
+        return self.survey(model)[0]
+
+    def survey(self, model: nn.Module) -> tuple[list[Assignment], list["PassedOver"]]:
+        """`resolve`'s assignments and the layers the plan's patterns matched but passed over, with why
+        (only modules that hold parameters themselves are listed: containers are not layers)."""
+        from workbench.plans.layers import tie_groups
+
         if not isinstance(model, nn.Module):
             raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}")
-        used: dict[str, int] = {p: 0 for p in self._entries}
         seen_types: dict[str, set[str]] = {p: set() for p in self._entries}
+        kept: dict[str, int] = {p: 0 for p in self._entries}
         out: list[Assignment] = []
+        passed: list[PassedOver] = []
         taken: list[str] = []
         for name, module in model.named_modules():
             if not name:
@@ -129,18 +152,44 @@ class Plan(Mapping[str, Config | None]):
             pattern, config = hit
             seen_types[pattern].add(type(module).__name__)
             if config is None:
-                used[pattern] += 1
-                continue
-            if not handler_for(config).supports(module, config):
+                kept[pattern] += 1
                 continue
             if any(name.startswith(t + ".") for t in taken):
                 continue
-            used[pattern] += 1
+            handler = handler_for(config)
+            if not handler.supports(module, config):
+                if next(module.parameters(recurse=False), None) is not None:
+                    why = getattr(handler, "why_not", None)
+                    reason = (why(module, config) if why is not None else None) or \
+                        f"{type(config).__name__} does not handle {type(module).__name__}"
+                    matrix = any(p.dim() >= 2 for p in module.parameters(recurse=False))
+                    passed.append(PassedOver(name, type(module).__name__, pattern, config, reason, matrix))
+                continue
             taken.append(name)
             out.append(Assignment(name, type(module).__name__, pattern, config))
+        by_name = {a.name: a for a in out}
+        for group in tie_groups(model):
+            hits = [by_name[n] for n in group if n in by_name]
+            if not hits or (len(hits) == len(group) and len({a.config for a in hits}) == 1):
+                continue
+            for a in hits:
+                others = [n for n in group if n != a.name]
+                reason = (f"its weight is tied to {', '.join(map(repr, others))}, which the plan does not give the "
+                          f"same config (compressing it alone would store the weight twice)")
+                if a.pattern == a.name:
+                    raise ValueError(f"layer {a.name!r}: {reason}; give {', '.join(map(repr, group))} the same "
+                                     f"config, or leave them all unchanged")
+                del by_name[a.name]
+                passed.append(PassedOver(a.name, a.module_type, a.pattern, a.config, reason, True))
+        out = [a for a in out if a.name in by_name]
+        used = {p: kept[p] + sum(a.pattern == p for a in out) for p in self._entries}
         for pattern, count in used.items():
             if count == 0:
                 config = self._entries[pattern]
+                tied = [p for p in passed if p.pattern == pattern and "tied" in p.reason]
+                if tied:
+                    raise ValueError(f"plan pattern {pattern!r} matches only layers with tied weights: "
+                                     f"{tied[0].name!r}: {tied[0].reason}")
                 if seen_types[pattern]:
                     raise ValueError(
                         f"plan pattern {pattern!r} matches only layers that {type(config).__name__} "
@@ -148,15 +197,26 @@ class Plan(Mapping[str, Config | None]):
                 raise ValueError(
                     f"plan pattern {pattern!r} matches no layer of {type(model).__name__}; "
                     f"some layer names: {_some_names(model)}")
-        return out
+        return out, passed
 
     def describe(self, model: nn.Module):
-        """`resolve` as a DataFrame: layer, type, pattern, config."""
+        """Every layer the plan's patterns match, as a DataFrame: layer, type, pattern, config, status
+        ("compressed", "kept" for a ``None`` entry, "passed over") and the reason a layer is passed over."""
         import pandas as pd
 
-        rows = [{"layer": a.name, "type": a.module_type, "pattern": a.pattern, "config": repr(a.config)}
-                for a in self.resolve(model)]
-        return pd.DataFrame(rows, columns=["layer", "type", "pattern", "config"])
+        assigned, passed = self.survey(model)
+        rows = {a.name: {"layer": a.name, "type": a.module_type, "pattern": a.pattern, "config": repr(a.config),
+                         "status": "compressed", "reason": ""} for a in assigned}
+        rows.update({p.name: {"layer": p.name, "type": p.module_type, "pattern": p.pattern, "config": repr(p.config),
+                              "status": "passed over", "reason": p.reason} for p in passed})
+        for name, module in model.named_modules():
+            hit = self.match(name) if name else None
+            if hit is not None and hit[1] is None and next(module.parameters(recurse=False), None) is not None:
+                rows[name] = {"layer": name, "type": type(module).__name__, "pattern": hit[0], "config": "None",
+                              "status": "kept", "reason": "the plan leaves it unchanged"}
+        order = {n: i for i, (n, _) in enumerate(model.named_modules())}
+        return pd.DataFrame(sorted(rows.values(), key=lambda r: order.get(r["layer"], 0)),
+                            columns=["layer", "type", "pattern", "config", "status", "reason"])
 
     # JSON
     def to_dict(self) -> dict[str, Any]:

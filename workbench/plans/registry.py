@@ -26,6 +26,7 @@ __all__ = [
     "config_from_dict",
     "config_to_dict",
     "registered_kinds",
+    "registered_configs",
 ]
 
 
@@ -97,6 +98,11 @@ def handler_for(config: Config) -> Handler:
 
 def registered_kinds() -> list[str]:
     return sorted(_KINDS)
+
+
+def registered_configs() -> list[type]:
+    """The registered config classes, in order of registration."""
+    return list(_KINDS.values())
 
 
 # --- JSON (de)serialisation of configs -------------------------------------------------------------

@@ -17,14 +17,16 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from workbench.plans.apply import PLANS_ATTR, ApplyError
+from workbench.plans.apply import ApplyError, normalize_calibration
+from workbench.plans.layers import (
+    capture_inputs, compressible_layers, record_plan, share_tied, skeleton_layer, swap_layers, tie_groups,
+    transform_layer,
+)
 from workbench.plans.plan import Plan, _matcher
 from workbench.plans.registry import Config, handler_for
 from workbench.tasks.base import Task, check_model
 
-__all__ = ["Session", "Entry", "LAYER_TYPES", "Cancelled"]
-
-LAYER_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding)
+__all__ = ["Session", "Entry", "Cancelled"]
 
 
 class Cancelled(RuntimeError):
@@ -61,12 +63,15 @@ class Session:
         self._inputs: dict[str, list] = {}
         self.quick, self.calibration, self.threads, self.batch_size = quick, calibration, threads, batch_size
         modules = dict(model.named_modules())
-        self.layer_names = [n for n, m in model.named_modules() if n and type(m) in LAYER_TYPES]
+        # every layer some registered technique can take (Linear, Conv and Embedding, their subclasses, ...)
+        self.layer_names = compressible_layers(model)
         if not self.layer_names:
-            raise ValueError(f"{type(model).__name__} has no Linear, Conv or Embedding layer to edit")
+            raise ValueError(f"{type(model).__name__} has no layer that any technique can compress")
         self._modules = {n: modules[n] for n in self.layer_names}
+        self._ties = {n: g for g in tie_groups(model) for n in g}
         self.assigned: dict[str, Config] = {}
         self.applied: dict[str, Config] = {}
+        self._concrete: dict[str, Config] = {}   # layer -> the concrete config its current module was built with
         self.history: list[Entry] = []
         self._undo: list[dict[str, Config]] = []
         self._redo: list[dict[str, Config]] = []
@@ -93,16 +98,23 @@ class Session:
             if not handler.supports(module, config):
                 raise ValueError(f"{type(config).__name__} cannot be applied to layer {name!r} "
                                  f"({type(module).__name__})")
+            group = self._ties.get(name)
+            if group is not None and not all(n in layers or self.assigned.get(n) == config for n in group):
+                others = ", ".join(repr(n) for n in group if n != name)
+                raise ValueError(f"layer {name!r} shares its weight with {others}: select them together (one "
+                                 f"stored copy), or compressing it alone would store the weight twice")
             try:  # the structure alone (no values, no calibration): catches e.g. a group size that does not divide
-                handler.skeleton(name, module, config)
-            except Exception as e:
+                skeleton_layer(name, module, config)
+            except ApplyError as err:
+                e = err.__cause__ or err
                 # a structure that depends on the weights (e.g. SVD by energy) has no skeleton: build the layer
                 # itself when that needs no calibration data
                 if handler.needs_calibration(config):
                     raise ValueError(f"{type(config).__name__} cannot be applied to layer {name!r}: {e}") from None
                 try:
-                    handler.apply(name, module, config, None)
-                except Exception as e2:
+                    transform_layer(name, module, config, None)
+                except ApplyError as err2:
+                    e2 = err2.__cause__ or err2
                     raise ValueError(f"{type(config).__name__} cannot be applied to layer {name!r}: {e2}") from None
 
     def set(self, layers: Sequence[str] | str, config: Config | None) -> None:
@@ -189,12 +201,10 @@ class Session:
         self._inputs.clear()
 
     def _calibration_inputs(self, names: list[str]) -> dict[str, list]:
-        from workbench.plans.apply import _capture_inputs, normalize_calibration
-
         missing = [n for n in names if n not in self._inputs]
         if missing:
             batches = normalize_calibration(self.task.calibration(self.calibration), self.original)
-            self._inputs.update(_capture_inputs(self.original, missing, batches, progress=False))
+            self._inputs.update(capture_inputs(self.original, missing, batches, progress=False))
         return {n: self._inputs[n] for n in names}
 
     def estimate(self):
@@ -228,36 +238,45 @@ class Session:
         report("calibrating" if needing else "applying", 0.0)
         inputs = self._calibration_inputs(needing) if needing else {}
         replacements: dict[str, nn.Module] = {}
+        concrete: dict[str, Config] = {}
         for i, name in enumerate(changed):
             report(f"applying {name}", 0.1 + 0.6 * i / max(1, len(changed)))
-            original = self._modules[name]
             config = self.assigned.get(name)
             if config is None:
-                replacements[name] = original
+                replacements[name] = self._modules[name]
                 continue
-            try:
-                replacements[name] = handler_for(config).apply(name, original, config, inputs.get(name))
-            except Exception as e:
-                raise ApplyError(name, config, e) from e
+            done = transform_layer(name, self._modules[name], config, inputs.get(name))
+            replacements[name] = done.module
+            concrete[name] = done.concrete
+        for group in tie_groups(self.original):   # tied layers keep one stored copy, as in wb.apply
+            if all(n in replacements and self.assigned.get(n) is not None for n in group):
+                try:
+                    share_tied(group, replacements)
+                except ValueError as e:
+                    raise ApplyError(group[-1], self.assigned[group[-1]], e) from None
         report("measuring", 0.7)
-        previous = {n: self.work.get_submodule(n) for n in replacements}
-        for name, module in replacements.items():
-            self.work.set_submodule(name, module)
-        plan = self.plan
-        object.__setattr__(self.work, PLANS_ATTR, (plan,) if len(plan) else ())
+        previous = swap_layers(self.work, replacements)
+        before = dict(self._concrete)
+        self._concrete.update(concrete)
+        record_plan(self.work, (self._recorded_plan(),) if self.assigned else ())
         try:
             metrics = measure(self.work, self.task, quick=self.quick, threads=self.threads,
                               batch_size=self.batch_size, progress=False, name=type(self.original).__name__)
         except BaseException:
-            for name, module in previous.items():  # measuring failed or was interrupted: back to before
-                self.work.set_submodule(name, module)
-            object.__setattr__(self.work, PLANS_ATTR, (Plan(self.applied),) if self.applied else ())
+            swap_layers(self.work, previous)   # measuring failed or was interrupted: back to before
+            self._concrete = before
+            record_plan(self.work, (self._recorded_plan(self.applied),) if self.applied else ())
             raise
         self.applied = dict(self.assigned)
-        entry = Entry(label or self.describe(), plan, metrics)
+        entry = Entry(label or self.describe(), self.plan, metrics)
         self.history.append(entry)
         report("done", 1.0)
         return entry
+
+    def _recorded_plan(self, assignment: Mapping[str, Config] | None = None) -> Plan:
+        """The plan `wb.save` records: each layer's concrete config (e.g. SVD's rank chosen by energy)."""
+        assignment = self.assigned if assignment is None else assignment
+        return Plan([(n, self._concrete.get(n, assignment[n])) for n in self.layer_names if n in assignment])
 
     def describe(self, assignment: Mapping[str, Config] | None = None) -> str:
         """A short label of an assignment, e.g. ``"fc1: WeightOnly(bits=8); 2 more"``."""

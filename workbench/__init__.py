@@ -18,7 +18,7 @@ from workbench import distillation as distill
 from workbench import lowrank, training
 from workbench import pruning as prune
 from workbench.quantization import qat
-from workbench.measurement import Metrics, compare, layer_table, measure, size_bytes
+from workbench.measurement import Metrics, Speedup, compare, layer_table, measure, size_bytes, speedup
 from workbench.plans import ApplyError, Plan, applied_plans, applied_report, apply
 from workbench.plans.io import load, save
 from workbench import analysis, teach, ui
@@ -26,6 +26,6 @@ from workbench.analysis import Budget, pareto, search, sensitivity, sweep
 
 __version__ = "0.1.0"
 
-__all__ = ["models", "tasks", "precision", "quant", "qat", "prune", "lowrank", "distill", "training", "measurement", "plots", "reports", "measure", "Metrics", "compare", "layer_table", "size_bytes",
+__all__ = ["models", "tasks", "precision", "quant", "qat", "prune", "lowrank", "distill", "training", "measurement", "plots", "reports", "measure", "Metrics", "compare", "speedup", "Speedup", "layer_table", "size_bytes",
            "Plan", "apply", "applied_plans", "applied_report", "ApplyError", "save", "load", "analysis", "sensitivity", "search", "Budget",
            "sweep", "pareto", "ui", "teach", "__version__"]

@@ -146,7 +146,8 @@ def test_sweep_table_persistence_and_plots(mlp_table, tmp_path):
     heat = wb.plots.sensitivity_heatmap(table)
     assert np.asarray(heat.data[0].z).shape == (3, 3)
     roof = wb.plots.roofline(df)
-    assert [t.name for t in roof.data] == ["measured speedup", "byte-ratio ceiling"]
+    assert [t.name for t in roof.data] == ["measured speedup (95% interval)", "byte-ratio ceiling"]
+    assert df["speedup_low"].le(df["speedup"]).all() and df["speedup"].le(df["speedup_high"]).all()
     assert np.allclose(roof.data[1].y, df["size_bytes"].iloc[0] / df["size_bytes"].iloc[1:])
     int4 = wb.apply(model, plans["int4"], progress=False)
     sizes = wb.plots.size_breakdown(int4)
@@ -166,3 +167,19 @@ def test_sweep_bad_input(mlp_table):
         wb.sweep(model, task, {"reference": wb.Plan({"fc1": INT8})}, progress=False)
     with pytest.raises(ValueError, match=r"\.csv or \.parquet"):
         wb.analysis.save_results(pd.DataFrame({"a": [1]}), "out.xlsx")
+
+
+def test_search_without_a_table_never_loses_to_a_uniform_candidate(digits_mlp, digits_task):
+    """The additive prediction can pick a plan worse than the obvious uniform one; the search measures the
+    uniform candidates that fit and returns the best measured plan."""
+    cands = {"int8": wb.quant.WeightOnly(bits=8, group_size=None), "int4": wb.quant.WeightOnly(bits=4, group_size=16),
+             "int2": wb.quant.WeightOnly(bits=2, group_size=16)}
+    uniform = wb.apply(digits_mlp, {"*": cands["int4"]}, progress=False)
+    budget = sum(wb.size_bytes(m) for m in uniform.modules() if isinstance(m, wb.quant.WeightOnlyLinear))
+    plan, report = wb.search(digits_mlp, digits_task, cands, budget, progress=False, cache=False)
+    uniform_q = wb.measure(uniform, digits_task, quick=True, progress=False).primary_value
+    assert report.measured_quality >= uniform_q
+    assert report.measured_cost <= budget
+    v = report.verified
+    assert "uniform int4" in set(v["plan"]) and v["chosen"].sum() == 1
+    assert {"predicted", "measured", "predicted_cost", "measured_cost"} <= set(v.columns)

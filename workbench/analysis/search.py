@@ -153,6 +153,7 @@ class SearchReport:
     measured_quality: float = float("nan")
     measured_cost: float = float("nan")
     notes: list[str] = field(default_factory=list)
+    verified: Any = None             # DataFrame: each plan measured, predicted vs measured, which was chosen
 
     def summary(self):
         """Predicted vs measured quality and cost, one row each."""
@@ -188,14 +189,18 @@ def _searched_cost(model: nn.Module, task: Task, layers: Sequence[str], resource
 
 def search(model: nn.Module, task: Task | str, candidates: Sequence[Config] | Mapping[str, Config],
            budget: Budget | int, *, table=None, layers=None, keep: bool = True, verify: bool = True,
-           calibration: int | Sequence | None = 32, quick: bool = True, progress: bool = True,
+           calibration: int | Sequence | None = 32, quick: bool = True, progress: bool = True, n_verify: int = 3,
            **sensitivity_options) -> tuple[Plan, SearchReport]:
     """The plan (one candidate, or no change, per layer) that minimises the predicted quality loss within
     ``budget`` (a `Budget`, or an int = bytes), and a `SearchReport` with predicted vs measured results.
 
     ``table``: a `sensitivity` table to reuse (otherwise it is measured, with ``sensitivity_options``).
-    ``keep``: whether leaving a layer unchanged is an option. ``verify``: apply the plan and measure it
-    (``quick`` as the sensitivity). ``calibration``: samples for configs that need calibration.
+    ``keep``: whether leaving a layer unchanged is an option. ``verify``: apply and measure (``quick`` as the
+    sensitivity) the knapsack's plan, up to ``n_verify - 1`` knapsack plans under slightly tighter limits, and
+    every uniform candidate that fits the budget (as AIMET's AMP does), and return the best *measured* one - so
+    the result is never worse than a uniform candidate of no larger cost, whatever the additive prediction
+    said. ``report.verified`` lists predicted vs measured for each. ``calibration``: samples for configs that
+    need calibration.
     """
     import pandas as pd
 
@@ -213,7 +218,7 @@ def search(model: nn.Module, task: Task | str, candidates: Sequence[Config] | Ma
                         f"got {type(budget).__name__}")
     cand = cands_mod.normalize(candidates)
     if table is None:
-        table = sensitivity(model, task, cand, layers, quick=quick, calibration=calibration,
+        table = sensitivity(model, task, dict(cand), layers, quick=quick, calibration=calibration,
                             latency=budget.resource == "latency_ms", progress=progress, **sensitivity_options)
     else:
         fp = table.attrs.get("fingerprint")
@@ -236,19 +241,87 @@ def search(model: nn.Module, task: Task | str, candidates: Sequence[Config] | Ma
     chosen = solve(options, limit)
 
     configs = {lbl: c for lbl, c in cand}
+    proposals = _proposals(options, chosen, limit, keep, n_verify) if verify else [("searched", chosen)]
+    verified = []
+    for i, (label, choice) in enumerate(proposals):
+        r = _report_for(choice, options, configs, budget, limit, minimum, current, metric, higher, base)
+        if verify:
+            _verify(model, task, r[0], r[1], list(choice), calibration, quick, progress)
+            # bytes are exact; a latency budget is judged on the prediction (one timing of a plan is noisy)
+            cost = r[1].measured_cost if budget.resource == "size_bytes" else r[1].predicted_cost
+            fits = cost <= limit * (1 + 1e-9)
+            verified.append({"plan": label, "predicted": r[1].predicted_quality, "measured": r[1].measured_quality,
+                             "predicted_cost": r[1].predicted_cost, "measured_cost": r[1].measured_cost,
+                             "fits": fits, "chosen": False, "_r": r})
+        else:
+            verified.append({"plan": label, "predicted": r[1].predicted_quality, "measured": float("nan"),
+                             "predicted_cost": r[1].predicted_cost, "measured_cost": float("nan"), "fits": True,
+                             "chosen": False, "_r": r})
+    # the best *measured* plan within the budget: never worse than a uniform candidate that fits
+    sign = 1 if higher else -1
+    best = verified[0]
+    if verify:
+        usable = [v for v in verified if v["fits"] and np.isfinite(v["measured"])] or verified[:1]
+        best = max(usable, key=lambda v: (sign * v["measured"], -v["measured_cost"]))
+    best["chosen"] = True
+    plan, report = best["_r"]
+    report.verified = pd.DataFrame([{k: v for k, v in row.items() if k != "_r"} for row in verified])
+    if verify and best["plan"] != proposals[0][0]:
+        report.notes.append(f"the knapsack's plan (predicted {verified[0]['predicted']:.4f}) measured "
+                            f"{verified[0]['measured']:.4f}; {best['plan']!r} measured better and is returned")
+    return plan, report
+
+
+def _proposals(options, chosen: dict[str, str], limit: float, keep: bool, n: int) -> list[tuple[str, dict]]:
+    """Plans worth measuring: the knapsack optimum, knapsack optima under slightly tighter limits (a different
+    trade-off when the additive prediction is off), and every uniform candidate that fits the budget."""
+    out: list[tuple[str, dict]] = [("searched", chosen)]
+    seen = [chosen]
+    for f in (0.95, 0.9):
+        if len(out) >= n:
+            break
+        try:
+            alt = solve(options, limit * f)
+        except ValueError:   # tighter than the smallest achievable total
+            break
+        if alt not in seen:
+            seen.append(alt)
+            out.append((f"searched at {f:.0%} of the budget", alt))
+    labels = [o[0] for layer_opts in options.values() for o in layer_opts if o[0] != KEEP]
+    for lbl in dict.fromkeys(labels):
+        choice = {}
+        for layer, opts in options.items():
+            names = [o[0] for o in opts]
+            if lbl in names:
+                choice[layer] = lbl
+            elif KEEP in names:
+                choice[layer] = KEEP
+            else:
+                choice = None
+                break
+        if choice is None or choice in seen:
+            continue
+        cost = sum(next(o[2] for o in options[layer] if o[0] == opt) for layer, opt in choice.items())
+        if cost <= limit * (1 + 1e-9):
+            seen.append(choice)
+            out.append((f"uniform {lbl}", choice))
+    return out
+
+
+def _report_for(choice, options, configs, budget, limit, minimum, current, metric, higher, base):
+    import pandas as pd
+
     rows = []
-    for layer, option in chosen.items():
+    for layer, option in choice.items():
         _, loss, cost = next(o for o in options[layer] if o[0] == option)
         rows.append({"layer": layer, "option": option, "loss": loss, "cost": cost})
     choices = pd.DataFrame(rows, columns=["layer", "option", "loss", "cost"])
-    plan = Plan([(layer, configs[option]) for layer, option in chosen.items() if option != KEEP])
+    plan = Plan([(layer, configs[option]) for layer, option in choice.items() if option != KEEP])
     total_loss = float(choices["loss"].sum())
     report = SearchReport(budget=budget, limit=limit, minimum=minimum, current=current, metric=metric,
                           higher_is_better=higher, base_quality=base,
                           predicted_quality=base - total_loss if higher else base + total_loss,
                           predicted_cost=float(choices["cost"].sum()), choices=choices)
-    if verify:
-        _verify(model, task, plan, report, list(chosen), calibration, quick, progress)
     return plan, report
 
 

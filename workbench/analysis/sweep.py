@@ -87,8 +87,10 @@ def _measure_plan(model: nn.Module, task: Task, label: str, plan: Plan | None, o
             compressed = apply_with_task(model, task, plan, opts.calibration)
         except Exception as e:
             raise ValueError(f"sweep plan {label!r}: {e}") from e
+    # the speedup over the unchanged model is measured side by side in this job (the reference row against a
+    # copy of itself reads ~1.0x with its interval: what noise alone looks like)
     m = measure(compressed, task, quick=opts.quick, batch_size=opts.batch_size, threads=opts.threads,
-                progress=False)
+                progress=False, baseline=model)
     row = m.to_dict()
     for col in JSON_COLUMNS:
         row[col] = json.dumps(row[col])

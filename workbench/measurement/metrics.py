@@ -11,9 +11,10 @@ from torch import nn
 
 from workbench.measurement.footprint import bytes_by_dtype, peak_memory, size_bytes
 from workbench.measurement.latency import num_threads, time_forward
+from workbench.measurement.speedup import Speedup, speedup
 from workbench.tasks.base import Task, check_model, model_device
 
-__all__ = ["Metrics", "measure", "compare", "kernel_paths"]
+__all__ = ["Metrics", "measure", "compare", "kernel_paths", "slowdown_reasons"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class Metrics:
     kernels: dict[str, int] = field(default_factory=dict)
     timestamp: str = ""
     host: str = ""
+    speedup: Speedup | None = None   # against the ``baseline`` given to `measure`, measured side by side
 
     @property
     def primary_value(self) -> float:
@@ -51,7 +53,9 @@ class Metrics:
         d = asdict(self)
         quality = d.pop("quality")
         d.pop("higher_is_better")
+        d.pop("speedup")
         d["plans"] = self.plans
+        d.update(self.speedup.to_dict() if self.speedup is not None else {})
         return {"model": d.pop("model"), "task": d.pop("task"), **quality, "primary": self.primary,
                 "primary_value": self.primary_value, **d}
 
@@ -76,7 +80,8 @@ class Metrics:
                       for k, v in self.quality.items())
         return (f"{self.model} on {self.task}: {q}; latency {self.latency_ms:.3g} ms (p90 {self.latency_p90_ms:.3g}, "
                 f"batch {self.batch_size}, {self.threads} threads, {self.device}); size {self.size_bytes / 2**20:.3f} MiB; "
-                f"peak memory {self.peak_memory_bytes / 2**20:.3f} MiB")
+                f"peak memory {self.peak_memory_bytes / 2**20:.3f} MiB"
+                + (f"; vs baseline: {self.speedup.verdict}" if self.speedup is not None else ""))
 
 
 def kernel_paths(model: nn.Module) -> dict[str, int]:
@@ -92,13 +97,16 @@ def kernel_paths(model: nn.Module) -> dict[str, int]:
 
 
 def measure(model: nn.Module, task: Task | str, *, batch_size: int | None = None, quick: bool = False,
-            threads: int | None = None, name: str | None = None, progress: bool = True) -> Metrics:
+            threads: int | None = None, name: str | None = None, progress: bool = True,
+            baseline: nn.Module | None = None) -> Metrics:
     """Measure quality, latency, size and peak memory of ``model`` on ``task``.
 
     ``quick``: evaluate the primary metric on the task's fixed quick subset and time fewer runs.
     ``threads``: CPU threads for the whole measurement (default: torch's current setting); recorded.
     ``batch_size``: latency/memory batch (default: the task's).
     ``progress``: show a progress bar over the three stages (quality, latency, memory).
+    ``baseline``: also measure the speedup over this model side by side (`wb.speedup`: paired rounds on the
+    same inputs, with an interval) - the only latency comparison that survives a noisy machine.
     """
     from tqdm.auto import tqdm
 
@@ -117,8 +125,8 @@ def measure(model: nn.Module, task: Task | str, *, batch_size: int | None = None
     was_training = model.training
     model.eval()
     try:
-        with num_threads(threads) as used, tqdm(total=3, desc=f"measure {task.name}", leave=False,
-                                                disable=not progress) as bar:
+        with num_threads(threads) as used, tqdm(total=3 + (baseline is not None), desc=f"measure {task.name}",
+                                                leave=False, disable=not progress) as bar:
             bar.set_postfix_str("quality")
             quality = task.evaluate(model, quick=quick)
             bar.update()
@@ -130,6 +138,11 @@ def measure(model: nn.Module, task: Task | str, *, batch_size: int | None = None
             bar.set_postfix_str("memory")
             mem = peak_memory(model, inputs)
             bar.update()
+            fast = None
+            if baseline is not None:
+                bar.set_postfix_str("speedup")
+                fast = speedup(model, baseline, inputs, threads=used, budget_s=1.0 if quick else 3.0)
+                bar.update()
     finally:
         model.train(was_training)
     missing = [m.name for m in task.metrics if m.name not in quality and (not quick or m is task.primary)]
@@ -157,11 +170,16 @@ def measure(model: nn.Module, task: Task | str, *, batch_size: int | None = None
         kernels=kernel_paths(model),
         timestamp=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         host=platform.node(),
+        speedup=fast,
     )
 
 
 def compare(*metrics: Metrics, labels: list[str] | None = None):
-    """A DataFrame with one row per `Metrics` (``labels`` name the rows), plus ratios to the first row."""
+    """A DataFrame with one row per `Metrics` (``labels`` name the rows), plus ratios to the first row.
+
+    ``speedup`` comes from each row's side-by-side measurement (``wb.measure(..., baseline=first_model)``) with
+    its interval and verdict; a row without one shows the ratio of latencies measured separately, and its
+    verdict says so (such a ratio can be noise)."""
     import pandas as pd
 
     if not metrics:
@@ -170,7 +188,37 @@ def compare(*metrics: Metrics, labels: list[str] | None = None):
     df = pd.DataFrame(rows, index=labels or [f"{i}: {m.model}" for i, m in enumerate(metrics)])
     base = metrics[0]
     df["size_ratio"] = df["size_bytes"] / base.size_bytes
-    df["speedup"] = base.latency_ms / df["latency_ms"]
-    cols = ["model", *base.quality.keys(), "latency_ms", "latency_p90_ms", "speedup", "size_bytes", "size_ratio",
-            "peak_memory_bytes", "batch_size", "threads", "device"]
+    separate = base.latency_ms / df["latency_ms"]
+    for col in ("speedup", "speedup_low", "speedup_high", "speedup_verdict"):
+        if col not in df.columns:
+            df[col] = None
+    for i, m in enumerate(metrics):
+        if m.speedup is None:
+            idx = df.index[i]
+            if i == 0:
+                df.loc[idx, ["speedup", "speedup_low", "speedup_high"]] = 1.0
+                df.loc[idx, "speedup_verdict"] = "baseline"
+            else:
+                df.loc[idx, "speedup"] = separate.iloc[i]
+                df.loc[idx, "speedup_verdict"] = ("latencies measured separately, not side by side: may be noise "
+                                                  "(measure with baseline= for an interval)")
+    cols = ["model", *base.quality.keys(), "latency_ms", "latency_p90_ms", "speedup", "speedup_low", "speedup_high",
+            "speedup_verdict", "size_bytes", "size_ratio", "peak_memory_bytes", "batch_size", "threads", "device"]
     return df[[c for c in cols if c in df.columns]]
+
+
+def slowdown_reasons(metrics: Metrics) -> list[str]:
+    """Known reasons a compressed model runs slower than its original here, read from what was measured: the
+    kernel paths that ran, the storage dtypes, the device and the batch."""
+    reasons = []
+    reference = sum(n for k, n in metrics.kernels.items() if k.endswith(":reference"))
+    if reference:
+        reasons.append(f"{reference} layer(s) ran the reference path (decode the weights, then a float matmul, on "
+                       f"every call); kernel='auto' picks the device's fast path where the layer has one")
+    cpu = metrics.device.startswith("cpu")
+    if cpu and metrics.dtypes.get("bfloat16", 0) and metrics.batch_size <= 8:
+        reasons.append(f"bf16 layers on a CPU at batch {metrics.batch_size}: converting activations costs more than "
+                       f"the bf16 matmul saves at small batches")
+    if cpu and metrics.dtypes.get("float16", 0):
+        reasons.append("fp16 layers on a CPU: most CPUs have no fast fp16 kernels (convolutions especially)")
+    return reasons

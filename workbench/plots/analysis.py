@@ -93,11 +93,21 @@ def roofline(df, baseline: str | None = None, title: str | None = None):
         raise ValueError(f"roofline: no row labelled {base_label!r}")
     base = df[df["label"] == base_label].iloc[0]
     rows = df[df["label"] != base_label]
-    measured = base["latency_ms"] / rows["latency_ms"]
     ceiling = base["size_bytes"] / rows["size_bytes"]
+    if "speedup" in rows.columns and rows["speedup"].notna().all():
+        # side-by-side speedups (wb.speedup) with their intervals; "~" marks a ratio inside the noise
+        measured = rows["speedup"].astype(float)
+        error = dict(type="data", symmetric=False, array=list(rows["speedup_high"].astype(float) - measured),
+                     arrayminus=list(measured - rows["speedup_low"].astype(float)))
+        text = [f"{v:.2f}x" if verdict and not str(verdict).startswith("no measurable") else f"~{v:.2f}x"
+                for v, verdict in zip(measured, rows.get("speedup_verdict", [None] * len(rows)))]
+        name = "measured speedup (95% interval)"
+    else:
+        measured = base["latency_ms"] / rows["latency_ms"]
+        error, text = None, [f"{v:.2f}x" for v in measured]
+        name = "latency ratio (measured separately)"
     fig = go.Figure([
-        go.Bar(name="measured speedup", x=rows["label"], y=measured, text=[f"{v:.2f}x" for v in measured],
-               textposition="auto"),
+        go.Bar(name=name, x=rows["label"], y=measured, text=text, textposition="auto", error_y=error),
         go.Bar(name="byte-ratio ceiling", x=rows["label"], y=ceiling, text=[f"{v:.2f}x" for v in ceiling],
                textposition="auto", marker_color="lightgray"),
     ])

@@ -174,11 +174,20 @@ class Workbench:
 
         h = self.session.history
         if not h:
-            return {"x": [], "y": [], "text": [], "fx": [], "fy": [], "lx": [], "ly": []}
-        df = pd.DataFrame({"x": [e.metrics.size_bytes / 2**20 if kind == "size" else e.metrics.latency_ms for e in h],
+            return {"x": [], "y": [], "text": [], "fx": [], "fy": [], "lx": [], "ly": [], "hi": [], "lo": []}
+        df = pd.DataFrame({"x": [e.metrics.size_bytes / 2**20 if kind == "size" else _speedup(e) for e in h],
                            "y": [e.quality for e in h]})
-        front = df[pareto(df, "x", "y", y_higher_is_better=self.session.task.primary.higher_is_better)].sort_values("x")
-        return {"x": list(df["x"]), "y": list(df["y"]), "text": [f"{i}: {e.label}" for i, e in enumerate(h)],
+        if kind == "size":
+            front = df[pareto(df, "x", "y", y_higher_is_better=self.session.task.primary.higher_is_better)]
+        else:   # speedup: higher is better, so the front is taken on the negated axis
+            flipped = df.assign(x=-df["x"])
+            front = df[pareto(flipped, "x", "y", y_higher_is_better=self.session.task.primary.higher_is_better)]
+        front = front.sort_values("x")
+        hi = [e.speedup.high - e.speedup.ratio if kind != "size" and e.speedup is not None else 0.0 for e in h]
+        lo = [e.speedup.ratio - e.speedup.low if kind != "size" and e.speedup is not None else 0.0 for e in h]
+        return {"x": list(df["x"]), "y": list(df["y"]), "hi": hi, "lo": lo,
+                "text": [f"{i}: {e.label}" + (f" | {e.speedup.verdict}" if e.speedup is not None else "")
+                         for i, e in enumerate(h)],
                 "fx": list(front["x"]), "fy": list(front["y"]), "lx": [df["x"].iloc[-1]], "ly": [df["y"].iloc[-1]]}
 
     def _tradeoff_figure(self, kind: str):
@@ -186,13 +195,16 @@ class Workbench:
 
         task = self.session.task
         better = "higher" if task.primary.higher_is_better else "lower"
-        x_title = "size (MiB, lower is better)" if kind == "size" else "latency (ms, lower is better)"
+        x_title = ("size (MiB, lower is better)" if kind == "size"
+                   else "speedup over the unchanged model, side by side (x, higher is better)")
         d = self._series(kind)
         # Data and layout go into the constructor: a dashboard (Voila) renders the widget's initial state,
         # and changes made before its page connects would not reach it.
         fig = go.FigureWidget(
             data=[go.Scatter(x=d["x"], y=d["y"], mode="markers", name="plans tried", text=d["text"],
                              marker=dict(size=10),
+                             error_x=dict(type="data", symmetric=False, array=d["hi"], arrayminus=d["lo"],
+                                          visible=kind != "size"),
                              hovertemplate="%{text}<br>%{x:.4g}<br>%{y:.4g}<extra>click to restore</extra>"),
                   go.Scatter(x=d["fx"], y=d["fy"], mode="lines", name="Pareto front",
                              line=dict(dash="dot", color="black"), hoverinfo="skip"),
@@ -200,7 +212,7 @@ class Workbench:
                              marker=dict(size=16, symbol="star", color="red"), hoverinfo="skip")],
             layout=go.Layout(template="plotly_white", height=380, width=520, xaxis_title=x_title,
                              yaxis_title=f"{task.primary.name} ({better} is better)",
-                             title=f"{task.primary.name} vs {kind}", legend=dict(orientation="h", y=-0.25)))
+                             title=f"{task.primary.name} vs {'size' if kind == 'size' else 'speedup'}", legend=dict(orientation="h", y=-0.25)))
         fig.data[0].on_click(self._guard(self._on_point_click))
         return fig
 
@@ -239,6 +251,7 @@ class Workbench:
             d = self._series(kind)
             with fig.batch_update():
                 fig.data[0].x, fig.data[0].y, fig.data[0].text = d["x"], d["y"], d["text"]
+                fig.data[0].error_x.array, fig.data[0].error_x.arrayminus = d["hi"], d["lo"]
                 fig.data[1].x, fig.data[1].y = d["fx"], d["fy"]
                 fig.data[2].x, fig.data[2].y = d["lx"], d["ly"]
 
@@ -251,7 +264,8 @@ class Workbench:
 
             df = pd.DataFrame([{"label": f"{i}: {e.label}", "latency_ms": e.metrics.latency_ms,
                                 "size_bytes": e.metrics.size_bytes, "threads": e.metrics.threads,
-                                "device": e.metrics.device} for i, e in enumerate(h)])
+                                "device": e.metrics.device,
+                                **(e.speedup.to_dict() if e.speedup is not None else {})} for i, e in enumerate(h)])
             self._replace(self.roofline_chart, roofline(df))
         self._replace(self.size_figure, size_breakdown(self.session.work, top=30))
 
@@ -405,10 +419,24 @@ class Workbench:
         m = entry.metrics
         self._refresh()
         self._update_views()
+        pace = entry.speedup.verdict if entry.speedup is not None else f"{m.latency_ms:.3g} ms"
+        why = _slowdown_reason(m) if entry.speedup is not None and entry.speedup.slower else ""
         self._say(f"{entry.label}: {m.primary}={m.primary_value:.4f}, {m.size_bytes / 2**20:.3f} MiB, "
-                  f"{m.latency_ms:.3g} ms (batch {m.batch_size}, {m.threads} threads)")
+                  f"{pace} (batch {m.batch_size}, {m.threads} threads){why}")
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until a background apply finishes (for scripts and tests)."""
         if self._worker is not None:
             self._worker.join(timeout)
+
+
+def _speedup(entry) -> float:
+    return entry.speedup.ratio if entry.speedup is not None else float("nan")
+
+
+def _slowdown_reason(metrics) -> str:
+    """Why a compressed model can be slower than the original, from the kernel paths that ran."""
+    from workbench.measurement.metrics import slowdown_reasons
+
+    reasons = slowdown_reasons(metrics)
+    return f" - slower: {'; '.join(reasons)}" if reasons else ""

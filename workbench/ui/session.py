@@ -45,6 +45,11 @@ class Entry:
     def quality(self) -> float:
         return self.metrics.primary_value
 
+    @property
+    def speedup(self):
+        """The `wb.Speedup` of this point over the unchanged model, measured side by side with it."""
+        return self.metrics.speedup
+
 
 class Session:
     """See the module docstring. ``quick``: measure on the task's quick subset (the default);
@@ -260,8 +265,11 @@ class Session:
         self._concrete.update(concrete)
         record_plan(self.work, (self._recorded_plan(),) if self.assigned else ())
         try:
+            # the speedup against the unchanged model is measured side by side, in the same paired rounds -
+            # never against a reference point timed once, cold, at start-up
             metrics = measure(self.work, self.task, quick=self.quick, threads=self.threads,
-                              batch_size=self.batch_size, progress=False, name=type(self.original).__name__)
+                              batch_size=self.batch_size, progress=False, name=type(self.original).__name__,
+                              baseline=self.original)
         except BaseException:
             swap_layers(self.work, previous)   # measuring failed or was interrupted: back to before
             self._concrete = before

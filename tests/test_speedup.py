@@ -1,0 +1,86 @@
+"""`wb.speedup`: side-by-side speedups with an interval; an unchanged model reads "no measurable change"
+(also while another process burns a core), a model with 4x less work reads an interval clearly above 1."""
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import workbench as wb
+from workbench.measurement.speedup import median_interval
+
+
+def mlp(hidden: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(256, hidden), nn.ReLU(), nn.Linear(hidden, 256)).eval()
+
+
+def test_median_interval_covers_the_median():
+    import random
+
+    rng = random.Random(0)
+    hits = sum(lo <= 0 <= hi for lo, hi in (median_interval([rng.gauss(0, 1) for _ in range(25)])
+                                            for _ in range(2000)))
+    assert 0.94 <= hits / 2000 <= 0.99
+    assert median_interval([3.0, 1.0, 2.0] * 10)[0] <= 2.0 <= median_interval([3.0, 1.0, 2.0] * 10)[1]
+
+
+def test_unchanged_model_reads_no_measurable_change():
+    model = mlp(1024)
+    x = (torch.randn(16, 256),)
+    s = wb.speedup(copy.deepcopy(model), model, x, threads=1, budget_s=1.5)
+    assert not s.changed, str(s)
+    assert s.low <= 1.03 and s.high >= 1 / 1.03
+    assert s.verdict.startswith("no measurable change")
+    assert s.rounds >= 8 and s.threads == 1
+
+
+def test_unchanged_model_under_a_noisy_neighbour():
+    model = mlp(1024)
+    x = (torch.randn(16, 256),)
+    burner = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 6: pass"])
+    try:
+        s = wb.speedup(copy.deepcopy(model), model, x, threads=1, budget_s=2.0)
+    finally:
+        burner.kill()
+        burner.wait()
+    assert not s.changed, str(s)
+
+
+def test_less_work_reads_an_interval_clearly_above_one():
+    wide, narrow = mlp(2048), mlp(256)   # 8x fewer multiply-adds: a structurally pruned MLP
+    x = (torch.randn(32, 256),)
+    s = wb.speedup(narrow, wide, x, threads=1, budget_s=2.0)
+    assert s.faster and s.low > 1.5, str(s)
+    assert "faster" in s.verdict
+
+
+def test_speedup_takes_a_task_and_checks_arguments(digits_mlp, digits_task):
+    s = wb.speedup(digits_mlp, copy.deepcopy(digits_mlp), digits_task, batch_size=8, budget_s=0.5)
+    assert s.rounds >= 8
+    with pytest.raises(TypeError, match="baseline must be a torch.nn.Module"):
+        wb.speedup(digits_mlp, "fp32", digits_task)
+    with pytest.raises(ValueError, match="min_rounds"):
+        wb.speedup(digits_mlp, digits_mlp, digits_task, min_rounds=3)
+
+
+def test_measure_with_baseline_and_compare(digits_mlp, digits_task):
+    small = wb.apply(digits_mlp, {"*": wb.quant.WeightOnly(bits=8, group_size=None)}, progress=False)
+    base = wb.measure(digits_mlp, digits_task, quick=True, progress=False)
+    m = wb.measure(small, digits_task, quick=True, progress=False, baseline=digits_mlp)
+    assert m.speedup is not None and m.speedup.low <= m.speedup.ratio <= m.speedup.high
+    df = wb.compare(base, m, wb.measure(small, digits_task, quick=True, progress=False))
+    assert df["speedup_verdict"].iloc[0] == "baseline"
+    assert df["speedup_verdict"].iloc[1] == m.speedup.verdict
+    assert "not side by side" in df["speedup_verdict"].iloc[2]
+
+
+def test_session_entries_carry_a_side_by_side_speedup(digits_mlp, digits_task):
+    from workbench.ui.session import Session
+
+    s = Session(digits_mlp, digits_task, threads=1)
+    for _ in range(2):   # nothing edited: the unchanged model against itself
+        entry = s.apply_and_measure()
+        assert entry.speedup is not None and not entry.speedup.changed, str(entry.speedup)

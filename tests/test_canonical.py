@@ -208,3 +208,27 @@ def test_shared_module_converted_once_and_errors_name_the_module():
     x = torch.nested.nested_tensor([torch.randn(3, 8), torch.randn(2, 8)])
     with pytest.raises(ValueError, match="nested"):
         model["a"](x, x, x)
+
+
+def test_full_transformer_and_compressed_projection_drop_in():
+    """nn.Transformer (encoder fast path + decoder) after canonicalising; then a projection swapped for a W8A8
+    layer, which is what canonical form is for."""
+    from workbench.quantization.modules import W8A8Linear
+
+    torch.manual_seed(0)
+    tr = nn.Transformer(16, 2, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=32, dropout=0.0,
+                        batch_first=True).eval()
+    canon = copy.deepcopy(tr)
+    changed = canonicalize(canon)
+    assert sorted(changed) == ["decoder.layers.0.multihead_attn", "decoder.layers.0.self_attn", "encoder",
+                               "encoder.layers.0.self_attn"]
+    src, tgt = torch.randn(2, 6, 16), torch.randn(2, 4, 16)
+    causal = nn.Transformer.generate_square_subsequent_mask(4)
+    with torch.inference_mode():
+        ref = tr(src, tgt, tgt_mask=causal, tgt_is_causal=True)
+        _close(canon(src, tgt, tgt_mask=causal, tgt_is_causal=True), ref, atol=5e-5)
+        attn = canon.encoder.layers[0].self_attn
+        attn.q_proj = W8A8Linear.from_float(attn.q_proj, name="encoder.layers.0.self_attn.q_proj")
+        out = canon(src, tgt, tgt_mask=causal, tgt_is_causal=True)
+    cos = torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0)
+    assert cos > 0.999 and not torch.equal(out, ref)

@@ -195,10 +195,10 @@ class DynamicQuantLSTM(_DynamicQuantRNN):
         h, c = state                                                       # (B, H) each
         out = [None] * gx.shape[0]
         for t in (range(gx.shape[0] - 1, -1, -1) if reverse else range(gx.shape[0])):
-            gates = hh(h).add_(gx[t])                                      # (B, 4H): i, f, o | g
-            s = gates[:, :3 * H].sigmoid()
-            c = torch.addcmul(s[:, H:2 * H] * c, s[:, :H], gates[:, 3 * H:].tanh())
-            h = s[:, 2 * H:] * c.tanh()
+            gates = hh(h).add_(gx[t])                                      # (B, 4H): i, f, o | g, fresh
+            s = gates[:, :3 * H].sigmoid_()                                # in place: fewer allocations
+            c = torch.addcmul(s[:, H:2 * H] * c, s[:, :H], gates[:, 3 * H:].tanh_())
+            h = c.tanh().mul_(s[:, 2 * H:])
             out[t] = h
         return torch.stack(out), (h, c)                                    # (T, B, H)
 
@@ -224,8 +224,8 @@ class DynamicQuantGRU(_DynamicQuantRNN):
         out = [None] * gx.shape[0]
         for t in (range(gx.shape[0] - 1, -1, -1) if reverse else range(gx.shape[0])):
             gi, gh = gx[t], hh(h)                                          # (B, 3H) each: r, z, n
-            rz = (gi[:, :2 * H] + gh[:, :2 * H]).sigmoid()
-            n = torch.addcmul(gi[:, 2 * H:], rz[:, :H], gh[:, 2 * H:]).tanh()
+            rz = (gi[:, :2 * H] + gh[:, :2 * H]).sigmoid_()
+            n = torch.addcmul(gi[:, 2 * H:], rz[:, :H], gh[:, 2 * H:]).tanh_()
             h = torch.addcmul(n, rz[:, H:], h - n)                         # (1 - z) n + z h
             out[t] = h
         return torch.stack(out), (h,)

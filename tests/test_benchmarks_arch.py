@@ -1,0 +1,18 @@
+"""Smoke tests for the architecture benchmarks (recurrent int8, BatchNorm folding): tiny settings, so none rots."""
+
+
+def test_bench_recurrent_smoke():
+    from benchmarks.recurrent import bench_recurrent
+
+    df = bench_recurrent(batches=(2,), seq=4, hidden=16, layers=2, threads=1, warmup=1, rounds=2,
+                         kernel="reference")
+    assert list(df["kind"]) == ["LSTM", "GRU"] and (df["ours_ms"] > 0).all() and (df["torch_ao_ms"] > 0).all()
+    assert (df["cos_ours"] > 0.99).all() and (df["state_bytes_ratio"] < 0.5).all()
+
+
+def test_bench_fold_smoke():
+    from benchmarks.fold import bench_fold
+
+    df = bench_fold("tiny", batches=(2,), threads=1, warmup=1, rounds=2)
+    assert df.loc[0, "bn_folded"] == df.loc[0, "bn_total"] == 3 and df.loc[0, "method"] == "fx"
+    assert df.loc[0, "max_abs_err"] < 1e-4 and df.loc[0, "top1_agree"] == 1.0 and df.loc[0, "folded_ms"] > 0

@@ -154,3 +154,75 @@ class _MSETask(wb.tasks.Task):
 
     def example_inputs(self, batch_size=None):
         return (self.x,)
+
+
+def _encoder():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+
+
+def test_attention_projections_are_layers_a_plan_reaches(tmp_path):
+    enc = _encoder()
+    x = torch.randn(3, 5, 16)
+    plan = Plan({"*": wb.quant.Dynamic()})
+    df = plan.describe(enc).set_index("layer")
+    assert df.loc["layers.0.self_attn.q_proj", "status"] == "compressed"
+    assert type(enc.layers[0].self_attn) is nn.MultiheadAttention   # describing never changes the model
+    small = wb.apply(enc, plan, progress=False)
+    assert isinstance(small.layers[1].self_attn.v_proj, wb.quant.W8A8Linear)
+    with torch.inference_mode():
+        a, b = enc(x), small(x)
+    assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.999
+    wb.save(small, tmp_path / "enc.safetensors")
+    again = wb.load(tmp_path / "enc.safetensors", base=enc)
+    with torch.inference_mode():
+        assert torch.equal(again(x), b)
+    # a plan that does not reach the attention leaves it packed (and PyTorch's fused path available)
+    only_ffn = wb.apply(enc, {"layers.*.linear1": wb.quant.Dynamic()}, progress=False)
+    assert type(only_ffn.layers[0].self_attn) is nn.MultiheadAttention
+
+
+def test_gpt2_conv1d_layers_are_compressed_and_reload(tmp_path):
+    model = tiny_gpt2()
+    small = wb.apply(model, {"*": wb.quant.WeightOnly(bits=8, group_size=None)}, progress=False)
+    report = wb.applied_report(small)
+    assert (report[report["layer"].str.contains(r"\.attn\.c_attn|\.mlp\.c_fc")]["status"] == "compressed").all()
+    assert wb.size_bytes(small) < 0.4 * wb.size_bytes(model)
+    idx = torch.randint(0, 96, (2, 9))
+    with torch.inference_mode():
+        a, b = model(idx).logits, small(idx).logits
+    assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.99
+    wb.save(small, tmp_path / "g.safetensors")
+    again = wb.load(tmp_path / "g.safetensors", base=model)
+    with torch.inference_mode():
+        assert torch.equal(again(idx).logits, b)
+
+
+def test_session_edits_attention_projections_and_reloads(tmp_path):
+    from workbench.ui.session import Session
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc = _encoder()
+            self.head = nn.Linear(16, 3)
+
+        def forward(self, x):
+            return self.head(self.enc(x).mean(1))
+
+    model = Net().eval()
+    x = torch.randn(32, 5, 16)
+    with torch.no_grad():
+        task = _MSETask(x, model(x))
+    s = Session(model, task)
+    assert "enc.layers.0.self_attn.q_proj" in s.layer_names
+    s.set("enc.layers.0.self_attn.q_proj", wb.quant.Dynamic())
+    s.apply_and_measure()
+    wb.save(s.work, tmp_path / "s.safetensors")
+    again = wb.load(tmp_path / "s.safetensors", base=model)
+    with torch.inference_mode():
+        assert torch.equal(again(x), s.work(x))
+    s.set("enc.layers.0.self_attn.q_proj", None)
+    entry = s.apply_and_measure()
+    assert type(s.work.enc.layers[0].self_attn) is nn.MultiheadAttention and entry.quality < 1e-10

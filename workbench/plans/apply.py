@@ -20,8 +20,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from workbench.plans.layers import (
-    PLANS_ATTR, ApplyError, Transformed, applied_plans, capture_inputs, record_plan, share_tied, skeleton_layer,
-    swap_layers, tie_groups, transform_layer,
+    PLANS_ATTR, ApplyError, Transformed, applied_plans, canonical_targets, canonicalize_for, capture_inputs,
+    record_plan, share_tied, skeleton_layer, swap_layers, tie_groups, transform_layer,
 )
 from workbench.plans.plan import Plan
 from workbench.plans.registry import Config, handler_for
@@ -100,7 +100,7 @@ def apply(model: nn.Module, plan: Plan | Mapping[str, Config | None], calibratio
     """
     _check_module(model)
     plan = _as_plan(plan)
-    assignments, passed = plan.survey(model)
+    assignments, passed = plan.survey(model)   # errors in the plan surface before anything is copied
     needing = [a for a in assignments if handler_for(a.config).needs_calibration(a.config)]
     batches: list[Batch] | None = None
     if calibration is not None:
@@ -118,11 +118,21 @@ def apply(model: nn.Module, plan: Plan | Mapping[str, Config | None], calibratio
         if not found.fits:
             raise MemoryError(f"not calibrating: {found}")
     target = model if inplace else copy.deepcopy(model)
-    inputs = capture_inputs(target, [a.name for a in needing], batches, progress) if needing else {}
-    done: dict[str, Transformed] = {}
-    for a in tqdm(assignments, desc="apply", disable=not progress or len(assignments) < 2, leave=False):
-        done[a.name] = transform_layer(a.name, target.get_submodule(a.name), a.config, inputs.get(a.name))
-    _share_tied_groups(target, {n: t.module for n, t in done.items()}, {n: t.config for n, t in done.items()})
+    originals = {n: target.get_submodule(n) for n in canonical_targets(target, plan)}
+    flags = {m: m.use_nested_tensor for m in target.modules() if hasattr(m, "use_nested_tensor")}
+    try:
+        canonicalize_for(target, plan)   # the Linear-in-disguise layers the plan reaches, as survey saw them
+        inputs = capture_inputs(target, [a.name for a in needing], batches, progress) if needing else {}
+        done: dict[str, Transformed] = {}
+        for a in tqdm(assignments, desc="apply", disable=not progress or len(assignments) < 2, leave=False):
+            done[a.name] = transform_layer(a.name, target.get_submodule(a.name), a.config, inputs.get(a.name))
+        _share_tied_groups(target, {n: t.module for n, t in done.items()}, {n: t.config for n, t in done.items()})
+    except BaseException:
+        if inplace and originals:   # the user's model is left exactly as it was
+            swap_layers(target, originals)
+            for m, flag in flags.items():
+                m.use_nested_tensor = flag
+        raise
     swap_layers(target, {n: t.module for n, t in done.items()})
     # A config whose structure depends on the data (e.g. a rank chosen by an energy threshold) is recorded
     # as the concrete per-layer config, ahead of the user's patterns, so wb.load rebuilds the same shapes.
@@ -164,6 +174,7 @@ def build_skeleton(model: nn.Module, plans: Sequence[Plan]) -> nn.Module:
     """A deep copy of ``model`` with the compressed *structure* of ``plans`` (values to be loaded)."""
     target = copy.deepcopy(_check_module(model))
     for plan in plans:
+        canonicalize_for(target, plan)   # the same rewriting as `apply`, from the same plan
         assignments = plan.resolve(target)
         modules = {a.name: skeleton_layer(a.name, target.get_submodule(a.name), a.config) for a in assignments}
         for group in tie_groups(target):   # the same sharing as `apply`, so the file's single copy fills both

@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
@@ -26,7 +27,7 @@ from workbench.plans.registry import Config, handler_for
 
 __all__ = ["ApplyError", "Transformed", "transform_layer", "skeleton_layer", "capture_inputs", "swap_layers",
            "tie_groups", "share_tied", "record_plan", "applied_plans", "PLANS_ATTR", "Batch", "default_configs",
-           "compressible_layers"]
+           "compressible_layers", "canonical_targets", "canonicalize_for", "canonical_view"]
 
 PLANS_ATTR = "_workbench_plans"
 
@@ -227,3 +228,51 @@ def compressible_layers(model: nn.Module, configs: Sequence[Config] | None = Non
         if any(handler_for(c).supports(module, c) for c in configs):
             out.append(name)
     return out
+
+
+# --- canonical layers ---------------------------------------------------------------------------------------
+# Modules that compute a Linear in disguise (Hugging Face's Conv1D, nn.MultiheadAttention's packed projection)
+# are rewritten as real nn.Linear layers (`workbench.models.canonical`) before a plan is resolved - but only the
+# ones the plan reaches, so the rest of the model keeps its structure (and PyTorch's fused fast paths). The rule
+# depends only on the model and the plan, so `wb.load` rebuilds the same structure from the saved plans.
+
+_SPLIT_CHILDREN = ("q_proj", "k_proj", "v_proj", "out_proj")
+
+
+def canonical_targets(model: nn.Module, plan) -> list[str]:
+    """Names of the modules `canonicalize` would rewrite that ``plan`` reaches: the module itself, or (for
+    attention) one of the projections it is split into, matched by a pattern with a config."""
+    from workbench.models.canonical import needs_canonical
+
+    def reached(name: str) -> bool:
+        hit = plan.match(name)
+        return hit is not None and hit[1] is not None
+
+    out = []
+    for name, module in model.named_modules():
+        if not name or not needs_canonical(module):
+            continue
+        names = [name] + ([f"{name}.{c}" for c in _SPLIT_CHILDREN] if isinstance(module, nn.MultiheadAttention)
+                          else [])
+        if any(reached(n) for n in names):
+            out.append(name)
+    return out
+
+
+def canonicalize_for(model: nn.Module, plan) -> dict[str, str]:
+    """Rewrite, in place, the canonical targets of ``plan`` (see `canonical_targets`); returns what changed."""
+    from workbench.models.canonical import canonicalize
+
+    targets = canonical_targets(model, plan)
+    return canonicalize(model, targets) if targets else {}
+
+
+def canonical_view(model: nn.Module, plan) -> nn.Module:
+    """``model`` as ``plan`` will see it: the model itself when the plan reaches no canonical target, else a
+    copy of its structure (sharing the parameters, which are only read) with those targets rewritten."""
+    if not canonical_targets(model, plan):
+        return model
+    memo = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    view = copy.deepcopy(model, memo)
+    canonicalize_for(view, plan)
+    return view

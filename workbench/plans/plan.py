@@ -133,11 +133,16 @@ class Plan(Mapping[str, Config | None]):
 
     def survey(self, model: nn.Module) -> tuple[list[Assignment], list["PassedOver"]]:
         """`resolve`'s assignments and the layers the plan's patterns matched but passed over, with why
-        (only modules that hold parameters themselves are listed: containers are not layers)."""
-        from workbench.plans.layers import tie_groups
+        (only modules that hold parameters themselves are listed: containers are not layers).
+
+        Modules that compute a Linear in disguise and that the plan reaches (Hugging Face ``Conv1D``,
+        ``nn.MultiheadAttention``, split into ``q_proj`` / ``k_proj`` / ``v_proj`` / ``out_proj``) are seen in
+        their canonical form (`workbench.plans.layers.canonical_view`), as `wb.apply` will build them."""
+        from workbench.plans.layers import canonical_view, tie_groups
 
         if not isinstance(model, nn.Module):
             raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}")
+        model = canonical_view(model, self)
         seen_types: dict[str, set[str]] = {p: set() for p in self._entries}
         kept: dict[str, int] = {p: 0 for p in self._entries}
         out: list[Assignment] = []
@@ -205,6 +210,9 @@ class Plan(Mapping[str, Config | None]):
         import pandas as pd
 
         assigned, passed = self.survey(model)
+        from workbench.plans.layers import canonical_view
+
+        model = canonical_view(model, self)
         rows = {a.name: {"layer": a.name, "type": a.module_type, "pattern": a.pattern, "config": repr(a.config),
                          "status": "compressed", "reason": ""} for a in assigned}
         rows.update({p.name: {"layer": p.name, "type": p.module_type, "pattern": p.pattern, "config": repr(p.config),

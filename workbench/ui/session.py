@@ -19,7 +19,7 @@ from torch import nn
 
 from workbench.plans.apply import ApplyError, normalize_calibration
 from workbench.plans.layers import (
-    capture_inputs, compressible_layers, record_plan, share_tied, skeleton_layer, swap_layers, tie_groups,
+    canonical_targets, capture_inputs, compressible_layers, record_plan, share_tied, skeleton_layer, swap_layers, tie_groups,
     transform_layer,
 )
 from workbench.plans.plan import Plan, _matcher
@@ -65,15 +65,24 @@ class Session:
             raise TypeError(f"expected a wb.tasks.Task or a task name, got {type(task).__name__}")
         self.original = model
         self.work = copy.deepcopy(model).eval()
+        # The layers are listed and built from a view of the model with every Linear-in-disguise rewritten
+        # (Hugging Face Conv1D -> Linear, MultiheadAttention -> q/k/v/out projections; parameters shared, read
+        # only); the working copy rewrites a module only while the plan reaches it - the rule wb.apply and
+        # wb.load follow, so a saved session reloads with the same structure.
+        from workbench.models.canonical import canonicalize
+
+        self._view = copy.deepcopy(model, {id(t): t for t in [*model.parameters(), *model.buffers()]})
+        canonicalize(self._view)
+        self._canonical_in_work: set[str] = set()
         self._inputs: dict[str, list] = {}
         self.quick, self.calibration, self.threads, self.batch_size = quick, calibration, threads, batch_size
-        modules = dict(model.named_modules())
+        modules = dict(self._view.named_modules())
         # every layer some registered technique can take (Linear, Conv and Embedding, their subclasses, ...)
-        self.layer_names = compressible_layers(model)
+        self.layer_names = compressible_layers(self._view)
         if not self.layer_names:
             raise ValueError(f"{type(model).__name__} has no layer that any technique can compress")
         self._modules = {n: modules[n] for n in self.layer_names}
-        self._ties = {n: g for g in tie_groups(model) for n in g}
+        self._ties = {n: g for g in tie_groups(self._view) for n in g}
         self.assigned: dict[str, Config] = {}
         self.applied: dict[str, Config] = {}
         self._concrete: dict[str, Config] = {}   # layer -> the concrete config its current module was built with
@@ -177,7 +186,7 @@ class Session:
         elif not isinstance(plan, Plan):
             plan = Plan(plan)
         new = {}
-        for a in plan.resolve(self.original):
+        for a in plan.resolve(self._view):
             if a.name not in self._modules:
                 raise ValueError(f"plan assigns {a.name!r}, which the workbench does not edit")
             new[a.name] = a.config
@@ -208,8 +217,8 @@ class Session:
     def _calibration_inputs(self, names: list[str]) -> dict[str, list]:
         missing = [n for n in names if n not in self._inputs]
         if missing:
-            batches = normalize_calibration(self.task.calibration(self.calibration), self.original)
-            self._inputs.update(capture_inputs(self.original, missing, batches, progress=False))
+            batches = normalize_calibration(self.task.calibration(self.calibration), self._view)
+            self._inputs.update(capture_inputs(self._view, missing, batches, progress=False))
         return {n: self._inputs[n] for n in names}
 
     def estimate(self):
@@ -237,7 +246,12 @@ class Session:
             if cancel is not None and cancel.is_set():
                 raise Cancelled("cancelled; nothing was changed")
 
-        changed = self.changed
+        canonical = self._canonical_swaps()
+        # layers inside a module rewritten (or restored) now are rebuilt from the assignment as well
+        inside = {n for n in self.layer_names if any(n.startswith(w + ".") for w in canonical)}
+        restored = [w for w in canonical if w in self._canonical_in_work]   # back to the original module
+        changed = [n for n in self.layer_names if (n in set(self.changed) or (n in inside and n in self.assigned))
+                   and not any(n.startswith(w + ".") for w in restored)]
         needing = [n for n in changed if n in self.assigned
                    and handler_for(self.assigned[n]).needs_calibration(self.assigned[n])]
         report("calibrating" if needing else "applying", 0.0)
@@ -253,15 +267,18 @@ class Session:
             done = transform_layer(name, self._modules[name], config, inputs.get(name))
             replacements[name] = done.module
             concrete[name] = done.concrete
-        for group in tie_groups(self.original):   # tied layers keep one stored copy, as in wb.apply
+        for group in tie_groups(self._view):   # tied layers keep one stored copy, as in wb.apply
             if all(n in replacements and self.assigned.get(n) is not None for n in group):
                 try:
                     share_tied(group, replacements)
                 except ValueError as e:
                     raise ApplyError(group[-1], self.assigned[group[-1]], e) from None
         report("measuring", 0.7)
+        restore_canonical = swap_layers(self.work, canonical)
         previous = swap_layers(self.work, replacements)
         before = dict(self._concrete)
+        canonical_before = set(self._canonical_in_work)
+        self._canonical_in_work = set(canonical_targets(self.original, self.plan))
         self._concrete.update(concrete)
         record_plan(self.work, (self._recorded_plan(),) if self.assigned else ())
         try:
@@ -272,7 +289,9 @@ class Session:
                               baseline=self.original)
         except BaseException:
             swap_layers(self.work, previous)   # measuring failed or was interrupted: back to before
+            swap_layers(self.work, restore_canonical)
             self._concrete = before
+            self._canonical_in_work = canonical_before
             record_plan(self.work, (self._recorded_plan(self.applied),) if self.applied else ())
             raise
         self.applied = dict(self.assigned)
@@ -280,6 +299,16 @@ class Session:
         self.history.append(entry)
         report("done", 1.0)
         return entry
+
+    def _canonical_swaps(self) -> dict[str, nn.Module]:
+        """Modules of the working copy to rewrite (newly reached by the plan) or restore (no longer reached)."""
+        wanted = set(canonical_targets(self.original, self.plan))
+        swaps = {}
+        for name in wanted - self._canonical_in_work:   # its projections come from the view, fresh copies
+            swaps[name] = copy.deepcopy(self._view.get_submodule(name))
+        for name in self._canonical_in_work - wanted:
+            swaps[name] = copy.deepcopy(self.original.get_submodule(name))
+        return swaps
 
     def _recorded_plan(self, assignment: Mapping[str, Config] | None = None) -> Plan:
         """The plan `wb.save` records: each layer's concrete config (e.g. SVD's rank chosen by energy)."""

@@ -226,3 +226,28 @@ def test_session_edits_attention_projections_and_reloads(tmp_path):
     s.set("enc.layers.0.self_attn.q_proj", None)
     entry = s.apply_and_measure()
     assert type(s.work.enc.layers[0].self_attn) is nn.MultiheadAttention and entry.quality < 1e-10
+
+
+def test_plan_folds_batchnorm_before_quantizing(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, bias=False), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3),
+                          nn.BatchNorm2d(8), nn.Flatten(), nn.Linear(288, 4))
+    for bn in (model[1], model[4]):
+        bn.running_mean.uniform_(-1, 1)
+        bn.running_var.uniform_(0.5, 2)
+    model.eval()
+    x = torch.randn(2, 3, 10, 10)
+    plan = Plan({"*": wb.quant.WeightOnly(bits=8, group_size=None)}, fold_batchnorm=True)
+    assert Plan.from_json(plan.to_json()) == plan and "fold_batchnorm=True" in repr(plan)
+    small = wb.apply(model, plan, progress=False)
+    assert isinstance(small[1], nn.Identity) and isinstance(small[0], wb.quant.WeightOnlyConv2d)
+    assert isinstance(model[1], nn.BatchNorm2d)                     # the user's model is untouched
+    with torch.inference_mode():
+        a, b = model(x), small(x)
+    assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.999
+    wb.save(small, tmp_path / "f.safetensors")
+    again = wb.load(tmp_path / "f.safetensors", base=model)
+    with torch.inference_mode():
+        assert torch.equal(again(x), b)
+    with pytest.raises(ValueError, match="inplace=False"):
+        wb.apply(model, plan, inplace=True)

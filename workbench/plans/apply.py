@@ -117,7 +117,13 @@ def apply(model: nn.Module, plan: Plan | Mapping[str, Config | None], calibratio
         tqdm.write(str(found))
         if not found.fits:
             raise MemoryError(f"not calibrating: {found}")
+    if plan.fold_batchnorm and inplace:
+        raise ValueError("a plan with fold_batchnorm=True changes weights before compressing them and cannot be "
+                         "rolled back in place; use inplace=False")
     target = model if inplace else copy.deepcopy(model)
+    if plan.fold_batchnorm:
+        _fold(target)
+        assignments, passed = plan.survey(target)   # the folded structure (convolutions gained their biases)
     originals = {n: target.get_submodule(n) for n in canonical_targets(target, plan)}
     flags = {m: m.use_nested_tensor for m in target.modules() if hasattr(m, "use_nested_tensor")}
     try:
@@ -149,6 +155,17 @@ def apply(model: nn.Module, plan: Plan | Mapping[str, Config | None], calibratio
     return target
 
 
+def _fold(model: nn.Module) -> None:
+    from workbench.models.fuse import fold_batchnorm
+
+    was = model.training
+    model.eval()   # folding uses the running statistics (eval semantics)
+    try:
+        fold_batchnorm(model)
+    finally:
+        model.train(was)
+
+
 def _share_tied_groups(model: nn.Module, modules: dict[str, nn.Module], configs: dict[str, Config]) -> None:
     """Tied layers (all assigned the same config, which `Plan.resolve` guarantees) keep one stored copy."""
     for group in tie_groups(model):
@@ -174,6 +191,8 @@ def build_skeleton(model: nn.Module, plans: Sequence[Plan]) -> nn.Module:
     """A deep copy of ``model`` with the compressed *structure* of ``plans`` (values to be loaded)."""
     target = copy.deepcopy(_check_module(model))
     for plan in plans:
+        if plan.fold_batchnorm:
+            _fold(target)
         canonicalize_for(target, plan)   # the same rewriting as `apply`, from the same plan
         assignments = plan.resolve(target)
         modules = {a.name: skeleton_layer(a.name, target.get_submodule(a.name), a.config) for a in assignments}

@@ -68,7 +68,13 @@ class PassedOver:
 class Plan(Mapping[str, Config | None]):
     """An ordered, immutable mapping ``pattern -> config`` (see the module docstring)."""
 
-    def __init__(self, entries: Mapping[str, Config | None] | Iterable[tuple[str, Config | None]] = ()):
+    def __init__(self, entries: Mapping[str, Config | None] | Iterable[tuple[str, Config | None]] = (), *,
+                 fold_batchnorm: bool = False):
+        if not isinstance(fold_batchnorm, bool):
+            raise TypeError(f"fold_batchnorm must be True or False, got {fold_batchnorm!r}")
+        # fold every BatchNorm into the convolution / Linear before it (eval statistics) before compressing, so
+        # quantization acts on the weights that really compute (`workbench.models.fuse.fold_batchnorm`)
+        self.fold_batchnorm = fold_batchnorm
         items = list(entries.items()) if isinstance(entries, Mapping) else list(entries)
         self._entries: dict[str, Config | None] = {}
         self._matchers = {}
@@ -95,22 +101,24 @@ class Plan(Mapping[str, Config | None]):
         return len(self._entries)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Plan) and list(self._entries.items()) == list(other._entries.items())
+        return (isinstance(other, Plan) and list(self._entries.items()) == list(other._entries.items())
+                and self.fold_batchnorm == other.fold_batchnorm)
 
     def __hash__(self) -> int:
         return hash(self.to_json())
 
     def __repr__(self) -> str:
         inner = ", ".join(f"{p!r}: {c!r}" for p, c in self._entries.items())
-        return f"Plan({{{inner}}})"
+        return f"Plan({{{inner}}}{', fold_batchnorm=True' if self.fold_batchnorm else ''})"
 
     def __reduce__(self):
         # pickles (for process pools and Ray) as its entries; the compiled matchers are rebuilt
-        return (Plan, (list(self._entries.items()),))
+        return (_rebuild, (list(self._entries.items()), self.fold_batchnorm))
 
     def __or__(self, other: "Plan") -> "Plan":
         """``a | b``: the entries of ``a`` then those of ``b`` (``a`` wins where both match)."""
-        return Plan([*self._entries.items(), *((p, c) for p, c in other.items() if p not in self._entries)])
+        return Plan([*self._entries.items(), *((p, c) for p, c in other.items() if p not in self._entries)],
+                    fold_batchnorm=self.fold_batchnorm or getattr(other, "fold_batchnorm", False))
 
     def match(self, name: str) -> tuple[str, Config | None] | None:
         """The first (pattern, config) whose pattern matches ``name``, or None."""
@@ -231,6 +239,7 @@ class Plan(Mapping[str, Config | None]):
         return {
             "format": "workbench.plan",
             "version": PLAN_FORMAT_VERSION,
+            **({"fold_batchnorm": True} if self.fold_batchnorm else {}),
             "entries": [{"pattern": p, "config": None if c is None else config_to_dict(c)}
                         for p, c in self._entries.items()],
         }
@@ -255,7 +264,10 @@ class Plan(Mapping[str, Config | None]):
                 raise ValueError(f"plan entry {i} must have exactly 'pattern' and 'config', got {e!r}")
             cfg = None if e["config"] is None else config_from_dict(e["config"], f"plan entry {i} ({e['pattern']!r})")
             out.append((e["pattern"], cfg))
-        return cls(out)
+        fold = data.get("fold_batchnorm", False)
+        if not isinstance(fold, bool):
+            raise ValueError(f"plan 'fold_batchnorm' must be true or false, got {fold!r}")
+        return cls(out, fold_batchnorm=fold)
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
@@ -276,6 +288,10 @@ class Plan(Mapping[str, Config | None]):
                 return cls.from_json(f.read())
             except ValueError as e:
                 raise ValueError(f"{path}: {e}") from None
+
+
+def _rebuild(entries, fold_batchnorm):
+    return Plan(entries, fold_batchnorm=fold_batchnorm)
 
 
 def _some_names(model: nn.Module, limit: int = 8) -> str:

@@ -2,7 +2,14 @@
 
 Activations are cast to the layer's dtype on the way in and back to the caller's dtype on the way
 out, so a cast layer drops into an fp32 model anywhere. Supported layers: nn.Linear, nn.Conv1d/2d/3d
-and nn.Embedding (whose output returns in the original weight dtype, as indices carry no dtype).
+and nn.Embedding (whose output returns in the original weight dtype, as indices carry no dtype), and their
+subclasses that compute the same (`workbench.quantization.modules.layer_type`; a Conv2d subclass that pads its
+input first keeps that padding); another subclass with its own forward is refused at apply time.
+
+A cast layer's weight and bias are `CastParameter`s: ordinary parameters, except that PyTorch's fused fast
+paths (``TransformerEncoderLayer`` / ``MultiheadAttention`` in eval under ``no_grad``) see a tensor subclass and
+run the sub-modules' own forwards instead of feeding low-precision weights to an fp32 fused kernel (which fails
+with a dtype error). The price is one Python call per operation on the weight (see the tests' measurement).
 """
 from __future__ import annotations
 
@@ -15,9 +22,20 @@ from torch import nn
 
 from workbench.plans.registry import Config, register_config
 
-__all__ = ["Cast", "CastLinear", "CastConv1d", "CastConv2d", "CastConv3d", "CastEmbedding"]
+__all__ = ["Cast", "CastLinear", "CastConv1d", "CastConv2d", "CastConv3d", "CastEmbedding", "CastParameter"]
 
 CAST_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class CastParameter(nn.Parameter):
+    """A parameter whose ``__torch_function__`` is on (plain parameters turn it off), so
+    ``torch.overrides.has_torch_function`` is true for it and fused fast paths leave the layer's forward to run.
+    Every operation returns plain tensors."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
 
 
 class CastLinear(nn.Linear):
@@ -28,7 +46,12 @@ class CastLinear(nn.Linear):
 
 
 class _CastConvMixin:
+    input_padding = None  # an InputPadding applied first (a "same"-padding Conv2d subclass), or None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_padding is not None:
+            x = self.input_padding(x, {"kernel_size": self.kernel_size, "stride": self.stride,
+                                       "dilation": self.dilation})
         return self._conv_forward(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
 
 
@@ -65,12 +88,29 @@ def _new_param(t: torch.Tensor | None, dtype: torch.dtype, values: bool) -> nn.P
     if t is None:
         return None
     data = t.detach().to(dtype).clone() if values else torch.empty(t.shape, dtype=dtype, device=t.device)
-    return nn.Parameter(data, requires_grad=t.requires_grad)
+    return CastParameter(data, requires_grad=t.requires_grad)
 
 
-def cast_module(module: nn.Module, dtype: torch.dtype, values: bool = True) -> nn.Module:
+def _layer_kind(name: str, module: nn.Module) -> tuple[type, object]:
+    """(the layer type ``module`` computes as, its InputPadding or None); raises, naming the layer, for a
+    subclass whose own forward computes something else."""
+    from workbench.quantization.modules import input_padding_of, layer_type
+
+    if type(module) is nn.Conv3d or (isinstance(module, nn.Conv3d) and type(module).forward is nn.Conv3d.forward):
+        return nn.Conv3d, None
+    kind = layer_type(module)
+    if kind is not None:
+        return kind, None
+    if isinstance(module, nn.Conv2d):
+        return nn.Conv2d, input_padding_of(name, module)
+    raise ValueError(f"{name!r} is a {type(module).__name__}, a subclass of a supported layer with its own forward: "
+                     f"Cast would replace what that forward computes, so it is refused (exclude it with "
+                     f"{{{name!r}: None}} in the plan)")
+
+
+def cast_module(module: nn.Module, dtype: torch.dtype, values: bool = True, name: str = "layer") -> nn.Module:
     """A new cast copy of ``module`` (``values=False``: same structure, uninitialised values)."""
-    kind = type(module)
+    kind, padding = _layer_kind(name, module)
     if kind is nn.Linear:
         new = CastLinear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
     elif kind in _CONV:
@@ -78,13 +118,14 @@ def cast_module(module: nn.Module, dtype: torch.dtype, values: bool = True) -> n
         new = _CONV[kind](m.in_channels, m.out_channels, m.kernel_size, stride=m.stride, padding=m.padding,
                           dilation=m.dilation, groups=m.groups, bias=m.bias is not None,
                           padding_mode=m.padding_mode, device="meta")
+        new.input_padding = padding
     elif kind is nn.Embedding:
         m = module
         new = CastEmbedding(m.num_embeddings, m.embedding_dim, padding_idx=m.padding_idx, max_norm=m.max_norm,
                             norm_type=m.norm_type, scale_grad_by_freq=m.scale_grad_by_freq, sparse=m.sparse,
                             output_dtype=m.weight.dtype, device="meta")
     else:
-        raise TypeError(f"Cast supports nn.Linear, nn.Conv1d/2d/3d and nn.Embedding, not {kind.__name__}")
+        raise TypeError(f"{name!r}: Cast supports nn.Linear, nn.Conv1d/2d/3d and nn.Embedding, not {kind.__name__}")
     new.weight = _new_param(module.weight, dtype, values)
     if getattr(module, "bias", None) is not None:
         new.bias = _new_param(module.bias, dtype, values)
@@ -94,7 +135,9 @@ def cast_module(module: nn.Module, dtype: torch.dtype, values: bool = True) -> n
 
 class _CastHandler:
     def supports(self, module: nn.Module, config: "Cast") -> bool:
-        return type(module) in (nn.Linear, nn.Embedding, *_CONV)
+        from workbench.quantization.modules import selectable
+
+        return selectable(module, (nn.Linear, nn.Embedding, *_CONV))
 
     def needs_calibration(self, config: "Cast") -> bool:
         return False
@@ -108,10 +151,10 @@ class _CastHandler:
         if peak > finfo.max:
             raise ValueError(f"weight of {name!r} has magnitude {peak:.3g}, beyond the {config.dtype} "
                              f"range ({finfo.max:.3g}); casting would give Inf")
-        return cast_module(module, config.dtype)
+        return cast_module(module, config.dtype, name=name)
 
     def skeleton(self, name: str, module: nn.Module, config: "Cast") -> nn.Module:
-        return cast_module(module, config.dtype, values=False)
+        return cast_module(module, config.dtype, values=False, name=name)
 
 
 @register_config(_CastHandler(), kind="precision.Cast")

@@ -1,14 +1,20 @@
 """Quantization configs (frozen dataclasses registered with the plan registry) and their handlers.
 
-    wb.quant.WeightOnly(bits=4, group_size=64, method="gptq")   # Linear, Embedding, Conv2d
-    wb.quant.NF4(group_size=64)                                 # Linear, Embedding
-    wb.quant.FP8()                                              # Linear (float8 e4m3 weights, per-row scales)
+    wb.quant.WeightOnly(bits=4, group_size=64, method="gptq")   # Linear, Conv1d/2d, ConvTranspose2d, Embedding
+    wb.quant.NF4(group_size=64)                                 # the same layers
+    wb.quant.FP8()                                              # the same layers (float8 weights, per-row scales)
     wb.quant.Dynamic(bits=8, kernel="cpu")                      # Linear: W8A8, per-token activations
-    wb.quant.Static(observer="percentile", smooth_alpha=0.5)    # Linear: W8A8, calibrated activations
+    wb.quant.Static(observer="percentile", smooth_alpha=0.5)    # Linear, Conv1d/2d, ConvTranspose2d: W8A8
 
-Group sizes must divide the layer's input dimension: groups are never padded, and a layer whose
-dimension does not fit is refused with an error naming it (use a divisor, or ``group_size=None``
-for one group per output channel).
+Layers are chosen by what they compute (`modules.layer_type`): subclasses of those layers that keep the parent's
+forward are taken as the parent; a Conv2d subclass that pads its input itself ("same" padding, as in
+EfficientNet) is taken with its padding; any other subclass with its own forward is refused at apply time
+with an error naming it.
+
+Groups: ``WeightOnly(bits=8)`` is per output channel (``group_size=None``); other bit widths and NF4 default to
+groups of 64. A group size that does not divide a layer's input size leaves a short last group in each row
+(quantized as if zero-padded: the same numbers); ``module.note`` says so. The calibrated methods (GPTQ, AWQ) and
+HQQ need whole groups: there a non-dividing group size is refused with a fix that works.
 """
 from __future__ import annotations
 
@@ -22,8 +28,8 @@ from torch import nn
 from workbench.plans.registry import Config, register_config
 from workbench.quantization import formats as fm
 from workbench.quantization.modules import (
-    KERNELS, W8A8Conv2d, W8A8Linear, WeightOnlyConv2d, WeightOnlyEmbedding, WeightOnlyLinear, conv_args,
-    triton_weight_kind,
+    CONV_TYPES, KERNELS, LAYER_TYPES, W8A8Linear, WeightOnlyEmbedding, WeightOnlyLinear, conv_args,
+    input_padding_of, layer_type, selectable, triton_weight_kind, w8a8_conv, weight_only_conv,
 )
 from workbench.quantization.observers import OBSERVERS
 
@@ -40,11 +46,18 @@ class Method(str, enum.Enum):
 _CALIBRATED = (Method.GPTQ, Method.AWQ)
 
 
-def _check_divides(name: str, fmt, K: int) -> None:
-    g = getattr(fmt, "group_size", None)
+def _divisors(K: int, limit: int = 4) -> str:
+    found = [d for d in range(min(K, 256), 1, -1) if K % d == 0][:limit]
+    return ", ".join(map(str, found)) or "none below 256"
+
+
+def _check_whole_groups(name: str, config, K: int) -> None:
+    """GPTQ, AWQ and HQQ work group by group on whole groups: refuse a short last group with fixes that work."""
+    g = getattr(config, "group_size", None)
     if g is not None and K % g:
-        raise ValueError(f"group_size {g} does not divide the input dimension {K} of {name!r}; use a divisor of "
-                         f"{K} or group_size=None")
+        raise ValueError(f"group_size {g} does not divide the input dimension {K} of {name!r}, and "
+                         f"method={config.method.value!r} needs whole groups; use group_size=None (per channel), a "
+                         f"divisor of {K} ({_divisors(K)}), or method='rtn' (which quantizes a short last group)")
 
 
 def _weight_rows(module: nn.Module) -> int:
@@ -53,17 +66,30 @@ def _weight_rows(module: nn.Module) -> int:
     return module.weight[0].numel()
 
 
-class _WeightHandler:
-    """Shared by WeightOnly, NF4 and FP8: build the module for Linear / Embedding / Conv2d."""
+def _computation(name: str, module: nn.Module, technique: str):
+    """(the layer type ``module`` computes as, its `InputPadding` or None); raises, naming the layer, when a
+    subclass's own forward does something else."""
+    base = layer_type(module)
+    if base is not None:
+        return base, None
+    if isinstance(module, nn.Conv2d):
+        return nn.Conv2d, input_padding_of(name, module)   # raises unless it is a padding + nn.Conv2d
+    parent = next(t for t in LAYER_TYPES if isinstance(module, t))
+    raise ValueError(f"{name!r} is a {type(module).__name__}, a subclass of nn.{parent.__name__} with its own "
+                     f"forward: {technique} would replace what that forward computes, so it is refused (exclude it "
+                     f"with {{{name!r}: None}} in the plan)")
 
-    types: tuple[type, ...] = (nn.Linear, nn.Embedding, nn.Conv2d)
+
+class _WeightHandler:
+    """Shared by WeightOnly, NF4 and FP8: build the module for Linear / Conv1d / Conv2d / ConvTranspose2d /
+    Embedding (and subclasses computing the same, see `modules.layer_type`)."""
 
     def supports(self, module: nn.Module, config) -> bool:
         if getattr(config, "method", Method.RTN) is not Method.RTN:  # the algorithms are written for Linear
-            return type(module) is nn.Linear
+            return selectable(module, (nn.Linear,))
         if getattr(config, "kernel", "reference") in ("cpu", "triton"):   # the fast paths are matmuls
-            return type(module) is nn.Linear
-        return type(module) in self.types
+            return selectable(module, (nn.Linear,))
+        return selectable(module)
 
     def needs_calibration(self, config) -> bool:
         return getattr(config, "method", Method.RTN) in _CALIBRATED
@@ -78,13 +104,21 @@ class _WeightHandler:
             return 4 * (2 * tokens * K + 2 * tokens * N + 3 * N * K), 2.0 * tokens * K * N * (1 + 21 + 20)
         return 4 * 3 * N * K, 20.0 * N * K
 
+    def _check(self, name: str, module: nn.Module, config):
+        kind, padding = _computation(name, module, type(config).__name__)
+        method = getattr(config, "method", Method.RTN)
+        if method is not Method.RTN:
+            _check_whole_groups(name, config, _weight_rows(module))
+        return kind, padding
+
     def apply(self, name: str, module: nn.Module, config, inputs: Sequence[tuple[torch.Tensor, ...]] | None):
+        kind, padding = self._check(name, module, config)
         fmt = config.format()
-        _check_divides(name, fmt, _weight_rows(module))
-        if isinstance(module, nn.Embedding):
+        if kind is nn.Embedding:
             return WeightOnlyEmbedding.from_float(module, fmt, name)
-        if isinstance(module, nn.Conv2d):
-            return WeightOnlyConv2d.from_float(module, fmt, name)
+        if kind in CONV_TYPES:
+            args = conv_args(module, padding)
+            return weight_only_conv(args["op"]).from_float(module, fmt, name, input_padding=padding)
         method = getattr(config, "method", Method.RTN)
         fm.check_finite(name, module.weight)
         tensors = smooth = None
@@ -105,36 +139,38 @@ class _WeightHandler:
                                            kernel=getattr(config, "kernel", "reference"))
 
     def skeleton(self, name: str, module: nn.Module, config):
+        kind, padding = self._check(name, module, config)
         fmt = config.format()
-        _check_divides(name, fmt, _weight_rows(module))
-        if isinstance(module, nn.Embedding):
+        if kind is nn.Embedding:
             return WeightOnlyEmbedding(module.num_embeddings, module.embedding_dim, fmt, padding_idx=module.padding_idx,
                                        output_dtype=module.weight.dtype, device=module.weight.device)
-        if isinstance(module, nn.Conv2d):
-            return WeightOnlyConv2d(conv_args(module), fmt, module.bias is not None, device=module.weight.device)
+        if kind in CONV_TYPES:
+            args = conv_args(module, padding)
+            return weight_only_conv(args["op"])(args, fmt, module.bias is not None, device=module.weight.device,
+                                                weight_dtype=module.weight.dtype)
         return WeightOnlyLinear(module.in_features, module.out_features, fmt, module.bias is not None,
                                 device=module.weight.device, bias_dtype=module.weight.dtype,
                                 smooth=getattr(config, "method", Method.RTN) is Method.AWQ,
                                 kernel=getattr(config, "kernel", "reference"))
 
 
-class _LinearOnly(_WeightHandler):
-    types = (nn.Linear,)
+class _DefaultGroupSize(int):
+    """The default of ``WeightOnly.group_size``: 64 values per group, or per channel (None) for 8-bit weights.
+    ``__post_init__`` replaces it by the concrete value (so a config's repr and JSON always show that)."""
 
 
-class _LinearEmbedding(_WeightHandler):
-    types = (nn.Linear, nn.Embedding)
+_DEFAULT_GROUP = _DefaultGroupSize(64)
 
 
 @register_config(_WeightHandler(), kind="quant.WeightOnly")
 @dataclass(frozen=True)
 class WeightOnly(Config):
     """Integer weight-only quantization: ``bits`` in {2, 3, 4, 8}; ``group_size`` along the input dimension
-    (None: per output channel); symmetric or asymmetric (with a zero point); ``method`` one of
+    (None: per output channel; default 64, and per channel for 8 bits); symmetric or asymmetric (with a zero point); ``method`` one of
     rtn, gptq, awq, hqq (the last three for nn.Linear; hqq needs ``symmetric=False``)."""
 
     bits: int = 4
-    group_size: int | None = 64
+    group_size: int | None = _DEFAULT_GROUP   # 64, or None (per channel) for bits=8
     symmetric: bool = True
     method: Method = Method.RTN
     damp: float = 0.01        # GPTQ: fraction of the mean Hessian diagonal added for stability
@@ -150,6 +186,8 @@ class WeightOnly(Config):
                                  f"got {self.method!r}") from None
         if not isinstance(self.bits, int) or isinstance(self.bits, bool):
             raise ValueError(f"WeightOnly.bits must be an int, got {self.bits!r}")
+        if type(self.group_size) is _DefaultGroupSize:
+            object.__setattr__(self, "group_size", None if self.bits == 8 else int(self.group_size))
         if self.method is Method.HQQ and self.symmetric:
             raise ValueError("method='hqq' optimises zero points: pass symmetric=False")
         fm.validate(self.format())
@@ -166,12 +204,13 @@ class WeightOnly(Config):
         return fm.IntFormat(self.bits, self.group_size, self.symmetric, float_zero=self.method is Method.HQQ)
 
 
-@register_config(_LinearEmbedding(), kind="quant.NF4")
+@register_config(_WeightHandler(), kind="quant.NF4")
 @dataclass(frozen=True)
 class NF4(Config):
-    """4-bit NormalFloat weights (QLoRA codebook) with an absmax scale per ``group_size`` values."""
+    """4-bit NormalFloat weights (QLoRA codebook) with an absmax scale per ``group_size`` values (None: one
+    scale per output channel)."""
 
-    group_size: int = 64
+    group_size: int | None = 64
 
     def __post_init__(self):
         fm.validate(self.format())
@@ -180,7 +219,7 @@ class NF4(Config):
         return fm.NF4Format(self.group_size)
 
 
-@register_config(_LinearOnly(), kind="quant.FP8")
+@register_config(_WeightHandler(), kind="quant.FP8")
 @dataclass(frozen=True)
 class FP8(Config):
     """float8 weights (e4m3fn or e5m2) with one fp32 scale per output channel."""
@@ -199,12 +238,19 @@ class FP8(Config):
 
 
 class _W8A8Handler:
-    """Dynamic and Static W8A8 of nn.Linear (optionally SmoothQuant-smoothed); Static also for nn.Conv2d."""
+    """Dynamic and Static W8A8 of nn.Linear (optionally SmoothQuant-smoothed); Static (without smoothing, reference
+    kernel) also of nn.Conv1d / Conv2d / ConvTranspose2d. Layers are chosen as `_WeightHandler` chooses them."""
 
     def supports(self, module: nn.Module, config) -> bool:
+        # `nn.MultiheadAttention` reads its out_proj's weight and bias itself, never calling out_proj's forward:
+        # quantized activations would never happen there (torch names the class for that reason)
+        if isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
+            return False
+        # (spot for wb.quant.Dynamic on nn.LSTM / nn.GRU: int8 weights of the recurrent layers are built in
+        #  workbench/quantization/recurrent.py - select them here and dispatch to it from apply / skeleton)
         if isinstance(config, Static) and config.smooth_alpha is None and config.kernel in ("reference", "auto"):
-            return type(module) in (nn.Linear, nn.Conv2d)
-        return type(module) is nn.Linear
+            return selectable(module, (nn.Linear, *CONV_TYPES))
+        return selectable(module, (nn.Linear,))
 
     def needs_calibration(self, config) -> bool:
         return isinstance(config, Static) or config.smooth_alpha is not None
@@ -217,9 +263,12 @@ class _W8A8Handler:
     def apply(self, name, module, config, inputs):
         from workbench.quantization.smoothquant import activation_absmax, smoothing_factors
 
+        kind, padding = _computation(name, module, type(config).__name__)
         fm.check_finite(name, module.weight)
-        if isinstance(module, nn.Conv2d):
-            return W8A8Conv2d.from_float(module, self._act_scale(name, config, inputs, None), name)
+        if kind in CONV_TYPES:
+            args = conv_args(module, padding)
+            return w8a8_conv(args["op"]).from_float(module, self._act_scale(name, config, inputs, None), name,
+                                                    input_padding=padding)
         smooth = None
         if config.smooth_alpha is not None:
             smooth = smoothing_factors(activation_absmax(inputs, module.in_features, name), module.weight,
@@ -241,8 +290,10 @@ class _W8A8Handler:
         return act_scale.reshape(()).to(inputs[0][0].device)
 
     def skeleton(self, name, module, config):
-        if isinstance(module, nn.Conv2d):
-            return W8A8Conv2d(conv_args(module), module.bias is not None, device=module.weight.device)
+        kind, padding = _computation(name, module, type(config).__name__)
+        if kind in CONV_TYPES:
+            args = conv_args(module, padding)
+            return w8a8_conv(args["op"])(args, module.bias is not None, device=module.weight.device)
         return W8A8Linear(module.in_features, module.out_features, module.bias is not None,
                           static=isinstance(config, Static), smooth=config.smooth_alpha is not None,
                           device=module.weight.device, kernel=config.kernel)

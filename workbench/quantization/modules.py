@@ -4,7 +4,14 @@
   (int8/int4/int3/int2, NF4, fp8) plus a float bias; activations stay in floating point.
 - `W8A8Linear`: int8 per-channel weights and int8 activations, quantized per token at run time
   (dynamic) or with a calibrated scale (static), optionally SmoothQuant-smoothed.
-- `W8A8Conv2d`: static W8A8 convolution (int8 per-channel weights, calibrated activation scale).
+- `W8A8Conv2d` (and `W8A8Conv1d`, `W8A8ConvTranspose2d`): static W8A8 convolution (int8 per-channel weights,
+  calibrated activation scale). `WeightOnlyConv1d` / `WeightOnlyConvTranspose2d` as `WeightOnlyConv2d`.
+
+Every module is a drop-in for the layer it replaces: ``.weight`` is a `DecodedWeight` (the float weight's shape,
+dtype and device; decoded only when something computes with it), ``.bias``, ``in_features`` / ``out_features``
+(Linear), ``in_channels`` / ``out_channels`` ... (convolutions) are there. A convolution that padded its input
+itself (a "same"-padding subclass such as EfficientNet's) keeps that padding (`InputPadding`). A layer whose
+last weight group is short (``group_size`` not dividing its input size) says so in ``module.note``.
 
 Each module has a pure-PyTorch ``reference`` path (dequantize, then a float matmul) that runs anywhere.
 Faster paths are chosen with ``kernel=`` (or `set_kernel`) and recorded in ``module.kernel``; `wb.measure`
@@ -19,6 +26,11 @@ would need; ``kernel="auto"`` picks the device's fast path where the module has 
 """
 from __future__ import annotations
 
+import enum
+import math
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,8 +38,179 @@ from torch import nn
 from workbench.quantization import formats as fm
 from workbench.quantization.primitives import EPS, PerToken, choose_qparams, quantize, to_groups
 
-__all__ = ["conv_args", "WeightOnlyLinear", "WeightOnlyEmbedding", "WeightOnlyConv2d", "W8A8Linear", "W8A8Conv2d",
-           "KERNELS", "PATHS", "choose_kernel", "triton_weight_kind"]
+__all__ = ["conv_args", "WeightOnlyLinear", "WeightOnlyEmbedding", "WeightOnlyConv1d", "WeightOnlyConv2d",
+           "WeightOnlyConvTranspose2d", "W8A8Linear", "W8A8Conv1d", "W8A8Conv2d", "W8A8ConvTranspose2d",
+           "weight_only_conv", "w8a8_conv", "DecodedWeight", "ConvOp", "InputPadding", "layer_type",
+           "input_padding_of", "selectable", "LAYER_TYPES", "CONV_TYPES", "KERNELS", "PATHS", "choose_kernel",
+           "triton_weight_kind"]
+
+
+# --- drop-in weights ----------------------------------------------------------------------------------------
+
+class DecodedWeight(torch.Tensor):
+    """What ``.weight`` of a quantized module returns: a tensor with the float weight's shape, dtype and device
+    that holds no data of its own.
+
+    Reading metadata (``dtype``, ``shape``, ``device``, ``requires_grad``, ``ndim``, ``size()``) costs nothing;
+    any computation with it (``F.linear(x, m.weight)``, ``m.weight.float()``, printing) first decodes the stored
+    weight with ``decode`` - the numbers the module computes with - and runs on that plain tensor. Being a
+    tensor subclass it also makes ``torch.overrides.has_torch_function`` true, which is what PyTorch's fused
+    fast paths (``TransformerEncoderLayer``, ``MultiheadAttention``) test before bypassing sub-modules: they
+    then run each sub-module's own forward. It is never stored (not a parameter or buffer)."""
+
+    @staticmethod
+    def __new__(cls, decode: Callable[[], torch.Tensor], shape, dtype: torch.dtype, device: torch.device):
+        t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=False)
+        t.decode = decode
+        return t
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        from torch.utils._pytree import tree_map
+
+        def plain(t):
+            return t.decode() if isinstance(t, DecodedWeight) else t
+
+        return func(*tree_map(plain, args), **tree_map(plain, kwargs))
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # only reachable by bypassing torch_function
+        raise RuntimeError(f"DecodedWeight holds no data ({func} reached it directly); compute with "
+                           f"module.weight.decode()")
+
+
+_T = torch.Tensor
+_METADATA = frozenset({_T.dtype.__get__, _T.shape.__get__, _T.device.__get__, _T.requires_grad.__get__,
+                       _T.ndim.__get__, _T.layout.__get__, _T.is_cuda.__get__, _T.is_meta.__get__,
+                       _T.is_quantized.__get__, _T.is_sparse.__get__, _T.size, _T.dim, _T.numel,
+                       _T.is_floating_point, _T.element_size, _T.get_device})
+
+
+# --- which layers: chosen by what they compute ---------------------------------------------------------------
+
+LAYER_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.ConvTranspose2d, nn.Embedding)
+CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.ConvTranspose2d)
+
+
+def layer_type(module: nn.Module) -> type | None:
+    """The PyTorch layer (one of `LAYER_TYPES`) whose computation ``module`` performs exactly: its own class, or
+    the parent of a subclass that keeps the parent's ``forward`` (e.g. ``NonDynamicallyQuantizableLinear``).
+    None for anything else - including a subclass with its own ``forward``, which `input_padding_of` may still
+    identify (a convolution that pads its input first)."""
+    for base in LAYER_TYPES:
+        if isinstance(module, base):
+            kind = type(module)
+            same = kind.forward is base.forward and getattr(kind, "_conv_forward", None) is getattr(
+                base, "_conv_forward", None)
+            return base if same else None
+    return None
+
+
+def selectable(module: nn.Module, types: tuple[type, ...] = LAYER_TYPES) -> bool:
+    """Whether a technique over ``types`` takes ``module``: an instance of one of them (subclasses included: what
+    they compute is checked when the layer is transformed, see `layer_type` / `input_padding_of`), but never a
+    layer the workbench itself produced (a class of the ``workbench`` package, e.g. a cast, pruned or QAT layer):
+    that is a result, not an input."""
+    return isinstance(module, types) and type(module).__module__.partition(".")[0] != "workbench"
+
+
+@dataclass(frozen=True)
+class InputPadding:
+    """Padding a convolution applies to its input before convolving: fixed amounts in `F.pad` order
+    (``(left, right, top, bottom)``) with ``mode`` ("constant" zeros, "reflect", "replicate", "circular" - what
+    ``padding_mode`` does), or ``same=True``: TensorFlow's "SAME" padding computed from each input's size
+    (``ceil(i / stride)`` outputs, the odd pixel at the end)."""
+
+    fixed: tuple[int, ...] = ()
+    mode: str = "constant"
+    same: bool = False
+
+    def __call__(self, x: torch.Tensor, a: dict) -> torch.Tensor:  # x: (B, C, *spatial)
+        if not self.same:
+            return F.pad(x, self.fixed, mode=self.mode) if any(self.fixed) else x
+        pads = []
+        for i, k, s, d in zip(x.shape[2:], a["kernel_size"], a["stride"], a["dilation"]):
+            total = max((math.ceil(i / s) - 1) * s + (k - 1) * d + 1 - i, 0)
+            pads.append((total // 2, total - total // 2))
+        flat = [p for pair in reversed(pads) for p in pair]              # F.pad: last dimension first
+        return F.pad(x, flat) if any(flat) else x
+
+    def __str__(self) -> str:
+        return "same (from the input size)" if self.same else f"{self.mode} {self.fixed}"
+
+
+class ConvOp(enum.Enum):
+    """The convolution a quantized conv module runs (its weight layout and functional)."""
+
+    CONV1D = "conv1d"
+    CONV2D = "conv2d"
+    CONV_TRANSPOSE2D = "conv_transpose2d"
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, a: dict) -> torch.Tensor:
+        if a["input_padding"] is not None:
+            x = a["input_padding"](x, a)
+        if self is ConvOp.CONV_TRANSPOSE2D:
+            return F.conv_transpose2d(x, w, bias, a["stride"], a["padding"], a["output_padding"], a["groups"],
+                                      a["dilation"])
+        conv = F.conv1d if self is ConvOp.CONV1D else F.conv2d
+        return conv(x, w, bias, a["stride"], a["padding"], a["dilation"], a["groups"])
+
+
+_OPS = {nn.Conv1d: ConvOp.CONV1D, nn.Conv2d: ConvOp.CONV2D, nn.ConvTranspose2d: ConvOp.CONV_TRANSPOSE2D}
+
+
+def _same_padding_candidates(conv: nn.Module) -> list[InputPadding]:
+    """What a Conv2d subclass with its own forward may do before convolving: a fixed zero padding held by a
+    child module (nn.ZeroPad2d / ConstantPad2d(0)), no padding at all (an identity child), or "same" padding
+    computed from the input size."""
+    found = [InputPadding(tuple(m.padding)) for m in conv.children()
+             if isinstance(m, nn.ConstantPad2d) and m.value == 0]
+    return [*found, InputPadding((0, 0, 0, 0)), InputPadding(same=True)]
+
+
+def input_padding_of(name: str, conv: nn.Module) -> InputPadding | None:
+    """The input padding of a convolution: None for a plain one; for a subclass of nn.Conv2d whose own
+    ``forward`` pads the input and then runs nn.Conv2d's convolution (TensorFlow-style "same" layers such as
+    EfficientNet's ``Conv2dStaticSamePadding`` / ``Conv2dDynamicSamePadding``), the padding it applies -
+    identified by running it (with random weights, on two input sizes) against each candidate. Raises,
+    naming the layer, when its computation is none of these."""
+    if layer_type(conv) is not None:
+        return None
+    kind = type(conv).__name__
+    if not isinstance(conv, nn.Conv2d) or conv.padding_mode != "zeros":
+        parent = next(b.__name__ for b in LAYER_TYPES if isinstance(conv, b))
+        raise ValueError(f"{name!r} is a {kind}, a subclass of nn.{parent} with its own forward: what it computes "
+                         f"is not known, so it is not compressed (exclude it from the plan with "
+                         f"{{{name!r}: None}})")
+    a = conv_args(conv)
+    gen = torch.Generator().manual_seed(0)
+    params = {"weight": torch.randn(conv.weight.shape, generator=gen)}
+    if conv.bias is not None:
+        params["bias"] = torch.randn(conv.bias.shape, generator=gen)
+    kh, kw = a["kernel_size"]
+    sizes = [(kh * a["dilation"][0] + 2 * a["stride"][0] + 1, kw * a["dilation"][1] + 3 * a["stride"][1] + 2)]
+    sizes.append((sizes[0][0] + 1, sizes[0][1] + 3))
+    inputs = [torch.randn(1, conv.in_channels, h, w, generator=gen) for h, w in sizes]
+    with torch.no_grad():
+        cpu = {k: v.to(conv.weight.device) for k, v in params.items()}
+        try:
+            outs = [torch.func.functional_call(conv, cpu, (x.to(conv.weight.device),)).cpu() for x in inputs]
+        except Exception as e:
+            raise ValueError(f"{name!r} ({kind}) could not be run to identify its padding: {type(e).__name__}: "
+                             f"{e}") from e
+        for cand in _same_padding_candidates(conv):
+            b = dict(a, input_padding=cand)
+            ok = all(y.shape == (ref := ConvOp.CONV2D(x, params["weight"], params.get("bias"), b)).shape
+                     and torch.allclose(y, ref, rtol=1e-4, atol=1e-4) for x, y in zip(inputs, outs))
+            if ok:
+                return cand
+    raise ValueError(f"{name!r} is a {kind}, a subclass of nn.Conv2d with its own forward that is neither a plain "
+                     f"convolution nor an input padding (fixed or 'same') followed by one; it is not compressed "
+                     f"(exclude it from the plan with {{{name!r}: None}})")
 
 PATHS = ("reference", "cpu", "triton")
 KERNELS = PATHS + ("auto",)
@@ -68,12 +251,30 @@ def triton_weight_kind(fmt: fm.WeightFormat) -> str | None:
     return None
 
 
-def conv_args(conv: nn.Conv2d) -> dict:
-    """What a quantized Conv2d needs to rebuild its convolution: weight shape, stride, padding, ..."""
-    if conv.padding_mode != "zeros":
-        raise ValueError(f"only zero padding is supported, got padding_mode={conv.padding_mode!r}")
-    return {"weight_shape": tuple(conv.weight.shape), "stride": conv.stride, "padding": conv.padding,
-            "dilation": conv.dilation, "groups": conv.groups}
+def conv_args(conv: nn.Module, input_padding: InputPadding | None = None) -> dict:
+    """What a quantized convolution needs to rebuild the computation of ``conv`` (an nn.Conv1d / Conv2d /
+    ConvTranspose2d): its `ConvOp`, weight shape, stride, padding, ... and the `InputPadding` applied before
+    (``input_padding``, from `input_padding_of`; a ``padding_mode`` other than zeros becomes one too)."""
+    op = next(o for t, o in _OPS.items() if isinstance(conv, t))
+    padding = conv.padding
+    if conv.padding_mode != "zeros":  # what nn.Conv's _conv_forward does: pad with the mode, then convolve
+        input_padding = InputPadding(tuple(conv._reversed_padding_repeated_twice), conv.padding_mode)
+        padding = (0,) * len(conv.kernel_size)
+    return {"op": op, "weight_shape": tuple(conv.weight.shape), "kernel_size": tuple(conv.kernel_size),
+            "stride": conv.stride, "padding": padding, "dilation": conv.dilation, "groups": conv.groups,
+            "output_padding": getattr(conv, "output_padding", None), "input_padding": input_padding}
+
+
+def _conv_attributes(module: nn.Module, a: dict) -> None:
+    """The attributes code written for nn.Conv reads (in_channels, out_channels, kernel_size, ...)."""
+    shape, groups = a["weight_shape"], a["groups"]
+    transposed = a["op"] is ConvOp.CONV_TRANSPOSE2D
+    module.in_channels = shape[0] if transposed else shape[1] * groups
+    module.out_channels = shape[1] * groups if transposed else shape[0]
+    module.kernel_size, module.stride, module.padding = a["kernel_size"], a["stride"], a["padding"]
+    module.dilation, module.groups, module.transposed = a["dilation"], groups, transposed
+    if transposed:
+        module.output_padding = a["output_padding"]
 
 
 def _fill(new: nn.Module, source: nn.Module, **tensors: torch.Tensor | None) -> nn.Module:
@@ -105,6 +306,7 @@ class _PackedWeight(nn.Module):
                 raise ValueError(f"{type(self).__name__}.{name}: expected {e.dtype} {tuple(e.shape)}, got "
                                  f"{t.dtype} {tuple(t.shape)}")
             self.register_buffer(name, t)
+        self.note = fm.short_group_note(fmt, K)   # None, or how a short last group was handled (for reports)
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         return {name: buf for name, buf in self.named_buffers(recurse=False) if name in ("qweight", "scale", "zero")}
@@ -112,6 +314,18 @@ class _PackedWeight(nn.Module):
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight the module computes with, as a float ``(rows, K)`` matrix."""
         return fm.decode(self._tensors(), self.fmt, self.K, dtype)
+
+    def effective_weight(self) -> torch.Tensor:
+        """The weight in the float layer's shape and dtype, as this module computes with it."""
+        return self.dequantized_weight(self.weight_dtype).reshape(self.weight_shape)
+
+    @property
+    def weight(self) -> DecodedWeight:
+        """Drop-in ``.weight`` (see `DecodedWeight`): metadata for free, decoded when computed with."""
+        return DecodedWeight(self.effective_weight, self.weight_shape, self.weight_dtype, self.qweight.device)
+
+    def _note_repr(self) -> str:
+        return f", note={self.note!r}" if self.note else ""
 
 
 class WeightOnlyLinear(_PackedWeight):
@@ -122,6 +336,7 @@ class WeightOnlyLinear(_PackedWeight):
                  smooth: bool = False, kernel: str = "reference"):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        self.weight_shape, self.weight_dtype = (out_features, in_features), bias_dtype
         self._init_weight(out_features, in_features, fmt, tensors, device)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=bias_dtype, device=device)) if bias else None
         if smooth:  # AWQ: the stored weight is W * s per input channel; inputs are divided by s
@@ -132,7 +347,8 @@ class WeightOnlyLinear(_PackedWeight):
 
     def set_kernel(self, kernel: str) -> "WeightOnlyLinear":
         """Choose the matmul path (see the module docstring); raises if it cannot serve this format here."""
-        supported = ("reference", "cpu") + (("triton",) if triton_weight_kind(self.fmt) else ())
+        whole_groups = self.K % fm.groups(self.fmt, self.K)[0] == 0   # the Triton kernels need whole groups
+        supported = ("reference", "cpu") + (("triton",) if triton_weight_kind(self.fmt) and whole_groups else ())
         self.kernel = choose_kernel(f"WeightOnlyLinear({self.fmt})", kernel, supported, self.qweight.device)
         return self
 
@@ -170,8 +386,15 @@ class WeightOnlyLinear(_PackedWeight):
         return int4_weight_only_mm(x, self.qweight, self.scale, getattr(self, "zero", None),
                                    self.K // self.scale.shape[1], bias)
 
+    def effective_weight(self) -> torch.Tensor:
+        w = self.dequantized_weight(torch.float32)
+        if hasattr(self, "smooth"):  # AWQ stores W * s
+            w = w / self.smooth.float()
+        return w.to(self.weight_dtype)
+
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, kernel={self.kernel}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, "
+                f"kernel={self.kernel}{self._note_repr()}")
 
 
 class WeightOnlyEmbedding(_PackedWeight):
@@ -183,6 +406,7 @@ class WeightOnlyEmbedding(_PackedWeight):
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
         self.output_dtype = output_dtype
+        self.weight_shape, self.weight_dtype = (num_embeddings, embedding_dim), output_dtype
         self._init_weight(num_embeddings, embedding_dim, fmt, tensors, device)
         self.kernel = "reference"
 
@@ -202,35 +426,66 @@ class WeightOnlyEmbedding(_PackedWeight):
         return out.reshape(*idx.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, fmt={self.fmt}"
+        return f"{self.num_embeddings}, {self.embedding_dim}, fmt={self.fmt}{self._note_repr()}"
 
 
-class WeightOnlyConv2d(_PackedWeight):
-    """Conv2d whose weight ``(out, in/groups, kh, kw)`` is stored as ``(out, in/groups * kh * kw)`` low-bit rows."""
+class _WeightOnlyConv(_PackedWeight):
+    """A convolution whose weight (``(out, in/groups, *k)``; transposed: ``(in, out/groups, *k)``) is stored as
+    low-bit rows of ``weight[0].numel()`` values; ``conv_args`` (from `conv_args`) says which convolution."""
 
     def __init__(self, args: dict, fmt: fm.WeightFormat, bias: bool = True,
-                 tensors: dict[str, torch.Tensor] | None = None, device=None):
+                 tensors: dict[str, torch.Tensor] | None = None, device=None, weight_dtype=torch.float32):
         super().__init__()
         self.conv_args = dict(args)
-        out_c, in_c, kh, kw = args["weight_shape"]
-        self._init_weight(out_c, in_c * kh * kw, fmt, tensors, device)
-        self.bias = nn.Parameter(torch.zeros(out_c, device=device)) if bias else None
+        _conv_attributes(self, args)
+        shape = args["weight_shape"]
+        self.weight_shape, self.weight_dtype = shape, weight_dtype
+        self._init_weight(shape[0], math.prod(shape[1:]), fmt, tensors, device)
+        self.bias = nn.Parameter(torch.zeros(self.out_channels, device=device)) if bias else None
         self.kernel = "reference"
 
     @classmethod
-    def from_float(cls, conv: nn.Conv2d, fmt: fm.WeightFormat, name: str = "conv",
-                   tensors: dict[str, torch.Tensor] | None = None) -> "WeightOnlyConv2d":
+    def from_float(cls, conv: nn.Module, fmt: fm.WeightFormat, name: str = "conv",
+                   tensors: dict[str, torch.Tensor] | None = None,
+                   input_padding: InputPadding | None = None) -> "_WeightOnlyConv":
         """Round-to-nearest unless ``tensors`` (e.g. with QAT's learned scales) are given."""
         w = conv.weight.detach()
         fm.check_finite(name, w)
         tensors = fm.encode(w.reshape(w.shape[0], -1), fmt) if tensors is None else tensors
-        return _fill(cls(conv_args(conv), fmt, conv.bias is not None, tensors), conv)
+        return _fill(cls(conv_args(conv, input_padding), fmt, conv.bias is not None, tensors,
+                         weight_dtype=w.dtype), conv)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, C, H, W)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, C, *spatial)
         a = self.conv_args
         w = self.dequantized_weight(x.dtype).reshape(a["weight_shape"])
-        return F.conv2d(x, w, None if self.bias is None else self.bias.to(x.dtype), a["stride"], a["padding"],
-                        a["dilation"], a["groups"])
+        return a["op"](x, w, None if self.bias is None else self.bias.to(x.dtype), a)
+
+    def extra_repr(self) -> str:
+        a = self.conv_args
+        pad = "" if a["input_padding"] is None else f", input_padding={a['input_padding']}"
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
+                f"groups={self.groups}, fmt={self.fmt}{pad}{self._note_repr()}")
+
+
+class WeightOnlyConv1d(_WeightOnlyConv):
+    """nn.Conv1d with a low-bit weight."""
+
+
+class WeightOnlyConv2d(_WeightOnlyConv):
+    """nn.Conv2d (grouped, depthwise, "same"-padded subclasses too) with a low-bit weight."""
+
+
+class WeightOnlyConvTranspose2d(_WeightOnlyConv):
+    """nn.ConvTranspose2d with a low-bit weight (rows: input channels, the weight's first dimension)."""
+
+
+_WEIGHT_ONLY_CONV = {ConvOp.CONV1D: WeightOnlyConv1d, ConvOp.CONV2D: WeightOnlyConv2d,
+                     ConvOp.CONV_TRANSPOSE2D: WeightOnlyConvTranspose2d}
+
+
+def weight_only_conv(op: ConvOp) -> type[_WeightOnlyConv]:
+    """The weight-only module class for a `ConvOp`."""
+    return _WEIGHT_ONLY_CONV[op]
 
 
 _ROUND_MAGIC = 12582912.0  # 1.5 * 2**23
@@ -325,6 +580,16 @@ class W8A8Linear(nn.Module):
                 y.add_(self.bias)
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
+    @property
+    def weight(self) -> DecodedWeight:
+        """Drop-in ``.weight`` (see `DecodedWeight`): the int8 weight dequantized (and un-smoothed), fp32."""
+        return DecodedWeight(self.effective_weight, (self.out_features, self.in_features), torch.float32,
+                             self.qweight_t.device)
+
+    def effective_weight(self) -> torch.Tensor:  # (out, in) fp32: W = (q * s) / smooth
+        w = (self.qweight_t.float() * self.scale).t()
+        return w / self.smooth if hasattr(self, "smooth") else w
+
     def _quantize(self, x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return quantize_per_tensor(x2d, self.act_scale) if self.static else quantize_per_token(x2d)
 
@@ -350,8 +615,9 @@ class W8A8Linear(nn.Module):
                 f"smooth={hasattr(self, 'smooth')}, kernel={self.kernel}")
 
 
-class W8A8Conv2d(nn.Module):
-    """Static W8A8 Conv2d: int8 weights per output channel, int8 activations with one calibrated scale.
+class _W8A8Conv(nn.Module):
+    """Static W8A8 convolution: int8 weights per output channel (per weight row for a transposed convolution),
+    int8 activations with one calibrated scale.
 
     ``kernel="reference"`` only: activations are quantized and dequantized with the stored scale and the
     convolution runs on the dequantized int8 weights (the same numbers an integer kernel would produce).
@@ -360,28 +626,65 @@ class W8A8Conv2d(nn.Module):
     def __init__(self, args: dict, bias: bool = True, device=None):
         super().__init__()
         self.conv_args = dict(args)
+        _conv_attributes(self, args)
         shape = args["weight_shape"]
         self.register_buffer("qweight", torch.empty(shape, dtype=torch.int8, device=device))
-        self.register_buffer("scale", torch.empty(shape[0], 1, 1, 1, dtype=torch.float32, device=device))
+        self.register_buffer("scale", torch.empty(shape[0], *(1,) * (len(shape) - 1), dtype=torch.float32,
+                                                  device=device))
         self.register_buffer("act_scale", torch.empty((), dtype=torch.float32, device=device))
-        self.bias = nn.Parameter(torch.zeros(shape[0], device=device)) if bias else None
+        self.bias = nn.Parameter(torch.zeros(self.out_channels, device=device)) if bias else None
         self.kernel = "reference"
 
     @classmethod
-    def from_float(cls, conv: nn.Conv2d, act_scale: torch.Tensor, name: str = "conv") -> "W8A8Conv2d":
-        args = conv_args(conv)
+    def from_float(cls, conv: nn.Module, act_scale: torch.Tensor, name: str = "conv",
+                   input_padding: InputPadding | None = None) -> "_W8A8Conv":
+        args = conv_args(conv, input_padding)
         w = conv.weight.detach().float()
         fm.check_finite(name, w)
         w2d = w.reshape(w.shape[0], -1)
-        scale, zp = choose_qparams(w2d, 8, symmetric=True)                   # (out, 1)
+        scale, zp = choose_qparams(w2d, 8, symmetric=True)                   # (rows, 1)
         q = quantize(w2d, scale, zp, -128, 127, torch.int8).reshape(w.shape)
         new = cls(args, conv.bias is not None)
-        return _fill(new, conv, qweight=q, scale=scale.reshape(-1, 1, 1, 1), act_scale=act_scale.reshape(()))
+        return _fill(new, conv, qweight=q, scale=scale.reshape(new.scale.shape), act_scale=act_scale.reshape(()))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, C, H, W)
+    @property
+    def weight(self) -> DecodedWeight:
+        """Drop-in ``.weight`` (see `DecodedWeight`): the int8 weight dequantized, fp32."""
+        return DecodedWeight(self.effective_weight, self.conv_args["weight_shape"], torch.float32,
+                             self.qweight.device)
+
+    def effective_weight(self) -> torch.Tensor:
+        return self.qweight.float() * self.scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, C, *spatial)
         a = self.conv_args
         s = self.act_scale
         xq = torch.clamp(torch.round(x.float() * (1.0 / s)), -128, 127) * s   # int8 grid, dequantized
-        w = self.qweight.float() * self.scale
-        y = F.conv2d(xq, w, self.bias, a["stride"], a["padding"], a["dilation"], a["groups"])
+        y = a["op"](xq, self.effective_weight(), self.bias, a)
         return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        a = self.conv_args
+        pad = "" if a["input_padding"] is None else f", input_padding={a['input_padding']}"
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
+                f"groups={self.groups}, activations=static{pad}")
+
+
+class W8A8Conv1d(_W8A8Conv):
+    """Static W8A8 nn.Conv1d."""
+
+
+class W8A8Conv2d(_W8A8Conv):
+    """Static W8A8 nn.Conv2d (grouped, depthwise, "same"-padded subclasses too)."""
+
+
+class W8A8ConvTranspose2d(_W8A8Conv):
+    """Static W8A8 nn.ConvTranspose2d."""
+
+
+_W8A8_CONV = {ConvOp.CONV1D: W8A8Conv1d, ConvOp.CONV2D: W8A8Conv2d, ConvOp.CONV_TRANSPOSE2D: W8A8ConvTranspose2d}
+
+
+def w8a8_conv(op: ConvOp) -> type[_W8A8Conv]:
+    """The static W8A8 module class for a `ConvOp`."""
+    return _W8A8_CONV[op]

@@ -11,7 +11,10 @@ Weights follow `WeightOnly` configs (integer formats, per channel or per group) 
 (int8 weights per channel + int8 activations per token). With ``learnable_scales=True`` the weight scales
 of `WeightOnly` layers are parameters trained by the same loss (LSQ, Esser et al. 2020, with its gradient
 scaling); `convert` then stores those learned scales. Fake quantization uses exactly the grid `convert`
-stores (fp16 scales included), so the converted model computes what was trained. Supported layers: nn.Linear and nn.Conv2d.
+stores (fp16 scales included), so the converted model computes what was trained. Supported layers: those
+post-training quantization takes - nn.Linear, nn.Conv1d, nn.Conv2d (a "same"-padding subclass keeps its
+padding), nn.ConvTranspose2d and nn.Embedding for `WeightOnly`; nn.Linear for `Dynamic` - chosen the same way
+(`configs._WeightHandler`), with the same short last group where ``group_size`` does not divide the input size.
 """
 from __future__ import annotations
 
@@ -25,11 +28,14 @@ from torch import nn
 from workbench.plans.apply import PLANS_ATTR, applied_plans
 from workbench.plans.plan import Plan
 from workbench.quantization import formats as fm
-from workbench.quantization.configs import Dynamic, Method, WeightOnly
-from workbench.quantization.modules import W8A8Linear, WeightOnlyConv2d, WeightOnlyLinear
+from workbench.quantization.configs import Dynamic, Method, WeightOnly, _computation
+from workbench.quantization.modules import (
+    W8A8Linear, WeightOnlyEmbedding, WeightOnlyLinear, conv_args, weight_only_conv,
+)
 from workbench.quantization.primitives import choose_qparams, qrange
 
-__all__ = ["prepare", "convert", "fake_quantize_ste", "QATLinear", "QATConv2d"]
+__all__ = ["prepare", "convert", "fake_quantize_ste", "QATLinear", "QATConv1d", "QATConv2d", "QATConvTranspose2d",
+           "QATEmbedding"]
 
 
 def fake_quantize_ste(xg: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
@@ -61,21 +67,23 @@ class _QATMixin:
         else:  # Dynamic: int8 per-channel weights, int8 per-token activations
             self.bits, self.group_size, self.symmetric = 8, None, True
             self.act_quant = True
-        K = w2d.shape[1]
-        if self.group_size is not None and K % self.group_size:
-            raise ValueError(f"group_size {self.group_size} does not divide the input dimension {K}")
         self.weight_scale = None
         if learnable_scales and not self.act_quant:  # W8A8 stores min/max scales: nothing to learn there
             scale, _ = choose_qparams(self._groups(w2d), self.bits, self.symmetric)
             self.weight_scale = nn.Parameter(scale)                                # (G, 1)
 
     def _groups(self, w2d: torch.Tensor) -> torch.Tensor:
-        g = w2d.shape[1] if self.group_size is None else self.group_size
+        """``(rows, K)`` -> ``(rows * ceil(K / g), g)``, a short last group zero-padded (as `formats` stores it)."""
+        K = w2d.shape[1]
+        g = K if self.group_size is None else self.group_size
+        if K % g:
+            w2d = F.pad(w2d, (0, g - K % g))
         return w2d.reshape(-1, g)
 
     def fake_weight(self) -> torch.Tensor:
         w2d = self.weight.reshape(self.weight.shape[0], -1)
-        wg = self._groups(w2d)                                                     # (G, g)
+        rows, K = w2d.shape
+        wg = self._groups(w2d)                                                     # (rows * G, g)
         qmin, qmax = qrange(self.bits, True)
         scale, zero = choose_qparams(wg.detach(), self.bits, self.symmetric)
         if self.weight_scale is not None:
@@ -83,7 +91,8 @@ class _QATMixin:
         if not self.act_quant:  # weight-only formats store fp16 scales: train on exactly that grid (STE)
             scale = scale + (scale.to(torch.float16).float().clamp(min=torch.finfo(torch.float16).tiny)
                              - scale).detach()
-        return self._fake(wg, scale, zero.float(), qmin, qmax).reshape(self.weight.shape)
+        fake = self._fake(wg, scale, zero.float(), qmin, qmax).reshape(rows, -1)[:, :K]
+        return fake.reshape(self.weight.shape)
 
     def fake_input(self, x: torch.Tensor) -> torch.Tensor:
         if not self.act_quant:
@@ -107,9 +116,62 @@ class QATLinear(_QATMixin, nn.Linear):
         return F.linear(self.fake_input(x), self.fake_weight(), self.bias)
 
 
-class QATConv2d(_QATMixin, nn.Conv2d):
+class QATConv1d(_QATMixin, nn.Conv1d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._conv_forward(x, self.fake_weight(), self.bias)
+
+
+class QATConv2d(_QATMixin, nn.Conv2d):
+    input_padding = None  # the InputPadding of a "same"-padding Conv2d subclass, applied first
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_padding is not None:
+            x = self.input_padding(x, {"kernel_size": self.kernel_size, "stride": self.stride,
+                                       "dilation": self.dilation})
+        return self._conv_forward(x, self.fake_weight(), self.bias)
+
+
+class QATConvTranspose2d(_QATMixin, nn.ConvTranspose2d):
+    def forward(self, x: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
+        output_padding = self._output_padding(x, output_size, self.stride, self.padding, self.kernel_size, 2,
+                                              self.dilation)
+        return F.conv_transpose2d(x, self.fake_weight(), self.bias, self.stride, self.padding, output_padding,
+                                  self.groups, self.dilation)
+
+
+class QATEmbedding(_QATMixin, nn.Embedding):
+    """Embedding with a fake-quantized table (weight-only: rows are the embeddings, groups along ``embedding_dim``)."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return F.embedding(idx, self.fake_weight(), self.padding_idx, self.max_norm, self.norm_type,
+                           self.scale_grad_by_freq, self.sparse)
+
+
+def _conv_kwargs(m: nn.Module) -> dict:
+    return dict(stride=m.stride, padding=m.padding, dilation=m.dilation, groups=m.groups, bias=m.bias is not None,
+                padding_mode=m.padding_mode)
+
+
+def _plain_copy(qat: nn.Module) -> nn.Module:
+    """The float layer a QAT module trains (same class family, its current weights)."""
+    if isinstance(qat, QATLinear):
+        plain = nn.Linear(qat.in_features, qat.out_features, bias=qat.bias is not None)
+    elif isinstance(qat, QATEmbedding):
+        plain = nn.Embedding(qat.num_embeddings, qat.embedding_dim, padding_idx=qat.padding_idx)
+    elif isinstance(qat, QATConvTranspose2d):
+        plain = nn.ConvTranspose2d(qat.in_channels, qat.out_channels, qat.kernel_size,
+                                   output_padding=qat.output_padding, **_conv_kwargs(qat))
+    else:
+        kind = nn.Conv1d if isinstance(qat, QATConv1d) else nn.Conv2d
+        plain = kind(qat.in_channels, qat.out_channels, qat.kernel_size, **_conv_kwargs(qat))
+    plain.weight.copy_(qat.weight)
+    if getattr(qat, "bias", None) is not None:
+        plain.bias.copy_(qat.bias)
+    return plain
+
+
+_QAT_CLASSES = {nn.Linear: QATLinear, nn.Conv1d: QATConv1d, nn.Conv2d: QATConv2d,
+                nn.ConvTranspose2d: QATConvTranspose2d, nn.Embedding: QATEmbedding}
 
 
 def _qat_module(name: str, module: nn.Module, config, learnable_scales: bool, kernel: str) -> nn.Module:
@@ -122,18 +184,26 @@ def _qat_module(name: str, module: nn.Module, config, learnable_scales: bool, ke
     else:
         raise TypeError(f"{name!r}: QAT supports WeightOnly and Dynamic configs, got {type(config).__name__}")
     fm.check_finite(name, module.weight)
-    if type(module) is nn.Linear:
-        new = QATLinear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
-    elif type(module) is nn.Conv2d and not isinstance(config, Dynamic):
-        m = module
-        new = QATConv2d(m.in_channels, m.out_channels, m.kernel_size, stride=m.stride, padding=m.padding,
-                        dilation=m.dilation, groups=m.groups, bias=m.bias is not None, padding_mode=m.padding_mode,
-                        device="meta")
+    kind, padding = _computation(name, module, f"QAT with {type(config).__name__}")
+    if isinstance(config, Dynamic) and kind is not nn.Linear:
+        raise TypeError(f"{name!r}: QAT with Dynamic supports nn.Linear, not {type(module).__name__}")
+    m = module
+    if kind is nn.Linear:
+        new = QATLinear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
+    elif kind is nn.Embedding:
+        if m.max_norm is not None:
+            raise ValueError(f"{name!r}: embeddings with max_norm renormalise their weights in place and cannot be "
+                             f"stored quantized")
+        new = QATEmbedding(m.num_embeddings, m.embedding_dim, padding_idx=m.padding_idx, device="meta")
+    elif kind is nn.ConvTranspose2d:
+        new = QATConvTranspose2d(m.in_channels, m.out_channels, m.kernel_size, output_padding=m.output_padding,
+                                 device="meta", **_conv_kwargs(m))
     else:
-        raise TypeError(f"{name!r}: QAT with {type(config).__name__} supports nn.Linear"
-                        f"{' and nn.Conv2d' if isinstance(config, WeightOnly) else ''}, not {type(module).__name__}")
+        new = _QAT_CLASSES[kind](m.in_channels, m.out_channels, m.kernel_size, device="meta", **_conv_kwargs(m))
+        if padding is not None:
+            new.input_padding = padding
     new.weight = nn.Parameter(module.weight.detach().clone())
-    if module.bias is not None:
+    if getattr(module, "bias", None) is not None:
         new.bias = nn.Parameter(module.bias.detach().clone())
     new._setup(config, learnable_scales, kernel)
     return new
@@ -177,15 +247,7 @@ def prepare(model: nn.Module, plan: Plan, learnable_scales: bool = False, kernel
 def _real_module(name: str, qat: nn.Module) -> nn.Module:
     config = qat.qconfig
     with torch.no_grad():
-        if isinstance(qat, QATLinear):
-            plain = nn.Linear(qat.in_features, qat.out_features, bias=qat.bias is not None)
-        else:
-            plain = nn.Conv2d(qat.in_channels, qat.out_channels, qat.kernel_size, stride=qat.stride,
-                              padding=qat.padding, dilation=qat.dilation, groups=qat.groups,
-                              bias=qat.bias is not None)
-        plain.weight.copy_(qat.weight)
-        if qat.bias is not None:
-            plain.bias.copy_(qat.bias)
+        plain = _plain_copy(qat)
         if isinstance(config, Dynamic):
             return W8A8Linear.from_float(plain, name, kernel=config.kernel)
         fmt = config.format()
@@ -200,9 +262,17 @@ def _real_module(name: str, qat: nn.Module) -> nn.Module:
             if fmt.symmetric:
                 zero = torch.full_like(zero, 1 << (fmt.bits - 1))
             tensors = fm.pack_int(fm.int_codes(w2d, scale, zero, fmt), scale, zero, fmt)
-        if isinstance(plain, nn.Conv2d):
-            return WeightOnlyConv2d.from_float(plain, fmt, name, tensors=tensors)
-        return WeightOnlyLinear.from_float(plain, fmt, name, tensors=tensors)
+        if isinstance(plain, nn.Embedding):
+            new = WeightOnlyEmbedding.from_float(plain, fmt, name)
+            if tensors is not None:
+                for key, t in tensors.items():
+                    getattr(new, key).copy_(t)
+            return new
+        if isinstance(plain, nn.Linear):
+            return WeightOnlyLinear.from_float(plain, fmt, name, tensors=tensors)
+        padding = getattr(qat, "input_padding", None)
+        return weight_only_conv(conv_args(plain, padding)["op"]).from_float(plain, fmt, name, tensors=tensors,
+                                                                            input_padding=padding)
 
 
 def convert(model: nn.Module) -> nn.Module:
@@ -213,7 +283,7 @@ def convert(model: nn.Module) -> nn.Module:
         raise ValueError("convert expects a model returned by wb.qat.prepare")
     target = copy.deepcopy(model)
     replacements = {name: _real_module(name, m) for name, m in target.named_modules()
-                    if isinstance(m, (QATLinear, QATConv2d))}
+                    if isinstance(m, _QATMixin)}
     for name, new in replacements.items():
         target.set_submodule(name, new)
     target.__dict__.pop(QAT_PLAN_ATTR, None)

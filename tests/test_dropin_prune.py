@@ -223,3 +223,41 @@ def test_energy_svd_with_a_glob_reloads(tmp_path):
     x = torch.randn(3, 24)
     with torch.no_grad():
         assert torch.equal(again(x), f(x))
+
+
+def test_embedding_pruned_like_any_weight(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(20, 8), nn.Linear(8, 4))
+    ids = torch.randint(0, 20, (3, 5))
+    pruned = wb.apply(model, {"0": wb.prune.NM(2, 4)})
+    ref = _masked_by_hand(model, ["0"], lambda w: masks.nm_mask(w, 2, 4))
+    with torch.inference_mode():
+        torch.testing.assert_close(pruned(ids), ref(ids))
+    assert isinstance(pruned[0], wb.prune.PrunedEmbedding) and wb.prune.sparsity_of(pruned)["0"] == 0.5
+    again = wb.load(wb.save(pruned, tmp_path / "e.safetensors"), base=model)
+    with torch.inference_mode():
+        assert torch.equal(again(ids), pruned(ids))
+
+
+def test_gpt2_tied_lm_head_and_wte_are_pruned_together(tmp_path):
+    """One mask, one stored copy: the embedding and the LM head are the same tensor, pruned once."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(wb.plans, "tie_groups"):
+        pytest.skip("needs the core's tied-weight handling in wb.apply (workbench.plans.tie_groups)")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=16, bos_token_id=0,
+                                  eos_token_id=0)
+    gpt2 = transformers.GPT2LMHeadModel(cfg).eval()
+    ids = torch.randint(0, 64, (2, 8))
+    pruned = wb.apply(gpt2, {"lm_head": wb.prune.Magnitude(0.5), "transformer.wte": wb.prune.Magnitude(0.5)},
+                      progress=False)
+    assert pruned.lm_head.weight is pruned.transformer.wte.weight
+    assert float((pruned.lm_head.weight == 0).float().mean()) == 0.5
+    assert wb.size_bytes(pruned) == wb.size_bytes(gpt2)
+    with torch.inference_mode():
+        out = pruned(ids).logits
+        assert not torch.allclose(out, gpt2(ids).logits)
+    again = wb.load(wb.save(pruned, tmp_path / "g.safetensors"), base=gpt2)
+    assert again.lm_head.weight is again.transformer.wte.weight
+    with torch.inference_mode():
+        assert torch.equal(again(ids).logits, out)

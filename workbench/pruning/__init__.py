@@ -1,6 +1,7 @@
 """Pruning (`wb.prune`): unstructured magnitude / random, N:M semi-structured, global thresholds, masks
-kept for fine-tuning or made permanent (dense zeros or CSR storage) - see `configs` - and structured pruning
-that physically removes channels and fixes their dependents (`channels`, see `structured`)."""
+kept for fine-tuning or made permanent (dense zeros, CSR or 2:4 storage) - see `configs`; pruned layers are drop-ins
+(`modules`) - and structured pruning that physically removes channels and fixes their dependents (`channels`, see
+`structured`) or removes attention heads (`attention_heads`, see `heads`)."""
 from workbench.pruning import masks
 from workbench.pruning.schedules import gradual_prune, polynomial_sparsity, sweep
 from workbench.pruning.structured import Kept, channel_importance, channels, transformer_ffn_consumers

@@ -19,6 +19,13 @@ they are pruned together, with the same channels, ranked by their summed importa
 concatenation, a reshape, the model's input or output, a grouped convolution - cannot be resolved safely and
 raises an error naming the layer; the input model is never modified.
 
+Models torch.fx cannot trace (Hugging Face transformers, nn.TransformerEncoder) say who reads what with
+``consumers=``: `transformer_ffn_consumers` finds the feed-forward blocks of BERT, GPT-2 (transformers' Conv1D,
+weight stored (in, out), is cut on the right axis), Llama (SwiGLU: producers that feed the same consumer - gate and
+up projections - are cut together, like a residual group), T5, ViT and nn.TransformerEncoderLayer (`FFN_LAYOUTS`).
+Attention heads: see `workbench.pruning.heads`. Calibration batches may be tensors, tuples, or dicts of keyword
+inputs; a Hugging Face ModelOutput is read through its logits / last_hidden_state (`main_output`).
+
 The remaining channel counts are recorded on the result as a plan of `Kept` entries, so `wb.save` / `wb.load`
 restore a structurally pruned model (the counts rebuild the shapes; the file holds the values).
 """

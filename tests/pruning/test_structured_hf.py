@@ -129,7 +129,8 @@ def test_attention_heads(arch, tmp_path):
     torch.testing.assert_close(_out(exact, batch), dead_ref, rtol=1e-4, atol=1e-5)
     if arch == "gpt2":
         attn = exact.transformer.h[0].attn
-        assert (attn.num_heads, attn.split_size, attn.c_attn.weight.shape) == (3, 24, (32, 72))
+        assert (attn.num_heads, attn.split_size, attn.c_attn.weight.shape) == (3, 24, (72, 32))
+        assert type(attn.c_attn) is nn.Linear and type(exact.transformer.h[0].mlp.c_fc).__name__ == "Conv1D"
     elif arch == "llama":
         attn = exact.model.layers[0].self_attn
         assert attn.k_proj.out_features == 8 and attn.q_proj.out_features == 16 and attn.num_key_value_groups == 2

@@ -21,7 +21,8 @@ raises an error naming the layer; the input model is never modified.
 
 Models torch.fx cannot trace (Hugging Face transformers, nn.TransformerEncoder) say who reads what with
 ``consumers=``: `transformer_ffn_consumers` finds the feed-forward blocks of BERT, GPT-2 (transformers' Conv1D,
-weight stored (in, out), is cut on the right axis), Llama (SwiGLU: producers that feed the same consumer - gate and
+weight stored (in, out), is cut on the right axis and becomes the equivalent nn.Linear, the form the core's
+canonicalisation gives it), Llama (SwiGLU: producers that feed the same consumer - gate and
 up projections - are cut together, like a residual group), T5, ViT and nn.TransformerEncoderLayer (`FFN_LAYOUTS`).
 Attention heads: see `workbench.pruning.heads`. Calibration batches may be tensors, tuples, or dicts of keyword
 inputs; a Hugging Face ModelOutput is read through its logits / last_hidden_state (`main_output`).
@@ -310,13 +311,13 @@ def channel_importance(model: nn.Module, layer: str, criterion: str = "l1", cali
 
 
 def _take(module: nn.Module, out_idx: torch.Tensor | None = None, in_idx: torch.Tensor | None = None) -> nn.Module:
-    if is_conv1d_hf(module):   # weight (in, out): the same cut on the transposed weight
+    if is_conv1d_hf(module):   # weight (in, out): cut, then store as the equivalent nn.Linear (out, in)
         w = module.weight.detach()
         w = w[:, out_idx] if out_idx is not None else w
-        w = w[in_idx] if in_idx is not None else w
-        new = type(module)(w.shape[1], w.shape[0]).to(device=w.device, dtype=w.dtype)
+        w = w[in_idx] if in_idx is not None else w                                   # (in', out')
+        new = nn.Linear(w.shape[0], w.shape[1]).to(device=w.device, dtype=w.dtype)
         with torch.no_grad():
-            new.weight.copy_(w)
+            new.weight.copy_(w.T)
             new.bias.copy_(module.bias[out_idx] if out_idx is not None else module.bias)
         return new.train(module.training)
     w = module.weight.detach()

@@ -5,6 +5,13 @@
 ``SVD(rank=r)`` keeps r singular values; ``SVD(energy=e)`` keeps the fewest whose squared sum reaches
 ``e`` of the total (the rank is then recorded per layer, so a saved model reloads with the same shapes).
 The factorisation only saves parameters and FLOPs when ``r < out * in / (out + in)``; `summary` reports both.
+
+`LowRankLinear` is a drop-in for the nn.Linear it replaces: ``in_features``, ``out_features``, ``bias`` and
+``weight`` are there. Its ``weight`` is the product ``up.weight @ down.weight`` (out x in): while gradients are
+recorded, that product itself (so ``layer.weight`` trains the factors); otherwise a `FactoredWeight` - a tensor
+whose shape, dtype and device are read for free (Hugging Face's ``wo.weight.dtype`` checks) and which
+multiplies the factors out only when an operation reads its values. Being a tensor subclass, it also turns
+PyTorch's fused ``TransformerEncoderLayer`` path off, so the layer runs its own two thin matmuls.
 """
 from __future__ import annotations
 
@@ -13,19 +20,62 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from torch.utils._pytree import tree_map
+
 from workbench.plans.registry import Config, register_config
 
-__all__ = ["SVD", "LowRankLinear", "summary"]
+__all__ = ["SVD", "LowRankLinear", "FactoredWeight", "summary"]
+
+
+class FactoredWeight(torch.Tensor):
+    """The weight ``up @ down`` of a `LowRankLinear`, multiplied out only when an operation reads its values.
+
+    Metadata (shape, dtype, device) costs nothing; any operation on it runs on the dense product (computed for
+    that operation, never stored). Not differentiable: `LowRankLinear.weight` returns the plain product while
+    gradients are recorded."""
+
+    @staticmethod
+    def __new__(cls, up: torch.Tensor, down: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(cls, (up.shape[0], down.shape[1]), dtype=up.dtype,
+                                                   device=up.device, requires_grad=False)
+
+    def __init__(self, up: torch.Tensor, down: torch.Tensor):
+        self.up, self.down = up, down                                           # (out, r), (r, in)
+
+    def dense(self) -> torch.Tensor:
+        return self.up.detach() @ self.down.detach()                            # (out, in)
+
+    def __repr__(self) -> str:
+        return f"FactoredWeight(shape={tuple(self.shape)}, rank={self.up.shape[1]}, dtype={self.dtype})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        def unwrap(t):
+            return t.dense() if isinstance(t, FactoredWeight) else t
+
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
 
 
 class LowRankLinear(nn.Module):
     """y = up(down(x)): ``down`` (in -> rank, no bias), ``up`` (rank -> out, with the original bias)."""
 
-    def __init__(self, in_features: int, out_features: int, rank: int, bias: bool = True, device=None):
+    def __init__(self, in_features: int, out_features: int, rank: int, bias: bool = True, device=None, dtype=None):
         super().__init__()
         self.in_features, self.out_features, self.rank = in_features, out_features, rank
-        self.down = nn.Linear(in_features, rank, bias=False, device=device)
-        self.up = nn.Linear(rank, out_features, bias=bias, device=device)
+        self.down = nn.Linear(in_features, rank, bias=False, device=device, dtype=dtype)
+        self.up = nn.Linear(rank, out_features, bias=bias, device=device, dtype=dtype)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The effective (out, in) weight: see the module docstring."""
+        up, down = self.up.weight, self.down.weight
+        if torch.is_grad_enabled() and (up.requires_grad or down.requires_grad):
+            return up @ down
+        return FactoredWeight(up, down)
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.up.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., in)
         return self.up(self.down(x))
@@ -41,8 +91,15 @@ def choose_rank(singular_values: torch.Tensor, energy: float) -> int:
 
 
 class _SVDHandler:
+    def why_not(self, module: nn.Module, config) -> str | None:
+        if not isinstance(module, nn.Linear):
+            return "SVD factorises an nn.Linear's weight"
+        if type(module).forward is not nn.Linear.forward:
+            return (f"{type(module).__name__} has its own forward, which two thin nn.Linears would not reproduce")
+        return None
+
     def supports(self, module: nn.Module, config) -> bool:
-        return type(module) is nn.Linear
+        return self.why_not(module, config) is None
 
     def needs_calibration(self, config) -> bool:
         return False
@@ -57,7 +114,8 @@ class _SVDHandler:
         U, S, Vh = torch.linalg.svd(W.double(), full_matrices=False)
         r = config.rank if config.rank is not None else min(choose_rank(S, config.energy), max_rank)
         root = S[:r].sqrt()
-        new = LowRankLinear(module.in_features, module.out_features, r, module.bias is not None)
+        new = LowRankLinear(module.in_features, module.out_features, r, module.bias is not None,
+                            device=W.device, dtype=W.dtype)
         with torch.no_grad():
             new.down.weight.copy_((root[:, None] * Vh[:r]).to(W.dtype))        # (r, in)
             new.up.weight.copy_((U[:, :r] * root[None, :]).to(W.dtype))        # (out, r)
@@ -69,10 +127,11 @@ class _SVDHandler:
         return SVD(rank=new.rank)
 
     def skeleton(self, name, module, config):
-        if config.rank is None:
-            raise ValueError(f"{name!r}: an energy-based SVD has no fixed rank; saved plans record SVD(rank=...)")
+        if config.rank is None:   # `apply` records SVD(rank=...) per layer (`resolved`), ahead of the pattern
+            raise ValueError(f"{name!r}: an energy-based SVD has no fixed rank; saved plans record SVD(rank=...) "
+                             f"for every layer it factorised, so this layer was not factorised when it was saved")
         return LowRankLinear(module.in_features, module.out_features, config.rank, module.bias is not None,
-                             device=module.weight.device)
+                             device=module.weight.device, dtype=module.weight.dtype)
 
 
 @register_config(_SVDHandler(), kind="lowrank.SVD")

@@ -7,13 +7,19 @@
 
 ``storage`` decides what the pruned layer keeps:
 
-- ``"mask"`` (default): the dense weight and its mask (`PrunedLinear` / `PrunedConv2d`) - fine-tune it, then
-  `finalize` it to another storage;
-- ``"dense"``: a plain layer whose pruned weights are zeros (no bytes saved, nothing to carry);
+- ``"mask"`` (default): the layer, its pruned weights stored as zeros, whose gradients stay zero
+  (`PrunedLinear`, `PrunedConv1d`, `PrunedConv2d`, `PrunedEmbedding`, or `pruned_class` of a subclass) - fine-tune
+  it, then `finalize` it to another storage; no more bytes than the original, no cost per forward;
+- ``"dense"``: the plain layer with its pruned weights as zeros (fine-tuning may regrow them);
 - ``"csr"``: `SparseLinear` (nn.Linear only), which stores only the kept weights;
 - ``"2:4"``: `SemiStructuredLinear` (nn.Linear, ``NM(2, 4)`` only): the kept half of the weights plus 2-bit
   positions (0.52x the fp32 bytes); on CUDA its ``kernel="semi_structured"`` path multiplies with
   ``torch.sparse.to_sparse_semi_structured`` (see `SemiStructuredLinear`).
+
+Layers are chosen by what they compute: nn.Linear, nn.Conv1d, nn.Conv2d (grouped and depthwise too),
+nn.Embedding and their subclasses. A subclass with its own forward (EfficientNet's same-padding convolution)
+keeps it - the pruned weight is its own ``.weight`` - after a probe checks that its output follows ``.weight``;
+otherwise it is refused, naming the layer. csr / 2:4 storages replace an nn.Linear whose forward is nn.Linear's.
 
 Masks keep an exact count of weights (``numel - round(sparsity * numel)``; N:M keeps ``n/m``), so a saved
 file's structure follows from its plan alone.
@@ -30,7 +36,9 @@ from workbench.plans.apply import PLANS_ATTR, applied_plans
 from workbench.plans.plan import Plan
 from workbench.plans.registry import Config, register_config
 from workbench.pruning import masks
-from workbench.pruning.modules import PrunedConv2d, PrunedLinear, SemiStructuredLinear, SparseLinear
+from workbench.pruning.modules import (
+    PRUNABLE, Pruned, SemiStructuredLinear, SparseLinear, freeze_zeros, pruned_class,
+)
 
 __all__ = ["Magnitude", "Random", "NM", "global_plan", "finalize", "STORAGES", "sparsity_of"]
 
@@ -51,65 +59,137 @@ def _kept(config, numel: int) -> int:
     return numel - round(config.sparsity * numel)
 
 
+def _rows(w: torch.Tensor) -> torch.Tensor:
+    """The weight as (output rows, inputs): the input dimension (the one N:M groups run along) last."""
+    return w.reshape(w.shape[0], -1)                                    # Linear (out, in); Conv (out, in*k...)
+
+
+def _completed(config, mask: torch.Tensor) -> torch.Tensor:
+    """``mask`` (kept = True) with zero-valued positions added, in index order, until it keeps exactly what
+    ``config`` keeps (a kept weight may be exactly 0.0, and a pruned layer's mask is its zero pattern): the
+    structure of a csr / 2:4 layer then follows from the plan alone, and its values are unchanged."""
+    rows = _rows(mask).clone()
+    if isinstance(config, NM):
+        groups = rows.reshape(-1, config.m)                                   # (groups, m)
+        short = config.n - groups.sum(1, keepdim=True)                        # (groups, 1)
+        if bool((short < 0).any()):
+            return mask   # more than n kept in a group: not N:M, which the 2:4 storage reports
+        fill = (~groups).cumsum(1) <= short
+        return (groups | (fill & ~groups)).reshape(mask.shape)
+    flat = rows.reshape(-1)
+    short = _kept(config, flat.numel()) - int(flat.sum())
+    if short > 0:
+        flat[(~flat).nonzero().flatten()[:short]] = True
+    return flat.reshape(mask.shape)
+
+
 def _build(module: nn.Module, config, mask: torch.Tensor | None) -> nn.Module:
-    """The pruned module of ``config.storage``; ``mask`` None builds the empty structure (for wb.load)."""
+    """The pruned module of ``config.storage`` from a plain layer; ``mask`` None builds the empty structure
+    (for wb.load)."""
     w = module.weight
-    if config.storage == "2:4":
-        if mask is None:
-            return SemiStructuredLinear(module.in_features, module.out_features, module.bias is not None,
-                                        dtype=w.dtype, device=w.device)
-        return SemiStructuredLinear.from_dense(w, mask.reshape(w.shape), module.bias)
-    if config.storage == "csr":
+    if config.storage in ("2:4", "csr"):
+        if mask is not None:
+            mask = _completed(config, mask.reshape(w.shape))
+        if config.storage == "2:4":
+            if mask is None:
+                return SemiStructuredLinear(module.in_features, module.out_features, module.bias is not None,
+                                            dtype=w.dtype, device=w.device)
+            return SemiStructuredLinear.from_dense(w, mask, module.bias)
         if mask is None:
             return SparseLinear(module.in_features, module.out_features, _kept(config, w.numel()),
                                 module.bias is not None, device=w.device)
-        return SparseLinear.from_dense(w, mask.reshape(w.shape), module.bias)
-    if config.storage == "dense":
-        new = copy.deepcopy(module)
-        if mask is not None:
-            with torch.no_grad():
-                new.weight.mul_(mask.reshape(w.shape))
-        return new
-    cls = PrunedLinear if type(module) is nn.Linear else PrunedConv2d
+        return SparseLinear.from_dense(w, mask, module.bias)
     new = copy.deepcopy(module)
-    new.__class__ = cls  # same constructor arguments and parameters; only forward and the mask differ
-    new.register_buffer("mask", mask.reshape(w.shape).clone() if mask is not None
-                        else torch.ones(w.shape, dtype=torch.bool, device=w.device))
+    if mask is not None:
+        with torch.no_grad():
+            new.weight.mul_(mask.reshape(w.shape))        # pruned weights are stored as zeros
+    if config.storage == "mask":
+        new.__class__ = pruned_class(type(module))   # same parameters; only the gradients of zeros differ
+        freeze_zeros(new.weight)
     return new
 
 
+def _plain_class(module: nn.Module) -> type:
+    return module.pruned_base if isinstance(module, Pruned) else type(module)
+
+
+def _own_forward(cls: type) -> bool:
+    """Whether a layer class computes something other than its PyTorch parent's forward."""
+    parent = next(c for c in cls.__mro__ if c in PRUNABLE)
+    return cls.forward is not parent.forward
+
+
+def _probe_input(module: nn.Module) -> tuple[torch.Tensor, ...]:
+    """A small input of the layer's kind, to check that a subclass's own forward reads ``.weight``."""
+    w = module.weight
+    g = torch.Generator().manual_seed(0)
+    if isinstance(module, nn.Embedding):
+        return (torch.randint(0, module.num_embeddings, (2, 5), generator=g, device=w.device),)
+    if isinstance(module, nn.Linear):
+        return (torch.randn(2, module.in_features, generator=g).to(w),)
+    span = [d * (k - 1) + 1 + 2 * s for k, d, s in zip(module.kernel_size, module.dilation, module.stride)]
+    return (torch.randn(1, module.in_channels, *span, generator=g).to(w),)
+
+
+def _check_reads_weight(name: str, original: nn.Module, pruned: nn.Module) -> None:
+    """A subclass with its own forward is kept as it is (its padding, its extra steps): refuse it unless its
+    output follows the pruned ``.weight``, e.g. a forward that caches its own copy of the weight."""
+    if bool((pruned.weight != 0).all()) or bool((original.weight == 0).all()):
+        return   # nothing was pruned: nothing to see
+    x = _probe_input(original)
+    try:
+        with torch.no_grad():
+            before, after = original(*x), pruned(*x)
+    except Exception as e:
+        raise ValueError(f"{name!r} is a {type(original).__name__}, whose forward is its own; pruning keeps that "
+                         f"forward and checks on a probe input that it reads the pruned .weight, but the probe "
+                         f"failed ({type(e).__name__}: {e})") from e
+    if not isinstance(before, torch.Tensor) or torch.equal(before, after):
+        raise ValueError(f"{name!r} is a {type(original).__name__}, whose own forward does not compute with its "
+                         f".weight (its output did not change when weights were pruned): pruning it would be a "
+                         f"silent no-op")
+
+
 class _PruneHandler:
-    def supports(self, module: nn.Module, config) -> bool:
+    def why_not(self, module: nn.Module, config) -> str | None:
+        base = _plain_class(module)
         if config.storage in ("csr", "2:4"):
-            return type(module) in (nn.Linear, PrunedLinear)
-        return type(module) in (nn.Linear, nn.Conv2d, PrunedLinear, PrunedConv2d)
+            if not issubclass(base, nn.Linear) or _own_forward(base):
+                return f"storage {config.storage!r} replaces an nn.Linear (with its forward); use 'mask' or 'dense'"
+            return None
+        if not issubclass(base, PRUNABLE):
+            return f"unstructured pruning masks the weight of {', '.join(c.__name__ for c in PRUNABLE)}"
+        return None
+
+    def supports(self, module: nn.Module, config) -> bool:
+        return self.why_not(module, config) is None
 
     def needs_calibration(self, config) -> bool:
         return False
 
     def apply(self, name, module, config, inputs):
         w = module.weight.detach()
-        if hasattr(module, "mask"):  # pruning a pruned layer: what is pruned scores 0 and stays pruned
-            w = w * module.mask
-        w2d = w.reshape(w.shape[0], -1)
-        if not torch.isfinite(w2d).all():
+        if not torch.isfinite(w).all():
             raise ValueError(f"weight of {name!r} contains NaN or Inf")
-        mask = _mask_for(config, w2d)
-        if hasattr(module, "mask"):
-            mask &= module.mask.reshape(w2d.shape)
+        w2d = _rows(w)
+        mask = _mask_for(config, w2d)          # a pruned layer's zeros score 0: they stay pruned (Random: below)
+        if isinstance(module, Pruned):
+            mask &= _rows(module.mask)
         plain = _plain(module)
-        return _build(plain, config, mask)
+        new = _build(plain, config, mask)
+        if config.storage in ("mask", "dense") and _own_forward(type(plain)):
+            _check_reads_weight(name, plain, new)
+        return new
 
     def skeleton(self, name, module, config):
         return _build(_plain(module), config, None)
 
 
 def _plain(module: nn.Module) -> nn.Module:
-    """A plain nn.Linear / nn.Conv2d copy of a (possibly already pruned) layer."""
-    if type(module) in (PrunedLinear, PrunedConv2d):
+    """An unpruned-class copy of a (possibly already pruned) layer (its zeros stay zeros)."""
+    if isinstance(module, Pruned):
         new = copy.deepcopy(module)
-        new.__class__ = nn.Linear if type(module) is PrunedLinear else nn.Conv2d
-        del new._buffers["mask"]
+        new.__class__ = module.pruned_base
         return new
     return module
 
@@ -179,15 +259,23 @@ def global_plan(model: nn.Module, patterns, sparsity: float, storage: str = "mas
 
 
 def sparsity_of(model: nn.Module) -> dict[str, float]:
-    """Fraction of zero (or masked) weights of each Linear / Conv2d / pruned layer."""
+    """Fraction of zero (pruned) weights of each prunable or pruned layer."""
     out = {}
     for name, m in model.named_modules():
         if isinstance(m, (SparseLinear, SemiStructuredLinear)):
             out[name] = 1 - m.values.numel() / (m.in_features * m.out_features)
-        elif isinstance(m, (nn.Linear, nn.Conv2d)):
-            w = m.weight * m.mask if hasattr(m, "mask") else m.weight
-            out[name] = float((w == 0).float().mean())
+        elif isinstance(m, PRUNABLE):
+            out[name] = float((m.weight == 0).float().mean())
     return out
+
+
+def _config_of(plans, name: str):
+    """The pruning config that last shaped layer ``name`` (with storage "mask")."""
+    for plan in reversed(plans):
+        hit = plan.match(name)
+        if hit is not None and isinstance(hit[1], (Magnitude, Random, NM)):
+            return hit[1]
+    return None
 
 
 def finalize(model: nn.Module, storage: str = "dense") -> nn.Module:
@@ -200,16 +288,20 @@ def finalize(model: nn.Module, storage: str = "dense") -> nn.Module:
     target = copy.deepcopy(model)
     replacements = {}
     for name, m in target.named_modules():
-        if type(m) in (PrunedLinear, PrunedConv2d):
-            if storage in ("csr", "2:4") and type(m) is PrunedConv2d:
-                raise ValueError(f"{name!r}: {storage} storage is for nn.Linear; finalize convolutions as 'dense'")
+        if isinstance(m, Pruned):
+            if storage in ("csr", "2:4") and (not isinstance(m, nn.Linear) or _own_forward(m.pruned_base)):
+                raise ValueError(f"{name!r}: {storage} storage replaces an nn.Linear; finalize "
+                                 f"{type(m).__name__} as 'dense'")
             plain = _plain(m)
+            if storage == "dense":
+                replacements[name] = plain
+                continue
+            config = _config_of(plans, name)
+            mask = m.mask if config is None else _completed(config, m.mask)
             if storage == "csr":
-                replacements[name] = SparseLinear.from_dense(plain.weight, m.mask, plain.bias)
-            elif storage == "2:4":
-                replacements[name] = SemiStructuredLinear.from_dense(plain.weight, m.mask, plain.bias, name)
+                replacements[name] = SparseLinear.from_dense(plain.weight, mask, plain.bias)
             else:
-                replacements[name] = _build(plain, Magnitude(0.0, "dense"), m.mask)
+                replacements[name] = SemiStructuredLinear.from_dense(plain.weight, mask, plain.bias, name)
     for name, new in replacements.items():
         target.set_submodule(name, new)
 

@@ -1,7 +1,15 @@
 """Pruned layers.
 
-- `PrunedLinear` / `PrunedConv2d`: the dense weight plus a boolean ``mask`` buffer, computing with
-  ``weight * mask``; gradients of pruned weights are zero, so they stay pruned while the model is fine-tuned.
+- `PrunedLinear` / `PrunedConv1d` / `PrunedConv2d` / `PrunedEmbedding` (and `pruned_class(cls)` for any
+  subclass of those, e.g. EfficientNet's same-padding convolution): the layer itself, with its pruned weights
+  stored as zeros *in* ``weight``. Whatever reads ``.weight`` - the layer's own ``forward`` (a subclass keeps
+  its padding), PyTorch's fused ``TransformerEncoderLayer`` fast path, ``nn.MultiheadAttention`` reading
+  ``out_proj.weight``, Hugging Face dtype checks, user code - sees the pruned weight, at no cost per forward.
+  The mask is the weight's zero pattern (``.mask`` is ``weight != 0``), so it costs no bytes either: a pruned
+  model is never larger than the original. While gradients are recorded, a hook on the weight zeroes the
+  gradient of every zero weight, so fine-tuning never regrows a pruned weight (with SGD, momentum, Adam or
+  decoupled weight decay alike: each moves a weight only by a multiple of its gradient or of itself).
+  A kept weight that becomes exactly 0.0 while fine-tuning is pruned from then on.
 - `SparseLinear`: the kept weights in CSR form (fp32 values, int32 column indices and row pointers), so
   `measure().size_bytes` really drops - once sparsity is high enough (CSR costs 8 bytes per kept weight,
   dense 4 per weight: it only pays above 50 %). It multiplies with ``torch.sparse.mm``.
@@ -14,26 +22,110 @@
 """
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["PrunedLinear", "PrunedConv2d", "SparseLinear", "SemiStructuredLinear", "csr_bytes"]
+__all__ = ["PrunedLinear", "PrunedConv1d", "PrunedConv2d", "PrunedEmbedding", "Pruned", "pruned_class",
+           "PRUNABLE", "SparseLinear", "SemiStructuredLinear", "csr_bytes"]
+
+PRUNABLE = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding)   # layers whose ``weight`` unstructured pruning masks
 
 
-class PrunedLinear(nn.Linear):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight * self.mask, self.bias)
+class _HookMark:
+    """Marks a weight whose gradient hook is installed. Pickling drops tensor hooks, so the mark unpickles as
+    False and the hook is installed again."""
+
+    def __bool__(self) -> bool:
+        return True
+
+    def __reduce__(self):
+        return (bool, ())
+
+
+def _zero_grad_of_zeros(weight_ref, grad: torch.Tensor) -> torch.Tensor:
+    weight = weight_ref()
+    return grad if weight is None else grad * (weight.detach() != 0)
+
+
+def freeze_zeros(weight: torch.Tensor) -> None:
+    """Make the gradient of every zero entry of ``weight`` zero, whenever a gradient reaches it (idempotent)."""
+    if weight.requires_grad and not getattr(weight, "_workbench_zero_grad", False):
+        import weakref
+
+        weight.register_hook(functools.partial(_zero_grad_of_zeros, weakref.ref(weight)))
+        weight._workbench_zero_grad = _HookMark()
+
+
+class Pruned:
+    """Mixin of the pruned layers (see the module docstring): the parent's forward, pruned weights as zeros,
+    their gradients held at zero. ``pruned_base`` is the class it prunes."""
+
+    pruned_base: type = nn.Module
+
+    def forward(self, *args, **kwargs):
+        if torch.is_grad_enabled():   # a copy made since (deepcopy, pickle, a new Parameter) gets its hook here
+            freeze_zeros(self.weight)
+        return super().forward(*args, **kwargs)
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """The keep-mask: True where the weight is not (yet) pruned."""
+        return self.weight != 0
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if "weight" in self._parameters and self._parameters["weight"] is not None:
+            freeze_zeros(self._parameters["weight"])
+
+    def __reduce_ex__(self, protocol):
+        # a class made by `pruned_class` for a user's subclass is not importable by name: rebuild it from its base
+        return (_new_pruned, (self.pruned_base,), self.__getstate__())
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, sparsity={1 - self.mask.float().mean().item():.3f}"
 
 
-class PrunedConv2d(nn.Conv2d):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._conv_forward(x, self.weight * self.mask, self.bias)
+def _new_pruned(base: type) -> nn.Module:
+    cls = pruned_class(base)
+    return cls.__new__(cls)
+
+
+class PrunedLinear(Pruned, nn.Linear):
+    pruned_base = nn.Linear
+
+
+class PrunedConv1d(Pruned, nn.Conv1d):
+    pruned_base = nn.Conv1d
+
+
+class PrunedConv2d(Pruned, nn.Conv2d):
+    pruned_base = nn.Conv2d
+
+
+class PrunedEmbedding(Pruned, nn.Embedding):
+    pruned_base = nn.Embedding
+
+
+_STATIC = {c.pruned_base: c for c in (PrunedLinear, PrunedConv1d, PrunedConv2d, PrunedEmbedding)}
+
+
+@functools.cache
+def pruned_class(base: type) -> type:
+    """The pruned version of layer class ``base`` (a subclass of one of `PRUNABLE`): ``Pruned`` mixed into
+    ``base`` itself, so ``isinstance`` checks, attributes and ``base.forward`` all stay."""
+    if issubclass(base, Pruned):
+        raise TypeError(f"{base.__name__} is already a pruned class")
+    if base in _STATIC:
+        return _STATIC[base]
+    if not issubclass(base, PRUNABLE):
+        raise TypeError(f"unstructured pruning handles subclasses of {[c.__name__ for c in PRUNABLE]}, "
+                        f"not {base.__name__}")
+    return type(f"Pruned{base.__name__}", (Pruned, base),
+                {"pruned_base": base, "__module__": __name__, "__qualname__": f"Pruned{base.__name__}"})
 
 
 def csr_bytes(rows: int, nnz: int) -> int:

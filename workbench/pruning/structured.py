@@ -19,6 +19,14 @@ they are pruned together, with the same channels, ranked by their summed importa
 concatenation, a reshape, the model's input or output, a grouped convolution - cannot be resolved safely and
 raises an error naming the layer; the input model is never modified.
 
+Models torch.fx cannot trace (Hugging Face transformers, nn.TransformerEncoder) say who reads what with
+``consumers=``: `transformer_ffn_consumers` finds the feed-forward blocks of BERT, GPT-2 (transformers' Conv1D,
+weight stored (in, out), is cut on the right axis and becomes the equivalent nn.Linear, the form the core's
+canonicalisation gives it), Llama (SwiGLU: producers that feed the same consumer - gate and
+up projections - are cut together, like a residual group), T5, ViT and nn.TransformerEncoderLayer (`FFN_LAYOUTS`).
+Attention heads: see `workbench.pruning.heads`. Calibration batches may be tensors, tuples, or dicts of keyword
+inputs; a Hugging Face ModelOutput is read through its logits / last_hidden_state (`main_output`).
+
 The remaining channel counts are recorded on the result as a plan of `Kept` entries, so `wb.save` / `wb.load`
 restore a structurally pruned model (the counts rebuild the shapes; the file holds the values).
 """
@@ -37,7 +45,8 @@ from workbench.plans.apply import PLANS_ATTR, applied_plans
 from workbench.plans.plan import Plan, _matcher
 from workbench.plans.registry import Config, register_config
 
-__all__ = ["Kept", "channels", "channel_importance", "transformer_ffn_consumers", "attention_heads", "head_importance"]
+__all__ = ["Kept", "channels", "channel_importance", "transformer_ffn_consumers", "FFN_LAYOUTS", "main_output", "run",
+           "out_in", "hf_conv1d"]
 
 _CHANNELWISE_MODULES = (nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.Dropout,
                         nn.Identity, nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d, nn.AvgPool2d, nn.AdaptiveAvgPool2d)
@@ -62,13 +71,30 @@ def _trace(model: nn.Module, example_inputs) -> fx.GraphModule:
         gm = fx.symbolic_trace(model)
     except Exception as e:
         raise ValueError(f"structured pruning traces the model with torch.fx, and {type(model).__name__} could not "
-                         f"be traced: {type(e).__name__}: {e}") from None
+                         f"be traced ({type(e).__name__}: {e}); say which layers read each pruned layer's channels "
+                         f"with consumers= instead (wb.prune.transformer_ffn_consumers(model) builds it for "
+                         f"transformer feed-forward blocks)") from None
     if example_inputs is not None:
         from torch.fx.passes.shape_prop import ShapeProp
 
         with torch.no_grad():
             ShapeProp(gm).propagate(*example_inputs)
     return gm
+
+
+def _consumer_group(consumers: dict[str, list[str]], name: str) -> _Dependents:
+    """With explicit ``consumers``: every producer that feeds one of ``name``'s consumers is cut the same way
+    (Llama's gate_proj and up_proj multiply channel by channel before down_proj reads them)."""
+    producers, reads = [name], list(consumers[name])
+    changed = True
+    while changed:
+        changed = False
+        for p, cs in consumers.items():
+            if p not in producers and set(cs) & set(reads):
+                producers.append(p)
+                reads += [c for c in cs if c not in reads]
+                changed = True
+    return _Dependents(producers, [], [(c, 1) for c in reads])
 
 
 def _is_producer(mod: nn.Module) -> bool:
@@ -170,6 +196,67 @@ def _dependents(gm: fx.GraphModule, producer: str) -> _Dependents:
     return deps
 
 
+
+def hf_conv1d() -> type | None:
+    """transformers' ``Conv1D`` (GPT-2's linear layer, weight stored (in, out)) when transformers is installed."""
+    import sys
+
+    if "transformers" not in sys.modules:   # a model holding Conv1D layers has imported it already
+        return None
+    from transformers.pytorch_utils import Conv1D
+
+    return Conv1D
+
+
+def is_conv1d_hf(module: nn.Module) -> bool:
+    cls = hf_conv1d()
+    return cls is not None and isinstance(module, cls)
+
+
+def out_in(module: nn.Module) -> tuple[int, int]:
+    """(output channels, input features) of a Linear, Conv2d or transformers Conv1D."""
+    w = module.weight
+    return (w.shape[1], w.shape[0]) if is_conv1d_hf(module) else (w.shape[0], w.shape[1])
+
+
+def rows_of(module: nn.Module) -> torch.Tensor:
+    """The weight as (output channels, everything else), whatever the layer's storage order."""
+    w = module.weight.detach()
+    return w.T if is_conv1d_hf(module) else w.reshape(w.shape[0], -1)
+
+
+def main_output(out) -> torch.Tensor:
+    """The tensor a model's output stands for: itself, a Hugging Face ModelOutput's ``logits`` or
+    ``last_hidden_state``, or the first tensor of a tuple / ModelOutput."""
+    if isinstance(out, torch.Tensor):
+        return out
+    for key in ("logits", "last_hidden_state"):
+        t = getattr(out, key, None)
+        if isinstance(t, torch.Tensor):
+            return t
+    items = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()
+    for t in items:
+        if isinstance(t, torch.Tensor):
+            return t
+    raise TypeError(f"cannot find the output tensor in a {type(out).__name__}")
+
+
+def run(model: nn.Module, batch):
+    """Call ``model`` on one calibration batch: a dict is keyword inputs (Hugging Face), a tensor or a tuple
+    positional inputs; returns `main_output`."""
+    if isinstance(batch, dict):
+        return main_output(model(**batch))
+    return main_output(model(*((batch,) if isinstance(batch, torch.Tensor) else tuple(batch))))
+
+
+def _is_layer(module: nn.Module) -> bool:
+    """A layer structured pruning can cut: nn.Linear (or a subclass computing nn.Linear's forward), a plain
+    nn.Conv2d, or a transformers Conv1D."""
+    if isinstance(module, nn.Linear):
+        return type(module).forward is nn.Linear.forward
+    return type(module) is nn.Conv2d or is_conv1d_hf(module)
+
+
 def channel_importance(model: nn.Module, layer: str, criterion: str = "l1", calibration=None,
                        labels=None) -> torch.Tensor:
     """Importance of each output channel of ``layer`` (higher = keep).
@@ -178,7 +265,7 @@ def channel_importance(model: nn.Module, layer: str, criterion: str = "l1", cali
     labels (e.g. a sentence encoder) it uses the model output projected on a fixed random direction, so the
     score estimates how much removing the channel moves the output to first order."""
     module = model.get_submodule(layer)
-    w = module.weight.detach().reshape(module.weight.shape[0], -1)
+    w = rows_of(module)
     if criterion == "l1":
         return w.abs().sum(1)
     if criterion == "l2":
@@ -201,9 +288,8 @@ def channel_importance(model: nn.Module, layer: str, criterion: str = "l1", cali
     model.eval()
     try:
         for i, batch in enumerate(calibration):
-            batch = (batch,) if isinstance(batch, torch.Tensor) else tuple(batch)
             model.zero_grad(set_to_none=True)
-            out = model(*batch)
+            out = run(model, batch)
             if labels is not None:
                 loss = F.cross_entropy(out, labels[i])
             else:
@@ -212,7 +298,7 @@ def channel_importance(model: nn.Module, layer: str, criterion: str = "l1", cali
             loss.backward()
             a, g = store["out"], store["out"].grad      # Conv: (B, C, ...); Linear: (B, ..., C)
             ag = a * g
-            if isinstance(module, nn.Linear):
+            if not isinstance(module, nn.Conv2d):                           # Linear, Conv1D: channels last
                 per_sample = ag.reshape(ag.shape[0], -1, ag.shape[-1]).sum(1)   # (B, C): sum over positions
             else:
                 per_sample = ag.reshape(ag.shape[0], ag.shape[1], -1).sum(-1)   # (B, C)
@@ -225,6 +311,15 @@ def channel_importance(model: nn.Module, layer: str, criterion: str = "l1", cali
 
 
 def _take(module: nn.Module, out_idx: torch.Tensor | None = None, in_idx: torch.Tensor | None = None) -> nn.Module:
+    if is_conv1d_hf(module):   # weight (in, out): cut, then store as the equivalent nn.Linear (out, in)
+        w = module.weight.detach()
+        w = w[:, out_idx] if out_idx is not None else w
+        w = w[in_idx] if in_idx is not None else w                                   # (in', out')
+        new = nn.Linear(w.shape[0], w.shape[1]).to(device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            new.weight.copy_(w.T)
+            new.bias.copy_(module.bias[out_idx] if out_idx is not None else module.bias)
+        return new.train(module.training)
     w = module.weight.detach()
     if out_idx is not None:
         w = w[out_idx]
@@ -273,7 +368,7 @@ def channels(model: nn.Module, amounts: dict[str, float], criterion: str = "l1",
         raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}")
     target = copy.deepcopy(model)
     gm = None if consumers is not None else _trace(target, example_inputs)
-    names = [n for n, m in target.named_modules() if type(m) in (nn.Linear, nn.Conv2d)]
+    names = [n for n, m in target.named_modules() if _is_layer(m)]
     chosen: dict[str, float] = {}
     for pattern, amount in amounts.items():
         if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not 0 <= amount < 1:
@@ -281,7 +376,7 @@ def channels(model: nn.Module, amounts: dict[str, float], criterion: str = "l1",
         match = _matcher(pattern)
         hits = [n for n in names if match(n)]
         if not hits:
-            raise ValueError(f"pattern {pattern!r} matches no nn.Linear / nn.Conv2d layer")
+            raise ValueError(f"pattern {pattern!r} matches no nn.Linear / nn.Conv2d / Conv1D layer")
         for n in hits:
             chosen.setdefault(n, float(amount))
     plans: dict[str, torch.Tensor] = {}   # producer -> kept output channels
@@ -292,14 +387,15 @@ def channels(model: nn.Module, amounts: dict[str, float], criterion: str = "l1",
         if consumers is not None:
             if name not in consumers:
                 raise ValueError(f"consumers= does not say which layers read the channels of {name!r}")
-            deps = _Dependents([name], [], [(c, 1) for c in consumers[name]])
+            deps = _consumer_group(consumers, name)
         else:  # a consumer may be pruned too: its input and output sides are independent
             deps = _dependents(gm, name)
         amounts_in_group = {chosen[p] for p in deps.producers if p in chosen}
         if len(amounts_in_group) > 1:
-            raise ValueError(f"{deps.producers} add their outputs together and must be pruned alike, but were "
-                             f"given different amounts {sorted(amounts_in_group)}")
-        out = target.get_submodule(name).weight.shape[0]
+            raise ValueError(f"{deps.producers} are cut together (their outputs are added, or read channel by "
+                             f"channel by the same layers) and must be pruned alike, but were given different "
+                             f"amounts {sorted(amounts_in_group)}")
+        out = out_in(target.get_submodule(name))[0]
         keep = out - round(amount * out)
         if keep < 1:
             raise ValueError(f"pruning {amount} of {name!r} would remove all of its {out} channels")
@@ -326,95 +422,51 @@ def channels(model: nn.Module, amounts: dict[str, float], criterion: str = "l1",
     return target
 
 
+# Feed-forward blocks by layout: (the block's input projections, cut together; its output projection), as
+# attribute paths relative to one module. One row per family; a row matches only if the shapes agree.
+FFN_LAYOUTS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("intermediate.dense",), "output.dense"),    # BERT, MiniLM
+    (("mlp.c_fc",), "mlp.c_proj"),                # GPT-2 (Conv1D or Linear)
+    (("gate_proj", "up_proj"), "down_proj"),      # Llama, Mistral, Qwen (SwiGLU)
+    (("wi",), "wo"),                              # T5 (ReLU)
+    (("wi_0", "wi_1"), "wo"),                     # T5 v1.1 / Flan-T5 (gated GELU)
+    (("fc1",), "fc2"),                            # ViT (transformers 5), CLIP, OPT
+    (("linear1",), "linear2"),                    # nn.TransformerEncoderLayer / DecoderLayer
+)
+
+
 def transformer_ffn_consumers(model: nn.Module) -> dict[str, list[str]]:
-    """``{ffn input projection: [ffn output projection]}`` for BERT-style (``intermediate.dense`` ->
-    ``output.dense``) and GPT-style (``mlp.c_fc`` -> ``mlp.c_proj``) blocks, found by module structure."""
-    out = {}
+    """``{ffn input projection: [ffn output projection]}`` for every transformer feed-forward block of ``model``
+    whose layout is in `FFN_LAYOUTS` (BERT, GPT-2, Llama's SwiGLU - gate and up projections then share their
+    consumer and `channels` cuts them together -, T5, ViT, nn.TransformerEncoder), found by module structure
+    and checked by shape (the hidden width the inputs produce is the width the output projection reads)."""
+    out: dict[str, list[str]] = {}
     for name, m in model.named_modules():
         prefix = f"{name}." if name else ""
-        inter, outp = getattr(m, "intermediate", None), getattr(m, "output", None)
-        if isinstance(getattr(inter, "dense", None), nn.Linear) and isinstance(getattr(outp, "dense", None), nn.Linear):
-            out[f"{prefix}intermediate.dense"] = [f"{prefix}output.dense"]
-        mlp = getattr(m, "mlp", None)
-        if isinstance(getattr(mlp, "c_fc", None), nn.Linear) and isinstance(getattr(mlp, "c_proj", None), nn.Linear):
-            out[f"{prefix}mlp.c_fc"] = [f"{prefix}mlp.c_proj"]
+        for ins, outp in FFN_LAYOUTS:
+            try:
+                producers = [m.get_submodule(p) for p in ins]
+                consumer = m.get_submodule(outp)
+            except AttributeError:
+                continue
+            if not all(_is_layer(x) for x in (*producers, consumer)):
+                continue
+            if len({out_in(x)[0] for x in producers}) != 1 or out_in(producers[0])[0] != out_in(consumer)[1]:
+                continue
+            for p in ins:
+                out[f"{prefix}{p}"] = [f"{prefix}{outp}"]
     if not out:
-        raise ValueError(f"found no transformer feed-forward block in {type(model).__name__}")
+        known = "; ".join(f"{' + '.join(i)} -> {o}" for i, o in FFN_LAYOUTS)
+        raise ValueError(f"found no transformer feed-forward block in {type(model).__name__} (known layouts: "
+                         f"{known}); pass consumers= to wb.prune.channels yourself")
     return out
-
-
-def _attention_blocks(model: nn.Module) -> dict[str, nn.Module]:
-    """BERT-style attention blocks: ``.self`` with query/key/value Linears and ``.output.dense``."""
-    out = {}
-    for name, m in model.named_modules():
-        sa = getattr(m, "self", None)
-        if all(isinstance(getattr(sa, k, None), nn.Linear) for k in ("query", "key", "value")) and \
-                isinstance(getattr(getattr(m, "output", None), "dense", None), nn.Linear) and \
-                hasattr(sa, "attention_head_size"):
-            out[name] = m
-    if not out:
-        raise ValueError(f"found no BERT-style attention block (self.query/key/value, output.dense) in "
-                         f"{type(model).__name__}")
-    return out
-
-
-def head_importance(model: nn.Module, calibration, reference=None) -> dict[str, torch.Tensor]:
-    """Per attention block, the importance of each head: how far the model output moves (1 - cosine similarity,
-    averaged over the calibration batches) when that head alone is switched off."""
-    blocks = _attention_blocks(model)
-    batches = [(b,) if isinstance(b, torch.Tensor) else tuple(b) for b in calibration]
-    with torch.inference_mode():
-        ref = reference if reference is not None else [model(*b) for b in batches]
-        scores = {}
-        for name, block in blocks.items():
-            v, d = block.self.value, block.self.attention_head_size
-            heads = v.out_features // d
-            s = torch.zeros(heads)
-            for h in range(heads):
-                rows = slice(h * d, (h + 1) * d)
-                saved_w, saved_b = v.weight[rows].clone(), v.bias[rows].clone()
-                v.weight[rows] = 0   # a head with zero values outputs zero
-                v.bias[rows] = 0
-                try:
-                    s[h] = sum(float(1 - F.cosine_similarity(model(*b).flatten(1), r.flatten(1)).mean())
-                               for b, r in zip(batches, ref, strict=True)) / len(batches)
-                finally:
-                    v.weight[rows] = saved_w
-                    v.bias[rows] = saved_b
-            scores[name] = s
-    return scores
-
-
-def attention_heads(model: nn.Module, heads: int, calibration, importance: dict[str, torch.Tensor] | None = None):
-    """A copy of ``model`` with the ``heads`` least important heads of every BERT-style attention block removed:
-    the query/key/value rows and the output projection's columns of those heads are cut out."""
-    if not isinstance(heads, int) or heads < 0:
-        raise ValueError(f"heads must be a non-negative int, got {heads!r}")
-    target = copy.deepcopy(model)
-    blocks = _attention_blocks(target)
-    importance = importance if importance is not None else head_importance(target, calibration)
-    for name, block in blocks.items():
-        sa = block.self
-        d = sa.attention_head_size
-        total = sa.query.out_features // d
-        if heads >= total:
-            raise ValueError(f"removing {heads} heads would remove every head of {name!r} ({total} heads)")
-        keep = torch.sort(torch.topk(importance[name], total - heads).indices).values
-        rows = (keep[:, None] * d + torch.arange(d)[None, :]).reshape(-1)
-        sa.query, sa.key, sa.value = (_take(getattr(sa, k), out_idx=rows) for k in ("query", "key", "value"))
-        block.output.dense = _take(block.output.dense, in_idx=rows)
-        sa.num_attention_heads = total - heads
-        sa.all_head_size = len(rows)
-    _record(target, model, [f"{name}.{part}" for name in blocks
-                            for part in ("self.query", "self.key", "self.value", "output.dense")])
-    return target
 
 
 class _KeptHandler:
     """Rebuilds the shapes structured pruning left, so `wb.load` can restore a structurally pruned model."""
 
     def supports(self, module: nn.Module, config) -> bool:
-        return type(module) in (nn.Linear, nn.Conv2d, *_BATCHNORMS)
+        return _is_layer(module) or isinstance(module, _BATCHNORMS)
 
     def needs_calibration(self, config) -> bool:
         return False
@@ -449,7 +501,7 @@ def _record(model: nn.Module, before: nn.Module, names) -> None:
         if isinstance(new, _BATCHNORMS):
             entries[name] = Kept(out_channels=new.num_features)
             continue
-        w_old, w_new = old.weight, new.weight
-        entries[name] = Kept(out_channels=w_new.shape[0] if w_new.shape[0] != w_old.shape[0] else None,
-                             in_channels=w_new.shape[1] if w_new.shape[1] != w_old.shape[1] else None)
+        (o_old, i_old), (o_new, i_new) = out_in(old), out_in(new)
+        entries[name] = Kept(out_channels=o_new if o_new != o_old else None,
+                             in_channels=i_new if i_new != i_old else None)
     object.__setattr__(model, PLANS_ATTR, (*applied_plans(before), Plan(entries)))

@@ -58,11 +58,11 @@ def test_calibration_and_example_inputs(minilm_task):
 
 
 def test_calibration_runs_through_apply(minilm, minilm_task):
-    from workbench.plans.apply import _capture_inputs, normalize_calibration
+    from workbench.plans import capture_inputs, normalize_calibration
 
     batches = normalize_calibration(minilm_task.calibration(4, batch_size=2), minilm)
-    rec = _capture_inputs(minilm, ["encoder.layer.0.intermediate.dense"], batches)
+    rec = capture_inputs(minilm, ["encoder.layer.0.intermediate.dense"], batches)
     got = rec["encoder.layer.0.intermediate.dense"]
     assert len(got) == 2 and got[0][0].shape[-1] == 384
     with pytest.raises(ValueError, match=r"calibration batch 0 \(\(2, 5\) float32\) could not be run"):
-        _capture_inputs(minilm, ["encoder.layer.0.intermediate.dense"], [(torch.rand(2, 5),)])
+        capture_inputs(minilm, ["encoder.layer.0.intermediate.dense"], [(torch.rand(2, 5),)])

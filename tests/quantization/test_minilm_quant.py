@@ -48,14 +48,14 @@ def test_smoothquant_w8a8_beats_plain_w8a8(minilm, minilm_task, results):
 @pytest.mark.parametrize("bits", [4, 3])
 def test_gptq_and_awq_lower_layer_output_error_on_held_out_text(minilm, minilm_task, bits):
     """FFN output projection of layer 3: calibration documents 0-31, error on held-out documents."""
-    from workbench.plans.apply import _capture_inputs, normalize_calibration
+    from workbench.plans import capture_inputs, normalize_calibration
     from workbench.quantization.primitives import sqnr
 
     layer = "encoder.layer.3.output.dense"
     calib = minilm_task.calibration(32)
-    held = _capture_inputs(minilm, [layer], [minilm_task.example_inputs(8)])[layer][0][0]
+    held = capture_inputs(minilm, [layer], [minilm_task.example_inputs(8)])[layer][0][0]
     lin = minilm.get_submodule(layer)
-    inputs = _capture_inputs(minilm, [layer], normalize_calibration(calib, minilm))[layer]
+    inputs = capture_inputs(minilm, [layer], normalize_calibration(calib, minilm))[layer]
     with torch.no_grad():
         ref = lin(held)
         err = {}

@@ -131,10 +131,10 @@ def test_ptq_algorithms_beat_rtn_on_held_out_layer_output(method):
     """tiny-lm MLP input projection, calibration windows from the training text, error on held-out text."""
     model = wb.models.load("tiny-lm")
     task = wb.tasks.load("tiny-lm")
-    from workbench.plans.apply import _capture_inputs
+    from workbench.plans import capture_inputs
 
     layer = "h.2.mlp.c_fc"
-    held = _capture_inputs(model, [layer], [task.example_inputs(8)])[layer][0][0]
+    held = capture_inputs(model, [layer], [task.example_inputs(8)])[layer][0][0]
     lin = model.get_submodule(layer)
     with torch.no_grad():
         ref = lin(held)

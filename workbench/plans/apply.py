@@ -84,10 +84,6 @@ def normalize_calibration(calibration: Iterable[Any], model: nn.Module) -> list[
     return out
 
 
-def _capture_inputs(model, names, batches, progress=True):  # the name older callers use
-    return capture_inputs(model, names, batches, progress)
-
-
 def apply(model: nn.Module, plan: Plan | Mapping[str, Config | None], calibration: Iterable[Any] | None = None,
           inplace: bool = False, progress: bool = True, estimate: bool = False) -> nn.Module:
     """Apply ``plan`` to ``model`` and return the compressed model.

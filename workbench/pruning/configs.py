@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from workbench.plans.apply import PLANS_ATTR, applied_plans
+from workbench.plans.layers import applied_plans, record_plan, swap_layers
 from workbench.plans.plan import Plan
 from workbench.plans.registry import Config, register_config
 from workbench.pruning import masks
@@ -302,14 +302,13 @@ def finalize(model: nn.Module, storage: str = "dense") -> nn.Module:
                 replacements[name] = SparseLinear.from_dense(plain.weight, mask, plain.bias)
             else:
                 replacements[name] = SemiStructuredLinear.from_dense(plain.weight, mask, plain.bias, name)
-    for name, new in replacements.items():
-        target.set_submodule(name, new)
+    swap_layers(target, replacements)
 
     def restore(config):
         if not (isinstance(config, (Magnitude, Random, NM)) and config.storage == "mask"):
             return config
         return replace(config, storage=storage)  # (a "2:4" finalize only gets here with NM(2, 4): checked above)
 
-    object.__setattr__(target, PLANS_ATTR, tuple(Plan({p: (restore(c) if c is not None else None)
-                                                       for p, c in plan.items()}) for plan in plans))
+    record_plan(target, tuple(Plan({p: (restore(c) if c is not None else None) for p, c in plan.items()},
+                                   fold_batchnorm=plan.fold_batchnorm) for plan in plans))
     return target.eval() if not model.training else target

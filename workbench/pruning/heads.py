@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workbench.plans.apply import PLANS_ATTR, applied_plans
+from workbench.plans.layers import applied_plans, record_plan
 from workbench.plans.plan import Plan
 from workbench.plans.registry import Config, register_config
 from workbench.pruning.structured import _is_layer, _take, is_conv1d_hf, out_in, run
@@ -285,7 +285,7 @@ def attention_heads(model: nn.Module, heads: int, calibration, importance: dict[
             blocks[name].keep(target.get_submodule(name), units)
     entries = {name: KeptHeads(heads=len(units) * blocks[name].per_unit(model.get_submodule(name)))
                for name, units in kept.items()}
-    object.__setattr__(target, PLANS_ATTR, (*applied_plans(model), Plan(entries)))
+    record_plan(target, (*applied_plans(model), Plan(entries)))
     return target
 
 

@@ -41,7 +41,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from workbench.plans.apply import PLANS_ATTR, applied_plans
+from workbench.plans.layers import applied_plans, record_plan, swap_layers
 from workbench.plans.plan import Plan, _matcher
 from workbench.plans.registry import Config, register_config
 
@@ -416,8 +416,7 @@ def channels(model: nn.Module, amounts: dict[str, float], criterion: str = "l1",
     for name in set(plans) | set(in_keep):
         module = target.get_submodule(name)
         replacements[name] = _take(module, plans.get(name), in_keep.get(name))
-    for name, new in replacements.items():
-        target.set_submodule(name, new)
+    swap_layers(target, replacements)
     _record(target, model, replacements)
     return target
 
@@ -504,4 +503,4 @@ def _record(model: nn.Module, before: nn.Module, names) -> None:
         (o_old, i_old), (o_new, i_new) = out_in(old), out_in(new)
         entries[name] = Kept(out_channels=o_new if o_new != o_old else None,
                              in_channels=i_new if i_new != i_old else None)
-    object.__setattr__(model, PLANS_ATTR, (*applied_plans(before), Plan(entries)))
+    record_plan(model, (*applied_plans(before), Plan(entries)))

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workbench.plans.apply import PLANS_ATTR, applied_plans
+from workbench.plans.layers import applied_plans, canonicalize_for, record_plan, swap_layers
 from workbench.plans.plan import Plan
 from workbench.quantization import formats as fm
 from workbench.quantization.configs import Dynamic, Method, WeightOnly, _computation
@@ -234,12 +234,12 @@ def prepare(model: nn.Module, plan: Plan, learnable_scales: bool = False, kernel
                                f"is on {device}")
     plan = plan if isinstance(plan, Plan) else Plan(plan)
     target = copy.deepcopy(model)
+    canonicalize_for(target, plan)   # Conv1D / MultiheadAttention the plan reaches, as wb.apply and wb.load do
     replacements = {}
     for a in plan.resolve(target):
         replacements[a.name] = _qat_module(a.name, target.get_submodule(a.name), a.config, learnable_scales,
                                            kernel)
-    for name, new in replacements.items():
-        target.set_submodule(name, new)
+    swap_layers(target, replacements)
     object.__setattr__(target, QAT_PLAN_ATTR, plan)
     return target
 
@@ -284,8 +284,7 @@ def convert(model: nn.Module) -> nn.Module:
     target = copy.deepcopy(model)
     replacements = {name: _real_module(name, m) for name, m in target.named_modules()
                     if isinstance(m, _QATMixin)}
-    for name, new in replacements.items():
-        target.set_submodule(name, new)
+    swap_layers(target, replacements)
     target.__dict__.pop(QAT_PLAN_ATTR, None)
-    object.__setattr__(target, PLANS_ATTR, (*applied_plans(model), plan))
+    record_plan(target, (*applied_plans(model), plan))
     return target.eval()

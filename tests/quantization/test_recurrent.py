@@ -130,3 +130,36 @@ def test_dropout_only_in_training():
         q.train()
         tr = q(x)[0]
     assert not torch.equal(ev, tr) and _cos(ev, m(x)[0]) > 0.99
+
+
+def test_dynamic_plan_takes_lstm_and_gru_and_reloads(tmp_path):
+    import workbench as wb
+
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = nn.LSTM(16, 32, 2, batch_first=True)
+            self.gru = nn.GRU(32, 8)
+            self.fc = nn.Linear(8, 3)
+
+        def forward(self, x):
+            h, _ = self.rnn(x)
+            h, _ = self.gru(h)
+            return self.fc(h)
+
+    model = Net().eval()
+    x = torch.randn(4, 7, 16)
+    q = wb.apply(model, {"*": wb.quant.Dynamic()}, progress=False)
+    assert isinstance(q.rnn, DynamicQuantLSTM) and isinstance(q.gru, DynamicQuantGRU)
+    assert wb.size_bytes(q) < 0.35 * wb.size_bytes(model)
+    with torch.inference_mode():
+        a, b = model(x), q(x)
+    assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.999
+    wb.save(q, tmp_path / "q.safetensors")
+    again = wb.load(tmp_path / "q.safetensors", base=model)
+    with torch.inference_mode():
+        assert torch.equal(again(x), b)
+    with pytest.raises(wb.ApplyError, match="'rnn'.*no Triton kernel"):
+        wb.apply(model, {"rnn": wb.quant.Dynamic(kernel="triton")}, progress=False)

@@ -246,8 +246,8 @@ class _W8A8Handler:
         # quantized activations would never happen there (torch names the class for that reason)
         if isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
             return False
-        # (spot for wb.quant.Dynamic on nn.LSTM / nn.GRU: int8 weights of the recurrent layers are built in
-        #  workbench/quantization/recurrent.py - select them here and dispatch to it from apply / skeleton)
+        if _recurrent(module) is not None:   # Dynamic W8A8 of nn.LSTM / nn.GRU (workbench.quantization.recurrent)
+            return isinstance(config, Dynamic) and config.smooth_alpha is None
         if isinstance(config, Static) and config.smooth_alpha is None and config.kernel in ("reference", "auto"):
             return selectable(module, (nn.Linear, *CONV_TYPES))
         return selectable(module, (nn.Linear,))
@@ -263,6 +263,8 @@ class _W8A8Handler:
     def apply(self, name, module, config, inputs):
         from workbench.quantization.smoothquant import activation_absmax, smoothing_factors
 
+        if (rnn := _recurrent(module)) is not None:
+            return rnn.from_float(module, name, kernel=_recurrent_kernel(name, config))
         kind, padding = _computation(name, module, type(config).__name__)
         fm.check_finite(name, module.weight)
         if kind in CONV_TYPES:
@@ -290,6 +292,10 @@ class _W8A8Handler:
         return act_scale.reshape(()).to(inputs[0][0].device)
 
     def skeleton(self, name, module, config):
+        if (rnn := _recurrent(module)) is not None:
+            return rnn.skeleton(module.input_size, module.hidden_size, module.num_layers, module.bias,
+                                module.batch_first, module.dropout, module.bidirectional,
+                                kernel=_recurrent_kernel(name, config))
         kind, padding = _computation(name, module, type(config).__name__)
         if kind in CONV_TYPES:
             args = conv_args(module, padding)
@@ -297,6 +303,20 @@ class _W8A8Handler:
         return W8A8Linear(module.in_features, module.out_features, module.bias is not None,
                           static=isinstance(config, Static), smooth=config.smooth_alpha is not None,
                           device=module.weight.device, kernel=config.kernel)
+
+
+def _recurrent(module: nn.Module):
+    """The int8 recurrent module class for an exact nn.LSTM / nn.GRU (a subclass may compute something else)."""
+    from workbench.quantization.recurrent import DynamicQuantGRU, DynamicQuantLSTM
+
+    return {nn.LSTM: DynamicQuantLSTM, nn.GRU: DynamicQuantGRU}.get(type(module))
+
+
+def _recurrent_kernel(name: str, config) -> str:
+    if config.kernel == "triton":
+        raise ValueError(f"{name!r}: the int8 LSTM / GRU has 'reference' and 'cpu' paths, no Triton kernel; use "
+                         f"Dynamic(kernel='auto') for the recurrent layers")
+    return config.kernel
 
 
 def _check_w8a8(config) -> None:

@@ -113,6 +113,15 @@ class _SVDHandler:
             raise ValueError(f"rank {config.rank} exceeds min(out, in) = {max_rank} for {name!r} {tuple(W.shape)}")
         U, S, Vh = torch.linalg.svd(W.double(), full_matrices=False)
         r = config.rank if config.rank is not None else min(choose_rank(S, config.energy), max_rank)
+        out_f, in_f = W.shape
+        if r * (out_f + in_f) >= out_f * in_f:
+            # two factors of rank r hold r (out + in) values: at or above the dense weight's, no compression
+            even = (out_f * in_f) // (out_f + in_f)
+            kept = float((S[:even] ** 2).sum() / (S ** 2).sum()) if even else 0.0
+            raise ValueError(f"{name!r} {tuple(W.shape)}: rank {r} ({config}) would store {r * (out_f + in_f):,} "
+                             f"values, not fewer than the dense {out_f * in_f:,}; the largest rank that saves bytes "
+                             f"is {even} ({kept:.0%} of the energy) - use a smaller rank / energy, or leave "
+                             f"{name!r} out of the plan")
         root = S[:r].sqrt()
         new = LowRankLinear(module.in_features, module.out_features, r, module.bias is not None,
                             device=W.device, dtype=W.dtype)

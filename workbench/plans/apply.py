@@ -57,16 +57,16 @@ def _check_module(model: Any) -> nn.Module:
     return model
 
 
-def normalize_calibration(calibration: Iterable[Any], model: nn.Module) -> list[Batch]:
-    """Calibration batches as tuples of tensors on the model's device.
+def normalize_calibration(calibration: Iterable[Any], model: nn.Module) -> list:
+    """Calibration batches on the model's device: each a tuple of tensors (positional inputs) or a dict of
+    tensors (keyword inputs, as Hugging Face models take them).
 
-    Accepts what `Task.calibration` returns (a list of tuples), a list of tensors (one input each),
-    or a single tensor (one batch). Floating tensors are moved to the model's device and cast to
-    the dtype of its first floating-point parameter, so data prepared elsewhere just works.
-    """
+    Accepts what `Task.calibration` returns (a list of batches), a list of tensors (one input each) or a single
+    tensor (one batch). Floating tensors are moved to the model's device and cast to the dtype of its first
+    floating-point parameter, so data prepared elsewhere just works."""
     from workbench.tasks.base import model_device
 
-    if isinstance(calibration, torch.Tensor):
+    if isinstance(calibration, (torch.Tensor, Mapping)):
         calibration = [calibration]
     try:
         batches = list(calibration)
@@ -74,13 +74,22 @@ def normalize_calibration(calibration: Iterable[Any], model: nn.Module) -> list[
         raise TypeError(f"calibration must be a list of input batches, got {type(calibration).__name__}") from None
     device = model_device(model)
     fdtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    out = []
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=device, dtype=fdtype if t.is_floating_point() else t.dtype)
+
+    out: list = []
     for i, b in enumerate(batches):
+        if isinstance(b, Mapping):
+            if not b or not all(isinstance(k, str) and isinstance(t, torch.Tensor) for k, t in b.items()):
+                raise TypeError(f"calibration batch {i}: a dict batch maps input names to tensors, got {b!r:.80}")
+            out.append({k: move(t) for k, t in b.items()})
+            continue
         items = (b,) if isinstance(b, torch.Tensor) else tuple(b) if isinstance(b, (tuple, list)) else None
         if not items or not all(isinstance(t, torch.Tensor) for t in items):
-            raise TypeError(f"calibration batch {i} must be a tensor or a tuple of tensors, got {b!r:.80}")
-        out.append(tuple(t.to(device=device, dtype=fdtype if t.is_floating_point() else t.dtype)
-                         for t in items))
+            raise TypeError(f"calibration batch {i} must be a tensor, a tuple of tensors or a dict of tensors, "
+                            f"got {b!r:.80}")
+        out.append(tuple(move(t) for t in items))
     return out
 
 
@@ -139,7 +148,7 @@ def apply(model: nn.Module, plan: Plan | Mapping[str, Config | None], calibratio
     # A config whose structure depends on the data (e.g. a rank chosen by an energy threshold) is recorded
     # as the concrete per-layer config, ahead of the user's patterns, so wb.load rebuilds the same shapes.
     resolved = [(n, t.concrete) for n, t in done.items() if t.concrete != t.config]
-    recorded = Plan([*resolved, *((p, c) for p, c in plan.items() if p not in dict(resolved))]) if resolved else plan
+    recorded = _recorded(plan, assignments, resolved) if resolved else plan
     record_plan(target, (*applied_plans(model), recorded))
     rows = [{"layer": a.name, "type": a.module_type, "pattern": a.pattern, "config": repr(a.config),
              "status": "compressed", "recorded": repr(done[a.name].concrete), "note": done[a.name].note}
@@ -149,6 +158,15 @@ def apply(model: nn.Module, plan: Plan | Mapping[str, Config | None], calibratio
     object.__setattr__(target, REPORT_ATTR, rows)
     _warn_passed_over(passed)
     return target
+
+
+def _recorded(plan: Plan, assignments, resolved: list[tuple[str, Config]]) -> Plan:
+    """The plan to save: the concrete per-layer configs first, then the user's patterns - less those whose
+    every layer now has a concrete entry (on reload such a pattern would select nothing, which is an error)."""
+    concrete = dict(resolved)
+    left = {a.pattern for a in assignments if a.name not in concrete}
+    kept = [(p, c) for p, c in plan.items() if p not in concrete and (c is None or p in left)]
+    return Plan([*resolved, *kept], fold_batchnorm=plan.fold_batchnorm)
 
 
 def _fold(model: nn.Module) -> None:

@@ -367,7 +367,21 @@ def channels(model: nn.Module, amounts: dict[str, float], criterion: str = "l1",
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}")
     target = copy.deepcopy(model)
-    gm = None if consumers is not None else _trace(target, example_inputs)
+    gm = None
+    if consumers is None:
+        try:
+            gm = _trace(target, example_inputs)
+        except ValueError as e:
+            # transformers and other untraceable models: their feed-forward blocks are found by structure, when
+            # every layer the amounts select is the input projection of such a block
+            found = transformer_ffn_consumers(target)
+            selected = [n for n, m in target.named_modules() if _is_layer(m)
+                        and any(_matcher(p)(n) for p in amounts)]
+            if not selected or any(n not in found for n in selected):
+                outside = [n for n in selected if n not in found][:3]
+                raise ValueError(f"{e}; the layers selected ({', '.join(outside or selected[:3])}) are not the "
+                                 f"input projections of feed-forward blocks it recognises") from None
+            consumers = found
     names = [n for n, m in target.named_modules() if _is_layer(m)]
     chosen: dict[str, float] = {}
     for pattern, amount in amounts.items():

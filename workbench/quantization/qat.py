@@ -25,7 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workbench.plans.layers import applied_plans, canonicalize_for, record_plan, swap_layers
+from workbench.plans.layers import (
+    applied_plans, canonicalize_for, record_plan, share_tied, swap_layers, tie_groups,
+)
 from workbench.plans.plan import Plan
 from workbench.quantization import formats as fm
 from workbench.quantization.configs import Dynamic, Method, WeightOnly, _computation
@@ -174,7 +176,8 @@ _QAT_CLASSES = {nn.Linear: QATLinear, nn.Conv1d: QATConv1d, nn.Conv2d: QATConv2d
                 nn.ConvTranspose2d: QATConvTranspose2d, nn.Embedding: QATEmbedding}
 
 
-def _qat_module(name: str, module: nn.Module, config, learnable_scales: bool, kernel: str) -> nn.Module:
+def _qat_module(name: str, module: nn.Module, config, learnable_scales: bool, kernel: str,
+                shared: dict | None = None) -> nn.Module:
     if isinstance(config, WeightOnly):
         if config.method is not Method.RTN:
             raise ValueError(f"{name!r}: QAT trains the weights; use method='rtn' (got {config.method.value!r})")
@@ -202,7 +205,10 @@ def _qat_module(name: str, module: nn.Module, config, learnable_scales: bool, ke
         new = _QAT_CLASSES[kind](m.in_channels, m.out_channels, m.kernel_size, device="meta", **_conv_kwargs(m))
         if padding is not None:
             new.input_padding = padding
-    new.weight = nn.Parameter(module.weight.detach().clone())
+    shared = {} if shared is None else shared   # tied weights (lm_head / wte) stay one trained Parameter
+    if id(module.weight) not in shared:
+        shared[id(module.weight)] = nn.Parameter(module.weight.detach().clone())
+    new.weight = shared[id(module.weight)]
     if getattr(module, "bias", None) is not None:
         new.bias = nn.Parameter(module.bias.detach().clone())
     new._setup(config, learnable_scales, kernel)
@@ -236,9 +242,10 @@ def prepare(model: nn.Module, plan: Plan, learnable_scales: bool = False, kernel
     target = copy.deepcopy(model)
     canonicalize_for(target, plan)   # Conv1D / MultiheadAttention the plan reaches, as wb.apply and wb.load do
     replacements = {}
+    shared: dict = {}
     for a in plan.resolve(target):
         replacements[a.name] = _qat_module(a.name, target.get_submodule(a.name), a.config, learnable_scales,
-                                           kernel)
+                                           kernel, shared)
     swap_layers(target, replacements)
     object.__setattr__(target, QAT_PLAN_ATTR, plan)
     return target
@@ -284,6 +291,9 @@ def convert(model: nn.Module) -> nn.Module:
     target = copy.deepcopy(model)
     replacements = {name: _real_module(name, m) for name, m in target.named_modules()
                     if isinstance(m, _QATMixin)}
+    for group in tie_groups(target):   # one stored copy of a tied weight, as wb.apply keeps it
+        if all(n in replacements for n in group):
+            share_tied(group, replacements)
     swap_layers(target, replacements)
     target.__dict__.pop(QAT_PLAN_ATTR, None)
     record_plan(target, (*applied_plans(model), plan))

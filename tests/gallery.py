@@ -315,7 +315,7 @@ ARCHITECTURES = {a.name: a for a in [
     Architecture("llama-gqa", llama, "model.layers.*.mlp.gate_proj", heads=True),
     Architecture("bert", bert, "encoder.layer.*.intermediate.dense", heads=True),
     Architecture("t5", t5, "*.DenseReluDense.wi", heads=True),
-    Architecture("vit", vit, "vit.encoder.layer.*.intermediate.dense", heads=True),
+    Architecture("vit", vit, r"re:vit\..*\.(intermediate\.dense|mlp\.fc1)", heads=True),   # by transformers version
     Architecture("efficientnet-lite0", efficientnet_lite0, "_blocks.*._expand_conv", heads=False, slow=True),
 ]}
 

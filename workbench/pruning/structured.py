@@ -377,7 +377,9 @@ def channels(model: nn.Module, amounts: dict[str, float], criterion: str = "l1",
             found = transformer_ffn_consumers(target)
             selected = [n for n, m in target.named_modules() if _is_layer(m)
                         and any(_matcher(p)(n) for p in amounts)]
-            if not selected or any(n not in found for n in selected):
+            if not selected:   # the pattern check below names the pattern that selects nothing
+                found = {}
+            elif any(n not in found for n in selected):
                 outside = [n for n in selected if n not in found][:3]
                 raise ValueError(f"{e}; the layers selected ({', '.join(outside or selected[:3])}) are not the "
                                  f"input projections of feed-forward blocks it recognises") from None

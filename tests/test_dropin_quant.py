@@ -273,3 +273,16 @@ def test_qat_star_takes_embeddings():
     again = wb.load(wb.save(real, _tmp("qat.safetensors")), base=model)
     with torch.inference_mode():
         assert torch.equal(again(idx), real(idx))
+
+
+@pytest.mark.parametrize("technique", ["int8", "int4", "dynamic", "bf16"])
+def test_star_on_an_encoder_handles_attention_out_proj(technique):
+    """``"*"`` also meets MultiheadAttention's out_proj (a Linear subclass the attention reads directly):
+    weight-only formats take it (the attention computes with the decoded ``.weight``); W8A8 and Cast, which act
+    on the activations in forward, leave it as it is."""
+    config, threshold = TECHNIQUES[technique]
+    small = _check(_encoder(True), {"*": config}, torch.randn(3, 7, 32), threshold)
+    out_proj = small.layers[0].self_attn.out_proj
+    weight_only = isinstance(config, Q.WeightOnly)
+    assert (type(out_proj) is nn.modules.linear.NonDynamicallyQuantizableLinear) != weight_only
+    assert type(small.layers[0].linear1) is not nn.Linear

@@ -28,7 +28,7 @@ from torch import nn
 from workbench.plans.registry import Config, register_config
 from workbench.quantization import formats as fm
 from workbench.quantization.modules import (
-    CONV_TYPES, KERNELS, LAYER_TYPES, W8A8Linear, WeightOnlyEmbedding, WeightOnlyLinear, conv_args,
+    CONV_TYPES, FORWARD_BYPASSED, KERNELS, LAYER_TYPES, W8A8Linear, WeightOnlyEmbedding, WeightOnlyLinear, conv_args,
     input_padding_of, layer_type, selectable, triton_weight_kind, w8a8_conv, weight_only_conv,
 )
 from workbench.quantization.observers import OBSERVERS
@@ -242,10 +242,8 @@ class _W8A8Handler:
     kernel) also of nn.Conv1d / Conv2d / ConvTranspose2d. Layers are chosen as `_WeightHandler` chooses them."""
 
     def supports(self, module: nn.Module, config) -> bool:
-        # `nn.MultiheadAttention` reads its out_proj's weight and bias itself, never calling out_proj's forward:
-        # quantized activations would never happen there (torch names the class for that reason)
-        if isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
-            return False
+        if isinstance(module, FORWARD_BYPASSED):  # e.g. MultiheadAttention's out_proj: activations never pass
+            return False                          # through its forward, so they could not be quantized there
         # (spot for wb.quant.Dynamic on nn.LSTM / nn.GRU: int8 weights of the recurrent layers are built in
         #  workbench/quantization/recurrent.py - select them here and dispatch to it from apply / skeleton)
         if isinstance(config, Static) and config.smooth_alpha is None and config.kernel in ("reference", "auto"):

@@ -286,3 +286,23 @@ def test_star_on_an_encoder_handles_attention_out_proj(technique):
     weight_only = isinstance(config, Q.WeightOnly)
     assert (type(out_proj) is nn.modules.linear.NonDynamicallyQuantizableLinear) != weight_only
     assert type(small.layers[0].linear1) is not nn.Linear
+
+
+def test_qat_convolutions_keep_their_computation():
+    utils = pytest.importorskip("efficientnet_lite_pytorch.utils")
+    torch.manual_seed(0)
+    model = nn.Sequential(utils.Conv2dStaticSamePadding(3, 8, 3, stride=2, image_size=9), nn.ReLU(),
+                          nn.ConvTranspose2d(8, 3, 3, stride=2, output_padding=1), nn.ReLU(),
+                          nn.Conv2d(3, 3, 3, groups=3))
+    x = torch.randn(2, 3, 9, 9)
+    qmodel = wb.qat.prepare(model, {"*": Q.WeightOnly(4)}, learnable_scales=True)
+    qmodel(x).square().mean().backward()
+    assert qmodel[0].input_padding == InputPadding((1, 1, 1, 1)) and qmodel[2].weight_scale.grad is not None
+    with torch.no_grad():
+        assert cosine(qmodel(x), model(x)) > 0.98                      # padding kept: close to the float model
+        real = wb.qat.convert(qmodel)
+        assert [type(m).__name__ for m in real[::2]] == ["WeightOnlyConv2d", "WeightOnlyConvTranspose2d",
+                                                        "WeightOnlyConv2d"]
+        torch.testing.assert_close(real(x), qmodel.eval()(x), rtol=1e-5, atol=1e-5)
+        again = wb.load(wb.save(real, _tmp("qatconv.safetensors")), base=model)
+        assert torch.equal(again(x), real(x))

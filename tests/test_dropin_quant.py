@@ -306,3 +306,21 @@ def test_qat_convolutions_keep_their_computation():
         torch.testing.assert_close(real(x), qmodel.eval()(x), rtol=1e-5, atol=1e-5)
         again = wb.load(wb.save(real, _tmp("qatconv.safetensors")), base=model)
         assert torch.equal(again(x), real(x))
+
+
+def test_the_drop_in_weight_costs_no_extra_decode(monkeypatch):
+    """The cost of `DecodedWeight`: reading ``.weight``'s metadata (the fast-path checks, Hugging Face's dtype
+    checks) decodes nothing; a forward decodes each quantized weight once, as without it."""
+    from workbench.quantization import formats as fm
+
+    calls = []
+    decode = fm.decode
+    monkeypatch.setattr(fm, "decode", lambda *a, **k: calls.append(1) or decode(*a, **k))
+    small = wb.apply(_encoder(True), {"*": Q.WeightOnly(8)}, progress=False).eval()
+    layers = [m for m in small.modules() if hasattr(m, "qweight")]
+    w = small.layers[0].linear1.weight
+    _ = (w.dtype, w.shape, w.device, w.requires_grad, w.ndim, w.size(0), w.dim())
+    assert not calls
+    with torch.inference_mode():
+        small(torch.randn(3, 7, 32))
+    assert len(layers) == 6 and len(calls) == 6      # linear1, linear2, attention out_proj: x 2 layers

@@ -186,7 +186,8 @@ def test_efficientnet_same_padding_convolutions():
         with torch.inference_mode():
             assert torch.equal(again(x), small(x))
     small = wb.apply(model, {"*": Q.WeightOnly(8)}, progress=False)
-    assert small[0].conv_args["input_padding"] == InputPadding(tuple(model[0].static_padding.padding)) == InputPadding((1, 1, 1, 1))
+    static = InputPadding(tuple(model[0].static_padding.padding))
+    assert small[0].conv_args["input_padding"] == static == InputPadding((1, 1, 1, 1))
     assert small[2].conv_args["input_padding"] == InputPadding(same=True)
     assert "input_padding=same" in repr(small[2])
 

@@ -166,7 +166,8 @@ _DEFAULT_GROUP = _DefaultGroupSize(64)
 @dataclass(frozen=True)
 class WeightOnly(Config):
     """Integer weight-only quantization: ``bits`` in {2, 3, 4, 8}; ``group_size`` along the input dimension
-    (None: per output channel; default 64, and per channel for 8 bits); symmetric or asymmetric (with a zero point); ``method`` one of
+    (None: per output channel; default 64, and per channel for 8 bits); symmetric or asymmetric (with a zero
+    point); ``method`` one of
     rtn, gptq, awq, hqq (the last three for nn.Linear; hqq needs ``symmetric=False``)."""
 
     bits: int = 4

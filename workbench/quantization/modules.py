@@ -41,7 +41,8 @@ from workbench.quantization.primitives import EPS, PerToken, choose_qparams, qua
 __all__ = ["conv_args", "WeightOnlyLinear", "WeightOnlyEmbedding", "WeightOnlyConv1d", "WeightOnlyConv2d",
            "WeightOnlyConvTranspose2d", "W8A8Linear", "W8A8Conv1d", "W8A8Conv2d", "W8A8ConvTranspose2d",
            "weight_only_conv", "w8a8_conv", "DecodedWeight", "ConvOp", "InputPadding", "layer_type",
-           "input_padding_of", "selectable", "FORWARD_BYPASSED", "LAYER_TYPES", "CONV_TYPES", "KERNELS", "PATHS", "choose_kernel",
+           "input_padding_of", "selectable", "FORWARD_BYPASSED", "LAYER_TYPES", "CONV_TYPES", "KERNELS", "PATHS",
+           "choose_kernel",
            "triton_weight_kind"]
 
 

@@ -186,7 +186,8 @@ def test_efficientnet_same_padding_convolutions():
         with torch.inference_mode():
             assert torch.equal(again(x), small(x))
     small = wb.apply(model, {"*": Q.WeightOnly(8)}, progress=False)
-    assert small[0].conv_args["input_padding"] == InputPadding(tuple(model[0].static_padding.padding)) == InputPadding((1, 1, 1, 1))
+    static = InputPadding(tuple(model[0].static_padding.padding))
+    assert small[0].conv_args["input_padding"] == static == InputPadding((1, 1, 1, 1))
     assert small[2].conv_args["input_padding"] == InputPadding(same=True)
     assert "input_padding=same" in repr(small[2])
 
@@ -273,3 +274,54 @@ def test_qat_star_takes_embeddings():
     again = wb.load(wb.save(real, _tmp("qat.safetensors")), base=model)
     with torch.inference_mode():
         assert torch.equal(again(idx), real(idx))
+
+
+@pytest.mark.parametrize("technique", ["int8", "int4", "dynamic", "bf16"])
+def test_star_on_an_encoder_handles_attention_out_proj(technique):
+    """``"*"`` also meets MultiheadAttention's out_proj (a Linear subclass the attention reads directly):
+    weight-only formats take it (the attention computes with the decoded ``.weight``); W8A8 and Cast, which act
+    on the activations in forward, leave it as it is."""
+    config, threshold = TECHNIQUES[technique]
+    small = _check(_encoder(True), {"*": config}, torch.randn(3, 7, 32), threshold)
+    out_proj = small.layers[0].self_attn.out_proj
+    weight_only = isinstance(config, Q.WeightOnly)
+    assert (type(out_proj) is nn.modules.linear.NonDynamicallyQuantizableLinear) != weight_only
+    assert type(small.layers[0].linear1) is not nn.Linear
+
+
+def test_qat_convolutions_keep_their_computation():
+    utils = pytest.importorskip("efficientnet_lite_pytorch.utils")
+    torch.manual_seed(0)
+    model = nn.Sequential(utils.Conv2dStaticSamePadding(3, 8, 3, stride=2, image_size=9), nn.ReLU(),
+                          nn.ConvTranspose2d(8, 3, 3, stride=2, output_padding=1), nn.ReLU(),
+                          nn.Conv2d(3, 3, 3, groups=3))
+    x = torch.randn(2, 3, 9, 9)
+    qmodel = wb.qat.prepare(model, {"*": Q.WeightOnly(4)}, learnable_scales=True)
+    qmodel(x).square().mean().backward()
+    assert qmodel[0].input_padding == InputPadding((1, 1, 1, 1)) and qmodel[2].weight_scale.grad is not None
+    with torch.no_grad():
+        assert cosine(qmodel(x), model(x)) > 0.98                      # padding kept: close to the float model
+        real = wb.qat.convert(qmodel)
+        assert [type(m).__name__ for m in real[::2]] == ["WeightOnlyConv2d", "WeightOnlyConvTranspose2d",
+                                                        "WeightOnlyConv2d"]
+        torch.testing.assert_close(real(x), qmodel.eval()(x), rtol=1e-5, atol=1e-5)
+        again = wb.load(wb.save(real, _tmp("qatconv.safetensors")), base=model)
+        assert torch.equal(again(x), real(x))
+
+
+def test_the_drop_in_weight_costs_no_extra_decode(monkeypatch):
+    """The cost of `DecodedWeight`: reading ``.weight``'s metadata (the fast-path checks, Hugging Face's dtype
+    checks) decodes nothing; a forward decodes each quantized weight once, as without it."""
+    from workbench.quantization import formats as fm
+
+    calls = []
+    decode = fm.decode
+    monkeypatch.setattr(fm, "decode", lambda *a, **k: calls.append(1) or decode(*a, **k))
+    small = wb.apply(_encoder(True), {"*": Q.WeightOnly(8)}, progress=False).eval()
+    layers = [m for m in small.modules() if hasattr(m, "qweight")]
+    w = small.layers[0].linear1.weight
+    _ = (w.dtype, w.shape, w.device, w.requires_grad, w.ndim, w.size(0), w.dim())
+    assert not calls
+    with torch.inference_mode():
+        small(torch.randn(3, 7, 32))
+    assert len(layers) == 6 and len(calls) == 6      # linear1, linear2, attention out_proj: x 2 layers

@@ -135,8 +135,10 @@ def cast_module(module: nn.Module, dtype: torch.dtype, values: bool = True, name
 
 class _CastHandler:
     def supports(self, module: nn.Module, config: "Cast") -> bool:
-        from workbench.quantization.modules import selectable
+        from workbench.quantization.modules import FORWARD_BYPASSED, selectable
 
+        if isinstance(module, FORWARD_BYPASSED):  # e.g. MultiheadAttention's out_proj: its parent would feed fp32
+            return False                          # activations to the cast weight, never calling its forward
         return selectable(module, (nn.Linear, nn.Embedding, *_CONV))
 
     def needs_calibration(self, config: "Cast") -> bool:

@@ -28,7 +28,7 @@ from torch import nn
 from workbench.plans.registry import Config, register_config
 from workbench.quantization import formats as fm
 from workbench.quantization.modules import (
-    CONV_TYPES, KERNELS, LAYER_TYPES, W8A8Linear, WeightOnlyEmbedding, WeightOnlyLinear, conv_args,
+    CONV_TYPES, FORWARD_BYPASSED, KERNELS, LAYER_TYPES, W8A8Linear, WeightOnlyEmbedding, WeightOnlyLinear, conv_args,
     input_padding_of, layer_type, selectable, triton_weight_kind, w8a8_conv, weight_only_conv,
 )
 from workbench.quantization.observers import OBSERVERS
@@ -166,7 +166,8 @@ _DEFAULT_GROUP = _DefaultGroupSize(64)
 @dataclass(frozen=True)
 class WeightOnly(Config):
     """Integer weight-only quantization: ``bits`` in {2, 3, 4, 8}; ``group_size`` along the input dimension
-    (None: per output channel; default 64, and per channel for 8 bits); symmetric or asymmetric (with a zero point); ``method`` one of
+    (None: per output channel; default 64, and per channel for 8 bits); symmetric or asymmetric (with a zero
+    point); ``method`` one of
     rtn, gptq, awq, hqq (the last three for nn.Linear; hqq needs ``symmetric=False``)."""
 
     bits: int = 4
@@ -242,10 +243,8 @@ class _W8A8Handler:
     kernel) also of nn.Conv1d / Conv2d / ConvTranspose2d. Layers are chosen as `_WeightHandler` chooses them."""
 
     def supports(self, module: nn.Module, config) -> bool:
-        # `nn.MultiheadAttention` reads its out_proj's weight and bias itself, never calling out_proj's forward:
-        # quantized activations would never happen there (torch names the class for that reason)
-        if isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
-            return False
+        if isinstance(module, FORWARD_BYPASSED):  # e.g. MultiheadAttention's out_proj: activations never pass
+            return False                          # through its forward, so they could not be quantized there
         if _recurrent(module) is not None:   # Dynamic W8A8 of nn.LSTM / nn.GRU (workbench.quantization.recurrent)
             return isinstance(config, Dynamic) and config.smooth_alpha is None
         if isinstance(config, Static) and config.smooth_alpha is None and config.kernel in ("reference", "auto"):

@@ -41,7 +41,8 @@ from workbench.quantization.primitives import EPS, PerToken, choose_qparams, qua
 __all__ = ["conv_args", "WeightOnlyLinear", "WeightOnlyEmbedding", "WeightOnlyConv1d", "WeightOnlyConv2d",
            "WeightOnlyConvTranspose2d", "W8A8Linear", "W8A8Conv1d", "W8A8Conv2d", "W8A8ConvTranspose2d",
            "weight_only_conv", "w8a8_conv", "DecodedWeight", "ConvOp", "InputPadding", "layer_type",
-           "input_padding_of", "selectable", "LAYER_TYPES", "CONV_TYPES", "KERNELS", "PATHS", "choose_kernel",
+           "input_padding_of", "selectable", "FORWARD_BYPASSED", "LAYER_TYPES", "CONV_TYPES", "KERNELS", "PATHS",
+           "choose_kernel",
            "triton_weight_kind"]
 
 
@@ -108,6 +109,13 @@ def layer_type(module: nn.Module) -> type | None:
                 base, "_conv_forward", None)
             return base if same else None
     return None
+
+
+# Layers whose parent computes with their weight and bias itself, never calling their forward: nn.MultiheadAttention's
+# out_proj (torch names the class for exactly that). A technique that changes what forward does to the *input*
+# (activation quantization, casting the input to the weight's dtype) cannot act there; weight-only formats can
+# (the parent reads the decoded ``.weight``).
+FORWARD_BYPASSED = (nn.modules.linear.NonDynamicallyQuantizableLinear,)
 
 
 def selectable(module: nn.Module, types: tuple[type, ...] = LAYER_TYPES) -> bool:

@@ -261,3 +261,19 @@ def test_gpt2_tied_lm_head_and_wte_are_pruned_together(tmp_path):
     assert again.lm_head.weight is again.transformer.wte.weight
     with torch.inference_mode():
         assert torch.equal(again(ids).logits, out)
+
+
+class _Lookup(nn.Embedding):
+    """An Embedding subclass with its own forward that reads .weight."""
+
+    def forward(self, ids):
+        return nn.functional.embedding(ids, self.weight) * 3.0
+
+
+def test_subclass_probe_reaches_the_pruned_weights():
+    torch.manual_seed(0)
+    model = nn.Sequential(_Lookup(300, 8))
+    pruned = wb.apply(model, {"0": wb.prune.Magnitude(0.001)})    # 2 of 2400 weights: a probe must find them
+    assert isinstance(pruned[0], _Lookup) and int((pruned[0].weight == 0).sum()) == 2
+    again = wb.apply(pruned, {"0": wb.prune.Magnitude(0.0005)})   # prunes only what is zero already
+    assert torch.equal(again[0].weight, pruned[0].weight)

@@ -38,7 +38,7 @@ def test_transformer_encoder_fast_path_computes_with_the_pruned_weight(config, m
     x = torch.randn(3, 7, 32)
     with torch.inference_mode():
         before = enc(x)
-    pruned = wb.apply(enc, {"*": config}, progress=False)
+    pruned = wb.apply(enc, {"layers.*.linear*": config, "layers.*.self_attn.out_proj": config}, progress=False)
     names = [n for n, m in pruned.named_modules() if isinstance(m, Pruned)]
     assert len(names) == 6          # linear1, linear2 and MultiheadAttention's out_proj (a Linear subclass)
     ref = _masked_by_hand(enc, names, mask_of)
@@ -72,7 +72,7 @@ def test_fine_tuning_never_regrows_pruned_weights():
                 opt.step()
         for n, z in zeros.items():
             w = model.get_submodule(n).weight
-            assert bool((w[z] == 0).all()), n                   # out_proj too, whose forward is never called
+            assert bool((w[z] == 0).all()), n   # out_proj too, whose forward nn.MultiheadAttention never calls
             assert float((w == 0).float().mean()) == pytest.approx(0.5, abs=1e-3)
             assert w.grad is not None and bool((w.grad[z] == 0).all())
 
@@ -261,3 +261,19 @@ def test_gpt2_tied_lm_head_and_wte_are_pruned_together(tmp_path):
     assert again.lm_head.weight is again.transformer.wte.weight
     with torch.inference_mode():
         assert torch.equal(again(ids).logits, out)
+
+
+class _Lookup(nn.Embedding):
+    """An Embedding subclass with its own forward that reads .weight."""
+
+    def forward(self, ids):
+        return nn.functional.embedding(ids, self.weight) * 3.0
+
+
+def test_subclass_probe_reaches_the_pruned_weights():
+    torch.manual_seed(0)
+    model = nn.Sequential(_Lookup(300, 8))
+    pruned = wb.apply(model, {"0": wb.prune.Magnitude(0.001)})    # 2 of 2400 weights: a probe must find them
+    assert isinstance(pruned[0], _Lookup) and int((pruned[0].weight == 0).sum()) == 2
+    again = wb.apply(pruned, {"0": wb.prune.Magnitude(0.0005)})   # prunes only what is zero already
+    assert torch.equal(again[0].weight, pruned[0].weight)

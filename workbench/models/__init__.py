@@ -8,6 +8,7 @@ the zoo is a convenience, not a requirement.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -92,8 +93,14 @@ def spec(name: str) -> ModelSpec:
         raise ValueError(f"unknown model {name!r}; available models: {', '.join(_ZOO)}") from None
 
 
-def load(name: str) -> nn.Module:
-    """A fresh fp32 copy of zoo model ``name`` in eval mode."""
+def load(name: str | os.PathLike) -> nn.Module:
+    """A fresh fp32 copy of zoo model ``name`` in eval mode, or the model of a local Hugging Face checkpoint
+    folder (config.json + *.safetensors; see `workbench.models.checkpoint`)."""
+    if isinstance(name, os.PathLike) or (isinstance(name, str) and name not in _ZOO and
+                                         (os.sep in name or "/" in name or os.path.isdir(name))):
+        from workbench.models.checkpoint import load_checkpoint
+
+        return load_checkpoint(name)
     model = spec(name).build()
     object.__setattr__(model, SOURCE_ATTR, name)
     return model

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from typing import Callable
 
-from workbench.tasks.base import MetricSpec, Task
+from workbench.tasks.base import MetricSpec, Task, TaskMismatchError, check_fit
+from workbench.tasks.causal_lm import CausalLM
+from workbench.tasks.generic import Classification, Custom, Fidelity
 
-__all__ = ["Task", "MetricSpec", "names", "load"]
+__all__ = ["Task", "MetricSpec", "names", "load", "Classification", "Fidelity", "CausalLM", "Custom", "check_fit",
+           "TaskMismatchError"]
 
 
 def _digits() -> Task:

@@ -55,7 +55,14 @@ def names() -> list[str]:
 
 
 def load(name: str) -> Task:
-    """The task called ``name`` (see `names()`)."""
+    """The task called ``name`` (see `names()`), or what a ``package.module:factory`` entry point returns."""
+    from workbench.entry_points import is_entry_point, resolve
+
+    if is_entry_point(name):
+        task = resolve(name, "task")
+        if not isinstance(task, Task):
+            raise TypeError(f"task {name!r}: the factory returned {type(task).__name__}, not a wb.tasks.Task")
+        return task
     try:
         factory = _TASKS[name]
     except (KeyError, TypeError):

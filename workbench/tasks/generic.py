@@ -186,6 +186,22 @@ class Classification(_BatchedTask):
             raise ValueError(f"task {self.name!r}: the calibration data has no labels; pass (inputs, labels)")
         return self._cal_labels[:check_count(n, len(self._cal_labels), f"{self.name} calibration")]
 
+    @property
+    def split(self):
+        """The data as a `workbench.tasks.data.Split` for the trainers that take one (``wb.distill.fit``,
+        ``wb.precision.fit_mixed``): training = the labelled calibration split, test = the evaluation split.
+        Needs single-tensor inputs and calibration labels."""
+        from workbench.tasks.data import Split
+
+        if self.n_inputs != 1 or self._cal_labels is None:
+            raise ValueError(f"task {self.name!r}: training needs single-tensor inputs and a labelled calibration "
+                             f"split (calibration=(x_cal, y_cal)); this task has "
+                             f"{'keyword' if self.n_inputs is None else self.n_inputs} input(s) and "
+                             f"{'no ' if self._cal_labels is None else ''}calibration labels")
+        x_train = torch.cat([b[0] for b in self.cal_batches]).numpy()
+        x_test = torch.cat([b[0] for b in self.eval_batches]).numpy()
+        return Split(x_train, self._cal_labels.numpy(), x_test, torch.cat(self.eval_labels).numpy())
+
     def check_fit(self, model: nn.Module) -> None:
         super().check_fit(model)
         b, y = self.eval_batches[0], self.eval_labels[0]

@@ -3,7 +3,8 @@
 A *batch* is what one model call takes: a tuple of tensors (called ``model(*batch)``) or a dict of named
 tensors, Hugging Face keyword inputs (called ``model(**batch)``). Every tensor of a batch has the batch
 size as its leading dimension. User data arrives as a tensor, a numpy array, a tuple / list of them, a dict,
-or an iterable of such batches (a ``DataLoader``); `collect` turns any of these into a list of batches.
+or an iterable of such batches (a ``DataLoader`` or a list); `collect` turns any of these into a list of
+batches. Note the difference: a *tuple* is one batch of several inputs, a *list* is a sequence of batches.
 
 A model *output* is a tensor, a tuple (its first element is used) or a mapping such as a Hugging Face
 ``ModelOutput``; `output_tensor` picks ``logits`` (else ``last_hidden_state``) from a mapping.
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 
 __all__ = ["Batch", "as_tensor", "as_batch", "collect", "batch_size", "split_batch", "take", "to_device",
-           "call", "describe", "output_tensor", "sample_digests", "LABEL_KEYS"]
+           "call", "describe", "output_tensor", "sample_digests", "read_inputs", "LABEL_KEYS"]
 
 Batch = Union[tuple, dict]
 
@@ -160,3 +161,33 @@ def sample_digests(batches: list[Batch]) -> list[bytes]:
                 h.update(t[i].reshape(-1).view(torch.uint8).numpy().tobytes() if t[i].numel() else b"")
             out.append(h.digest())
     return out
+
+
+def read_inputs(path: str) -> Batch:
+    """Model inputs saved in a file, read without unpickling: ``.safetensors``, ``.npz`` or ``.npy``. One array
+    -> one positional input; arrays named ``0``, ``1``, ... -> positional inputs in that order; other names ->
+    keyword inputs (e.g. ``input_ids`` and ``attention_mask``)."""
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"inputs file {p} does not exist")
+    if p.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        arrays: dict[str, Any] = load_file(str(p))
+    elif p.suffix in (".npz", ".npy"):
+        try:
+            loaded = np.load(p, allow_pickle=False)
+        except ValueError as e:
+            raise ValueError(f"inputs file {p} could not be read without unpickling: {e}") from None
+        arrays = {"0": loaded} if isinstance(loaded, np.ndarray) else {k: loaded[k] for k in loaded.files}
+    else:
+        raise ValueError(f"inputs file {p}: expected .safetensors, .npz or .npy, got {p.suffix or 'no suffix'!r}")
+    if not arrays:
+        raise ValueError(f"inputs file {p} holds no arrays")
+    if len(arrays) == 1:
+        return as_batch(next(iter(arrays.values())), str(p))
+    if all(k.isdigit() for k in arrays):
+        return as_batch([arrays[k] for k in sorted(arrays, key=int)], str(p))
+    return as_batch(arrays, str(p))

@@ -290,7 +290,7 @@ class Fidelity(_BatchedTask):
                                      f"batch where the reference's have {tuple(ref.shape)}")
                 cos += float(F.cosine_similarity(got, ref, dim=-1).sum())
                 if self.logits:
-                    logp, logq = F.log_softmax(ref, -1), F.log_softmax(got, -1)
+                    logp, logq = F.log_softmax(ref.double(), -1), F.log_softmax(got.double(), -1)  # fp64: KL >= 0
                     kl += float((logp.exp() * (logp - logq)).sum())
                     agree += int((got.argmax(-1) == ref.argmax(-1)).sum())
                 count += len(got)

@@ -123,3 +123,28 @@ def test_cli_entry_points_and_mismatch(user_package, capsys):
     assert main(["measure", "--model", "digits-cnn", "--task", "tiny-lm", "--quick"]) == 2
     err = capsys.readouterr().err
     assert "DigitsCNN does not fit task 'tiny-lm'" in err and "(2, 128) int64" in err
+
+
+def test_cli_app_takes_entry_points(user_package, tmp_path, monkeypatch):
+    import json
+    import os
+
+    class Served(Exception):
+        pass
+
+    seen = {}
+
+    def execv(exe, cmd):  # stop where the CLI would become the Voila server
+        seen.update(cmd=cmd)
+        raise Served
+
+    monkeypatch.setattr(os, "execv", execv)
+    monkeypatch.setattr(os, "name", "posix")
+    with pytest.raises(Served):
+        main(["app", "--model", f"{user_package}:model", "--task", f"{user_package}:task", "--out", str(tmp_path)])
+    path = tmp_path / f"app_{user_package}_model.ipynb"
+    assert str(path) in seen["cmd"]
+    source = "".join(c["source"] if isinstance(c["source"], str) else "".join(c["source"])
+                     for c in json.loads(path.read_text())["cells"])
+    assert f"model_name = \"{user_package}:model\"" in source and f"task_name = \"{user_package}:task\"" in source
+    assert main(["app", "--model", f"{user_package}:model"]) == 2  # a user model needs a task

@@ -147,3 +147,15 @@ def test_session_and_sensitivity_reject_a_mismatched_pair():
         wb.ui.Session(cnn, lm)
     with pytest.raises(wb.tasks.TaskMismatchError, match="does not fit task 'tiny-lm'"):
         wb.sensitivity(cnn, lm, [INT8], cache=False, progress=False)
+
+
+@pytest.mark.xfail(strict=True, raises=TypeError, reason="keyword (dict) calibration batches need the small change "
+                   "to workbench/plans/apply.py normalize_calibration / _capture_inputs reported for issue 16")
+def test_calibrated_config_on_keyword_inputs(bert_and_inputs):
+    model, inputs = bert_and_inputs
+    labels = torch.randint(0, 3, (40,), generator=torch.Generator().manual_seed(3))
+    task = wb.tasks.Classification({k: v[:30] for k, v in inputs.items()}, labels[:30],
+                                   calibration={k: v[30:] for k, v in inputs.items()})
+    small = wb.apply(model, wb.Plan({"bert.encoder.layer.0.intermediate.dense": GPTQ4}),
+                     calibration=task.calibration(8), progress=False)
+    assert wb.measure(small, task, quick=True, progress=False).primary == "accuracy"

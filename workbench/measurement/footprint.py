@@ -120,13 +120,13 @@ def peak_allocated_during(fn) -> int:
 
 
 def _cpu_transient_peak(model: nn.Module, inputs: tuple) -> int:
-    """Peak bytes of CPU tensors allocated and alive at once during ``model(*inputs)`` (``model(**inputs)`` for keyword inputs)."""
+    """Peak bytes of CPU tensors allocated and alive at once during ``model(*inputs)`` (or ``**inputs``)."""
     with torch.inference_mode():
         return peak_allocated_during(lambda: call(model, inputs))
 
 
 def peak_memory(model: nn.Module, inputs: tuple) -> PeakMemory:
-    """Peak memory of one forward pass of ``model(*inputs)`` (``model(**inputs)`` for keyword inputs) (see the module docstring)."""
+    """Peak memory of one forward pass of ``model(*inputs)`` (or ``**inputs``; see the module docstring)."""
     from workbench.tasks.base import model_device
 
     device = model_device(model)

@@ -59,8 +59,8 @@ class Latency:
 
 def time_forward(model: nn.Module, inputs: tuple, *, warmup: int = 3, min_runs: int = 5, max_runs: int = 50,
                  budget_s: float = 2.0, threads: int | None = None) -> Latency:
-    """Time ``model(*inputs)`` (``model(**inputs)`` for keyword inputs): ``warmup`` untimed calls, then between ``min_runs`` and ``max_runs`` timed
-    calls, stopping early once ``budget_s`` seconds have been spent."""
+    """Time ``model(*inputs)`` (``model(**inputs)`` for keyword inputs): ``warmup`` untimed calls, then between
+    ``min_runs`` and ``max_runs`` timed calls, stopping early once ``budget_s`` seconds have been spent."""
     from workbench.tasks.base import model_device
 
     cuda = model_device(model).type == "cuda"

@@ -3,6 +3,11 @@ metrics (primary first, with their direction) and example inputs for latency.
 
 ``digits`` and ``mnist1d`` (top-1 accuracy), ``tiny-lm`` (held-out perplexity, lower is better) and
 ``minilm`` (embedding fidelity to fp32, plus four human-judgement benchmarks).
+
+Tasks on the user's own data and model, in one line (tensors, numpy, dicts of keyword inputs or DataLoaders):
+`Classification(x, y, calibration=...)`, `Fidelity(reference_model, inputs)` (no labels),
+`CausalLM(texts, tokenizer)` and `Custom(evaluate=fn, ...)`. `check_fit(model, task)` runs before every
+measurement and names the task, its inputs and the model's error when the two do not fit.
 """
 from __future__ import annotations
 

@@ -1,8 +1,10 @@
 """The ``workbench`` command.
 
-    workbench measure --model minilm --task minilm [--plan plan.json] [--quick] [--threads 2]
+    workbench measure --model minilm --task minilm [--plan plan.json] [--calibration 128] [--quick] [--threads 2]
+    workbench measure --model path/to/hf-checkpoint --task fidelity --inputs inputs.safetensors --plan plan.json
     workbench report notebooks/00_start_here.ipynb -p model_name digits-mlp -p task_name digits
     workbench app --model digits-cnn --task digits [--port 8866]    # the workbench as a Voila dashboard
+    workbench app --model mypkg.models:build --task mypkg.tasks:build  # user model and task (entry points)
     workbench goldens [NOTEBOOK ...] [--update]                      # notebooks as a regression suite
     workbench models | workbench tasks
 """
@@ -23,17 +25,38 @@ def _parse_value(text: str):
         return text
 
 
+def _task_for(args: argparse.Namespace, model):
+    """The task ``--task`` names: a zoo task, ``fidelity`` (agreement with the unmodified model on ``--inputs``),
+    or a ``package.module:factory`` entry point; by default the zoo model's own task."""
+    import workbench as wb
+
+    if args.task == "fidelity":
+        if not args.inputs:
+            raise ValueError("--task fidelity needs --inputs FILE (.safetensors, .npz or .npy) with the model inputs")
+        from workbench.tasks.inputs import read_inputs
+
+        return wb.tasks.Fidelity(model, read_inputs(args.inputs))
+    if args.task:
+        return wb.tasks.load(args.task)
+    if args.model in wb.models.names():
+        return wb.tasks.load(wb.models.spec(args.model).task)
+    raise ValueError(f"--task is required for {args.model!r}, which is not a zoo model: a task name "
+                     f"({', '.join(wb.tasks.names())}), fidelity, or package.module:factory")
+
+
 def _measure(args: argparse.Namespace) -> int:
     import pandas as pd
 
     import workbench as wb
+    from workbench.analysis.sweep import apply_with_task
 
     model = wb.models.load(args.model)
-    task = wb.tasks.load(args.task or wb.models.spec(args.model).task)
+    task = _task_for(args, model)
+    wb.tasks.check_fit(model, task)
     runs = [("baseline", model)]
     if args.plan:
         plan = wb.Plan.read(args.plan)
-        runs.append((Path(args.plan).name, wb.apply(model, plan)))
+        runs.append((Path(args.plan).name, apply_with_task(model, task, plan, args.calibration)))
     results = [wb.measure(m, task, quick=args.quick, threads=args.threads, batch_size=args.batch_size)
                for _, m in runs]
     with pd.option_context("display.max_columns", None, "display.width", 200):
@@ -63,14 +86,23 @@ def _app(args: argparse.Namespace) -> int:
     source = Path(__file__).resolve().parent.parent / "notebooks" / "app.ipynb"
     if not source.exists():
         raise FileNotFoundError(f"{source} is missing: `workbench app` runs from a source checkout (pip install -e .)")
-    models.spec(args.model)  # unknown names fail here, before a server starts
+    from workbench.entry_points import is_entry_point
+
+    # unknown names fail here, before a server starts; entry points are imported and built once to check them
+    if is_entry_point(args.model):
+        if not args.task:
+            raise ValueError(f"--task is required with the model entry point {args.model!r}")
+        tasks.check_fit(models.load(args.model), tasks.load(args.task))
+    else:
+        models.spec(args.model)
     task = args.task or models.spec(args.model).task
-    tasks.load(task)
+    if not is_entry_point(args.model):
+        tasks.load(task)
     nb = parameterize_notebook(load_notebook_node(str(source)),
                                {"model_name": args.model, "task_name": task, "threads": args.threads})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"app_{args.model}.ipynb"
+    path = out / f"app_{args.model.replace(':', '_').replace('/', '_')}.ipynb"
     nbformat.write(nb, str(path))
     print(f"serving {path} at http://{args.ip}:{args.port}/ (Ctrl-C stops)", flush=True)
     cmd = [sys.executable, "-m", "voila", str(path), "--no-browser", f"--port={args.port}", f"--Voila.ip={args.ip}"]
@@ -126,9 +158,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     m = sub.add_parser("measure", help="measure a zoo model (and optionally a plan applied to it)")
-    m.add_argument("--model", required=True, help="zoo model name (see `workbench models`)")
-    m.add_argument("--task", help="task name (default: the model's own task)")
+    m.add_argument("--model", required=True, help="zoo model name (see `workbench models`), a local Hugging Face "
+                   "checkpoint folder (config.json + *.safetensors) or package.module:factory")
+    m.add_argument("--task", help="task name, 'fidelity' (agreement with the unmodified model on --inputs; no "
+                   "labels) or package.module:factory (default: the zoo model's own task)")
+    m.add_argument("--inputs", help="model inputs for --task fidelity (.safetensors, .npz or .npy)")
     m.add_argument("--plan", help="plan JSON file (wb.Plan.save) to apply and compare")
+    m.add_argument("--calibration", type=int, default=128,
+                   help="calibration samples drawn from the task when the plan needs them (default: 128)")
     m.add_argument("--quick", action="store_true", help="primary metric on the quick subset, fewer timing runs")
     m.add_argument("--threads", type=int, default=None, help="CPU threads for the measurement")
     m.add_argument("--batch-size", type=int, default=None, help="batch size for latency and memory")
@@ -143,8 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     r.set_defaults(func=_report)
 
     a = sub.add_parser("app", help="serve the interactive workbench as a standalone Voila dashboard")
-    a.add_argument("--model", default="digits-cnn", help="zoo model name (see `workbench models`)")
-    a.add_argument("--task", help="task name (default: the model's own task)")
+    a.add_argument("--model", default="digits-cnn", help="zoo model name (see `workbench models`) or "
+                   "package.module:factory")
+    a.add_argument("--task", help="task name or package.module:factory (default: the zoo model's own task)")
     a.add_argument("--port", type=int, default=8866)
     a.add_argument("--ip", default="127.0.0.1")
     a.add_argument("--threads", type=int, default=2, help="CPU threads for measurements")
@@ -163,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, TypeError, FileNotFoundError) as e:
+    except (ValueError, TypeError, FileNotFoundError) as e:  # TaskMismatchError is a ValueError
         print(f"workbench {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -257,6 +257,7 @@ def sensitivity(model: nn.Module, task: Task | str, candidates: Sequence[Config]
         task = tasks.load(task)
     if not isinstance(task, Task):
         raise TypeError(f"expected a wb.tasks.Task or a task name, got {type(task).__name__}")
+    tasks.check_fit(model, task)  # issue 16: a model that cannot run the task fails here, in one line
     cand = cands_mod.normalize(candidates)
     metric = metric or task.primary.name
     spec = task.metric(metric)  # raises, naming the task's metrics, if it has no such metric

@@ -5,7 +5,9 @@
 Classification tasks (digits, mnist1d): the logit loss `kd_loss` on the training split, minus a held-out
 validation slice (10 %, seeded) that drives early stopping (``patience`` epochs without improvement; the best
 weights are restored). The test split is never seen. ``alpha=0`` trains on hard labels only - the baseline
-with the same budget. Sentence encoders (minilm): `fit_embeddings` distils embeddings on the calibration text.
+with the same budget. Sentence encoders (minilm): `fit_embeddings` distils embeddings on the calibration text;
+it also distils without labels on any task's calibration batches (e.g. `wb.tasks.Fidelity`), keyword inputs and
+Hugging Face outputs included. A `wb.tasks.Classification` with a labelled calibration split trains with `fit`.
 
 A NaN/Inf loss stops training with a message and restores the last good weights. The history is a DataFrame
 (epoch, train loss, validation metric). Works for any student whose output matches the teacher's: a fresh
@@ -158,10 +160,15 @@ def fit_embeddings(student: nn.Module, teacher: nn.Module, task, *, epochs: int 
     """Distil a sentence encoder on ``n`` calibration documents of ``task`` (embedding loss); returns the history."""
     import pandas as pd
 
+    from workbench.tasks.inputs import call, output_tensor
+
+    def embed(model, b):  # a tensor, a tuple or a Hugging Face ModelOutput (its logits / last_hidden_state)
+        return output_tensor(call(model, b), "fit_embeddings")
+
     batches = task.calibration(n, batch_size=batch_size)
     teacher.eval()
     with torch.no_grad():
-        targets = [teacher(*b) for b in batches]
+        targets = [embed(teacher, b) for b in batches]
     opt = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=lr)
     rows = []
     good = _state(student)
@@ -170,7 +177,7 @@ def fit_embeddings(student: nn.Module, teacher: nn.Module, task, *, epochs: int 
             student.train()
             total = 0.0
             for b, t in zip(batches, targets, strict=True):
-                loss = embedding_loss(student(*b), t, kind)
+                loss = embedding_loss(embed(student, b), t, kind)
                 if not torch.isfinite(loss):
                     student.load_state_dict(good)
                     warnings.warn(f"distillation stopped at epoch {epoch}: the loss became {loss.item()}; the last "

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from workbench.tasks.inputs import call  # model(*inputs), or model(**inputs) for keyword inputs
+
 __all__ = ["size_bytes", "bytes_by_dtype", "layer_table", "peak_memory", "peak_allocated_during", "PeakMemory"]
 
 
@@ -118,13 +120,13 @@ def peak_allocated_during(fn) -> int:
 
 
 def _cpu_transient_peak(model: nn.Module, inputs: tuple) -> int:
-    """Peak bytes of CPU tensors allocated and alive at once during ``model(*inputs)``."""
+    """Peak bytes of CPU tensors allocated and alive at once during ``model(*inputs)`` (or ``**inputs``)."""
     with torch.inference_mode():
-        return peak_allocated_during(lambda: model(*inputs))
+        return peak_allocated_during(lambda: call(model, inputs))
 
 
 def peak_memory(model: nn.Module, inputs: tuple) -> PeakMemory:
-    """Peak memory of one forward pass of ``model(*inputs)`` (see the module docstring)."""
+    """Peak memory of one forward pass of ``model(*inputs)`` (or ``**inputs``; see the module docstring)."""
     from workbench.tasks.base import model_device
 
     device = model_device(model)
@@ -132,7 +134,7 @@ def peak_memory(model: nn.Module, inputs: tuple) -> PeakMemory:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         with torch.inference_mode():
-            model(*inputs)
+            call(model, inputs)
         torch.cuda.synchronize(device)
         return PeakMemory(torch.cuda.max_memory_allocated(device), "cuda max_memory_allocated")
     return PeakMemory(size_bytes(model) + _cpu_transient_peak(model, inputs),

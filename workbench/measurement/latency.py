@@ -16,6 +16,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from workbench.tasks.inputs import call  # model(*inputs), or model(**inputs) for keyword inputs
+
 __all__ = ["Latency", "time_forward", "num_threads", "threads_option"]
 
 
@@ -57,15 +59,15 @@ class Latency:
 
 def time_forward(model: nn.Module, inputs: tuple, *, warmup: int = 3, min_runs: int = 5, max_runs: int = 50,
                  budget_s: float = 2.0, threads: int | None = None) -> Latency:
-    """Time ``model(*inputs)``: ``warmup`` untimed calls, then between ``min_runs`` and ``max_runs`` timed
-    calls, stopping early once ``budget_s`` seconds have been spent."""
+    """Time ``model(*inputs)`` (``model(**inputs)`` for keyword inputs): ``warmup`` untimed calls, then between
+    ``min_runs`` and ``max_runs`` timed calls, stopping early once ``budget_s`` seconds have been spent."""
     from workbench.tasks.base import model_device
 
     cuda = model_device(model).type == "cuda"
     times: list[float] = []
     with num_threads(threads) as used, torch.inference_mode():
         for _ in range(warmup):
-            model(*inputs)
+            call(model, inputs)
         if cuda:
             torch.cuda.synchronize()
         start_all = time.perf_counter()
@@ -73,13 +75,13 @@ def time_forward(model: nn.Module, inputs: tuple, *, warmup: int = 3, min_runs: 
             if cuda:
                 begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 begin.record()
-                model(*inputs)
+                call(model, inputs)
                 end.record()
                 end.synchronize()
                 times.append(begin.elapsed_time(end))
             else:
                 t0 = time.perf_counter()
-                model(*inputs)
+                call(model, inputs)
                 times.append((time.perf_counter() - t0) * 1e3)
     arr = np.asarray(times)
     return Latency(float(np.median(arr)), float(np.percentile(arr, 90)), len(arr), used)

@@ -12,7 +12,8 @@ from torch import nn
 from workbench.measurement.footprint import bytes_by_dtype, peak_memory, size_bytes
 from workbench.measurement.latency import num_threads, time_forward
 from workbench.measurement.speedup import Speedup, speedup
-from workbench.tasks.base import Task, check_model, model_device
+from workbench.tasks.base import Task, check_fit, check_model, model_device
+from workbench.tasks.inputs import to_device
 
 __all__ = ["Metrics", "measure", "compare", "kernel_paths", "slowdown_reasons"]
 
@@ -121,6 +122,7 @@ def measure(model: nn.Module, task: Task | str, *, batch_size: int | None = None
     bs = task.default_batch_size if batch_size is None else batch_size
     if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    check_fit(model, task)  # a model that cannot run the task fails here, in one line
     device = model_device(model)
     was_training = model.training
     model.eval()
@@ -131,7 +133,7 @@ def measure(model: nn.Module, task: Task | str, *, batch_size: int | None = None
             quality = task.evaluate(model, quick=quick)
             bar.update()
             bar.set_postfix_str("latency")
-            inputs = tuple(t.to(device) for t in task.example_inputs(bs))
+            inputs = to_device(task.example_inputs(bs), device)
             lat = time_forward(model, inputs, warmup=2 if quick else 3, min_runs=5 if quick else 10,
                                max_runs=20 if quick else 100, budget_s=0.5 if quick else 2.0)
             bar.update()

@@ -9,6 +9,7 @@ the zoo is a convenience, not a requirement.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -102,8 +103,22 @@ def spec(name: str) -> ModelSpec:
         raise ValueError(f"unknown model {name!r}; available models: {', '.join(_ZOO)}") from None
 
 
-def load(name: str) -> nn.Module:
-    """A fresh fp32 copy of zoo model ``name`` in eval mode."""
+def load(name: str | os.PathLike) -> nn.Module:
+    """A fresh fp32 copy of zoo model ``name`` in eval mode; the model of a local Hugging Face checkpoint
+    folder (config.json + *.safetensors; see `workbench.models.checkpoint`); or, for a
+    ``package.module:factory`` entry point, what the factory returns."""
+    from workbench.entry_points import is_entry_point, resolve
+
+    if is_entry_point(name):
+        model = resolve(name, "model")
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model {name!r}: the factory returned {type(model).__name__}, not a torch.nn.Module")
+        return model
+    if isinstance(name, os.PathLike) or (isinstance(name, str) and name not in _ZOO and
+                                         (os.sep in name or "/" in name or os.path.isdir(name))):
+        from workbench.models.checkpoint import load_checkpoint
+
+        return load_checkpoint(name)
     model = spec(name).build()
     object.__setattr__(model, SOURCE_ATTR, name)
     return model

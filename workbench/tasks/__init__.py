@@ -4,14 +4,22 @@ metrics (primary first, with their direction) and example inputs for latency.
 ``digits`` and ``mnist1d`` (top-1 accuracy), ``tiny-lm`` (held-out perplexity, lower is better) and
 ``minilm`` (embedding fidelity to fp32, plus four human-judgement benchmarks) and ``imagenet-photos``
 (top-1 agreement and logit KL of an ImageNet classifier with fp32 EfficientNet-Lite0 on bundled photos).
+
+Tasks on the user's own data and model, in one line (tensors, numpy, dicts of keyword inputs or DataLoaders):
+`Classification(x, y, calibration=...)`, `Fidelity(reference_model, inputs)` (no labels),
+`CausalLM(texts, tokenizer)` and `Custom(evaluate=fn, ...)`. `check_fit(model, task)` runs before every
+measurement and names the task, its inputs and the model's error when the two do not fit.
 """
 from __future__ import annotations
 
 from typing import Callable
 
-from workbench.tasks.base import MetricSpec, Task
+from workbench.tasks.base import MetricSpec, Task, TaskMismatchError, check_fit
+from workbench.tasks.causal_lm import CausalLM
+from workbench.tasks.generic import Classification, Custom, Fidelity
 
-__all__ = ["Task", "MetricSpec", "names", "load"]
+__all__ = ["Task", "MetricSpec", "names", "load", "Classification", "Fidelity", "CausalLM", "Custom", "check_fit",
+           "TaskMismatchError"]
 
 
 def _digits() -> Task:
@@ -60,7 +68,14 @@ def names() -> list[str]:
 
 
 def load(name: str) -> Task:
-    """The task called ``name`` (see `names()`)."""
+    """The task called ``name`` (see `names()`), or what a ``package.module:factory`` entry point returns."""
+    from workbench.entry_points import is_entry_point, resolve
+
+    if is_entry_point(name):
+        task = resolve(name, "task")
+        if not isinstance(task, Task):
+            raise TypeError(f"task {name!r}: the factory returned {type(task).__name__}, not a wb.tasks.Task")
+        return task
     try:
         factory = _TASKS[name]
     except (KeyError, TypeError):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["MetricSpec", "Task", "model_device", "check_model"]
+__all__ = ["MetricSpec", "Task", "TaskMismatchError", "model_device", "check_model", "check_fit"]
 
 Batch = tuple[torch.Tensor, ...]
 
@@ -85,6 +85,14 @@ class Task(ABC):
     def example_inputs(self, batch_size: int | None = None) -> Batch:
         """One input batch for latency and memory measurement."""
 
+    def check_fit(self, model: nn.Module) -> None:
+        """Run two example inputs through ``model``; tasks add checks of the output (see `check_fit`)."""
+        from workbench.tasks import inputs
+
+        batch = inputs.to_device(self.example_inputs(2), model_device(model))
+        with eval_mode(model), torch.inference_mode():
+            inputs.call(model, batch)
+
     def __repr__(self) -> str:
         return f"<Task {self.name!r}: {', '.join(m.name for m in self.metrics)}>"
 
@@ -95,3 +103,25 @@ def check_count(n: int, available: int, what: str) -> int:
     if n > available:
         raise ValueError(f"{what}: asked for {n} samples, but the split has only {available}")
     return n
+
+
+class TaskMismatchError(ValueError):
+    """A model and a task do not fit together (raised by `check_fit` before any measurement)."""
+
+
+def check_fit(model: nn.Module, task: Task) -> None:
+    """Raise `TaskMismatchError` - naming the task, the inputs it feeds and what the model raised - when
+    ``model`` cannot run on ``task``'s inputs or its output is not what the task scores. One small forward pass."""
+    from workbench.tasks import inputs
+
+    check_model(model)
+    try:
+        task.check_fit(model)
+    except Exception as e:
+        try:
+            fed = inputs.describe(task.example_inputs(2))
+        except Exception as e2:
+            fed = f"(its example inputs failed: {type(e2).__name__}: {e2})"
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise TaskMismatchError(f"{type(model).__name__} does not fit task {task.name!r}: the task feeds {fed}; "
+                                f"running it raised {type(e).__name__}: {first}") from e

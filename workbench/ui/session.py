@@ -63,6 +63,7 @@ class Session:
         self.task = tasks.load(task) if isinstance(task, str) else task
         if not isinstance(self.task, Task):
             raise TypeError(f"expected a wb.tasks.Task or a task name, got {type(task).__name__}")
+        tasks.check_fit(model, self.task)  # issue 16: a model that cannot run the task fails here, in one line
         self.original = model
         self.work = copy.deepcopy(model).eval()
         # The layers are listed and built from a view of the model with every Linear-in-disguise rewritten

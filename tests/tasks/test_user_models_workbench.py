@@ -149,8 +149,6 @@ def test_session_and_sensitivity_reject_a_mismatched_pair():
         wb.sensitivity(cnn, lm, [INT8], cache=False, progress=False)
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason="keyword (dict) calibration batches need the small change "
-                   "to workbench/plans/apply.py normalize_calibration / _capture_inputs reported for issue 16")
 def test_calibrated_config_on_keyword_inputs(bert_and_inputs):
     model, inputs = bert_and_inputs
     labels = torch.randint(0, 3, (40,), generator=torch.Generator().manual_seed(3))

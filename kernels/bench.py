@@ -38,11 +38,17 @@ MS = (1, 4, 16, 64, 256, 2048)
 KERNELS = ("int8_weight_only", "int4_g128", "w8a8", "fp8")
 
 
-def _median_ms(fn, device: torch.device, runs: int = 20, warmup: int = 3) -> float:
+def _median_ms(fn, device: torch.device, runs: int = 20, warmup: int = 3, eager: bool = False) -> float:
+    """Median ms of ``fn``. CUDA: GPU time of a CUDA-graph replay, L2 flushed before each (`graph_bench`;
+    ``eager=True``: each Python call timed, host launch overhead included)."""
     if device.type == "cuda":
         import triton.testing
 
-        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+        from kernels._common import graph_bench
+
+        if eager:
+            return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+        return float(graph_bench(fn, warmup=25, rep=100))
     for _ in range(warmup):
         fn()
     times = []
@@ -138,31 +144,58 @@ def _kernel_call(name: str, x: torch.Tensor, W: dict):
     raise ValueError(f"unknown kernel {name!r}; choose from {KERNELS}")
 
 
-def _torchao_call(name: str, W: dict, x: torch.Tensor):
-    """torchao's matching configuration on a copy of the layer: (callable or None, note)."""
+TORCHAO_CONFIGS = {
+    # int4: the tinygemm layout (torch's own `_weight_int4pack_mm`); torchao's default "plain" int4 packing
+    # needs the separate mslk package
+    "int4_g128": lambda tq, g: tq.Int4WeightOnlyConfig(group_size=g, int4_packing_format="tile_packed_to_4d"),
+    "int8_weight_only": lambda tq, g: tq.Int8WeightOnlyConfig(),
+    "w8a8": lambda tq, g: tq.Int8DynamicActivationInt8WeightConfig(),
+    "fp8": lambda tq, g: tq.Float8DynamicActivationFloat8WeightConfig(granularity=tq.PerRow()),
+}
+TORCHAO_COMPILE = ("int8_weight_only",)
+"""torchao configs timed under ``torch.compile`` (its documented way to run them): int8 weight-only has no
+fused eager kernel (eager it converts the whole weight on every call); the others dispatch to fused kernels
+(tinygemm, ``torch._int_mm``, ``torch._scaled_mm``) in eager mode and are timed eager."""
+
+
+def _torchao_layer(name: str, W: dict, dtype: torch.dtype):
+    """torchao's matching configuration on a copy of the layer: (module or None, note)."""
     try:
         import torchao.quantization as tq
     except ImportError:
         return None, "torchao not installed"
     import copy
 
-    configs = {"int8_weight_only": lambda: tq.Int8WeightOnlyConfig(),
-               "int4_g128": lambda: tq.Int4WeightOnlyConfig(group_size=W["int4_g"]),
-               "w8a8": lambda: tq.Int8DynamicActivationInt8WeightConfig(),
-               "fp8": lambda: tq.Float8DynamicActivationFloat8WeightConfig(granularity=tq.PerRow())}
+    precision = torch.get_float32_matmul_precision()
     try:
-        lin = copy.deepcopy(W["linear"]).to(x.dtype)
-        tq.quantize_(lin, configs[name]())
-        lin(x)
-        return (lambda: lin(x)), ""
+        lin = copy.deepcopy(W["linear"]).to(dtype)
+        tq.quantize_(lin, TORCHAO_CONFIGS[name](tq, W["int4_g"]))
+        return lin, ""
     except Exception as e:  # recorded in the table, never silently dropped
+        return None, f"torchao {name}: {type(e).__name__}: {str(e)[:80]}"
+    finally:  # quantize_ sets torch.set_float32_matmul_precision("high") (TF32) for the whole process
+        torch.set_float32_matmul_precision(precision)
+
+
+def _torchao_call(name: str, lin, x: torch.Tensor, compile: bool):
+    """(callable or None, note) running torchao's layer on x, compiled (fresh dynamo state) if asked."""
+    try:
+        if compile:
+            torch._dynamo.reset()
+            fn = torch.compile(lin)
+        else:
+            fn = lin
+        fn(x)
+        return (lambda: fn(x)), ("torchao compiled" if compile else "")
+    except Exception as e:
         return None, f"torchao {name}: {type(e).__name__}: {str(e)[:80]}"
 
 
 def gpu_table(shapes: dict | None = None, ms=MS, kernels=KERNELS, device: str | torch.device = "cuda",
-              dtype: torch.dtype = torch.bfloat16, torchao: bool = True):
+              dtype: torch.dtype = torch.bfloat16, torchao: bool = True, torchao_compile=TORCHAO_COMPILE):
     """One row per (kernel, shape, M); see the module docstring. ``device="cpu"`` only makes sense under
-    TRITON_INTERPRET=1 (the smoke test), where the times mean nothing."""
+    TRITON_INTERPRET=1 (the smoke test), where the times mean nothing. A kernel that raises gets a row with
+    the error in ``note`` (and no time) instead of ending the run."""
     import pandas as pd
 
     device = torch.device(device)
@@ -173,6 +206,8 @@ def gpu_table(shapes: dict | None = None, ms=MS, kernels=KERNELS, device: str | 
     for shape_name, (K, N) in shapes.items():
         W = _weights(K, N, device)
         w_bf16 = W["linear"].weight.detach().to(dtype)
+        ao_layers = {name: _torchao_layer(name, W, dtype) if torchao else (None, "torchao comparison off")
+                     for name in kernels if name in TORCHAO_CONFIGS}
         for M in ms:
             x = torch.randn(M, K, device=device, dtype=dtype)
             base_ms = _median_ms(lambda x=x, w=w_bf16: torch.matmul(x, w.t()), device)
@@ -182,11 +217,19 @@ def gpu_table(shapes: dict | None = None, ms=MS, kernels=KERNELS, device: str | 
                     rows.append({**row, "note": f"fp8 needs sm_89+/sm_90, device is sm_{cc[0]}{cc[1]}"})
                     continue
                 fn, weight_bytes, ceiling = _kernel_call(name, x, W)
-                t = _median_ms(fn, device)
+                try:
+                    t = _median_ms(fn, device)
+                    eager_ms = _median_ms(fn, device, eager=True) if device.type == "cuda" else t
+                except Exception as e:  # a failing kernel is a row with its error, not the end of the run
+                    rows.append({**row, "ceiling": ceiling, "note": f"ours: {type(e).__name__}: {str(e)[:120]}"})
+                    continue
                 moved = weight_bytes + x.numel() * x.element_size() + M * N * x.element_size()
-                ao, note = _torchao_call(name, W, x) if torchao else (None, "torchao comparison off")
+                lin, note = ao_layers[name]
+                ao = None
+                if lin is not None:
+                    ao, note = _torchao_call(name, lin, x, name in torchao_compile and device.type == "cuda")
                 ao_ms = _median_ms(ao, device) if ao is not None else float("nan")
-                rows.append({**row, "ms": t, "speedup": base_ms / t, "ceiling": ceiling,
+                rows.append({**row, "ms": t, "eager_ms": eager_ms, "speedup": base_ms / t, "ceiling": ceiling,
                              "GB/s": moved / (t * 1e-3) / 1e9, "bw_fraction": moved / (t * 1e-3) / bandwidth,
                              "torchao_ms": ao_ms, "vs_torchao": ao_ms / t, "note": note})
     df = pd.DataFrame(rows)
@@ -279,16 +322,22 @@ def cpu_layer_table(shapes: dict | None = None, ms=(1, 32, 512), threads: int = 
     return pd.DataFrame(rows)
 
 
-def gpu_results(path: str | Path | None = None):
+def gpu_results(path: str | Path | None = None, timing: str | None = None):
     """The GPU rows of a results CSV written by ``python -m kernels.bench`` (default: kernels/results.csv);
-    an empty frame when none were recorded (no GPU run yet)."""
+    an empty frame when none were recorded (no GPU run yet). ``timing``: keep the rows whose ``timing`` column
+    starts with it (``"CUDA-graph"``: GPU time; ``"eager"``: Python calls, host launch overhead included)."""
     import pandas as pd
 
     path = Path(__file__).resolve().parent / "results.csv" if path is None else Path(path)
     if not path.is_file():
         return pd.DataFrame()
     df = pd.read_csv(path)
-    return df[df["part"] == "gpu"].dropna(axis=1, how="all") if "part" in df.columns else pd.DataFrame()
+    if "part" not in df.columns:
+        return pd.DataFrame()
+    df = df[df["part"] == "gpu"]
+    if timing is not None and "timing" in df.columns:
+        df = df[df["timing"].fillna("").str.startswith(timing)]
+    return df.dropna(axis=1, how="all")
 
 
 MALLOC_KEEP = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
@@ -306,8 +355,14 @@ def environment() -> str:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
     malloc = ("glibc malloc kept (" + ", ".join(f"{k}={v}" for k, v in MALLOC_KEEP.items()) + ")"
               if _malloc_kept() else "default malloc")
+    try:
+        import torchao
+
+        ao = f"; torchao {torchao.__version__}"
+    except ImportError:
+        ao = ""
     return (f"{datetime.date.today()}; {platform.processor() or platform.machine()}; {gpu}; torch {torch.__version__}; "
-            f"triton {triton.__version__}; {malloc}")
+            f"triton {triton.__version__}{ao}; {malloc}")
 
 
 def main(argv=None) -> None:

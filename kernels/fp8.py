@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._common import INTERPRET, cdiv, check, check_same_device, configs, require_triton
+from kernels._common import INTERPRET, cdiv, check, check_same_device, configs, graph_bench, require_triton
 
 try:
     import triton
@@ -62,7 +62,7 @@ def _gemm_configs() -> list:
 
 
 if triton is not None:
-    @triton.autotune(configs=_gemm_configs(), key=["M_BUCKET", "N", "K"])
+    @triton.autotune(configs=_gemm_configs(), key=["M_BUCKET", "N", "K"], do_bench=graph_bench)
     @triton.jit
     def _fp8_scaled_mm_kernel(
         # pointers: A (M, K) fp8, B (N, K) fp8, s_a (M,) fp32, s_b (N,) fp32, bias (N,), Y (M, N)

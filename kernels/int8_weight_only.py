@@ -44,7 +44,8 @@ import triton
 import triton.language as tl
 
 from kernels._common import (
-    INTERPRET, SMALL_M, check, check_same_device, fit_m_bucket, launch_split_k, m_bucket, split_k_configs,
+    INTERPRET, SMALL_M, check, check_same_device, fit_m_bucket, graph_bench, launch_split_k, m_bucket,
+    split_k_configs,
 )
 
 __all__ = ["int8_weight_only_mm", "launch", "reference", "SMALL_M"]
@@ -169,8 +170,10 @@ def _int8_weight_only_mm_kernel(
 
 _KEY = ["M_BUCKET", "N", "K", "HAS_BIAS"]
 _kernel_small_m = triton.autotune(configs=_autotune_configs(small_m=True), key=_KEY, reset_to_zero=["c_ptr"],
+                                  do_bench=graph_bench,
                                   prune_configs_by={"early_config_prune": _prune})(_int8_weight_only_mm_kernel)
 _kernel_large_m = triton.autotune(configs=_autotune_configs(small_m=False), key=_KEY,
+                                  do_bench=graph_bench,
                                   prune_configs_by={"early_config_prune": _prune})(_int8_weight_only_mm_kernel)
 
 

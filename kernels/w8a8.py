@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._common import INTERPRET, cdiv, check, check_same_device, configs, require_triton
+from kernels._common import INTERPRET, cdiv, check, check_same_device, configs, graph_bench, require_triton
 
 try:
     import triton
@@ -143,7 +143,7 @@ if triton is not None:
             q = _quantize_tile(x.to(tl.float32), inv)
             tl.store(q_ptr + offs_m[:, None] * stride_qm + cols[None, :] * stride_qk, q, mask=mask)
 
-    @triton.autotune(configs=_gemm_configs(), key=["M_BUCKET", "N", "K", "QUANT_A"],
+    @triton.autotune(configs=_gemm_configs(), key=["M_BUCKET", "N", "K", "QUANT_A"], do_bench=graph_bench,
                      prune_configs_by={"early_config_prune": _prune_configs})
     @triton.jit
     def _w8a8_kernel(
@@ -298,7 +298,10 @@ def _(x, qweight_t, scale, bias=None, fused=None):
 def quantize_per_token_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's math in PyTorch: ``(codes int8 (M, K), scale fp32 (M, 1))``."""
     x2 = x.reshape(-1, x.shape[-1]).float()                              # (M, K)
-    scale = (x2.abs().amax(dim=1, keepdim=True) / 127.5).clamp(min=EPS)  # (M, 1)
+    amax = x2.abs().amax(dim=1, keepdim=True)                            # (M, 1)
+    # divided by a tensor, not the Python number: PyTorch's CUDA division by a scalar multiplies by its
+    # rounded reciprocal (1 ulp off IEEE division for some rows), the CPU's divides; the kernel divides
+    scale = (amax / torch.full_like(amax, 127.5)).clamp(min=EPS)
     return torch.round(x2 * (1.0 / scale)).clamp(-128, 127).to(torch.int8), scale
 
 

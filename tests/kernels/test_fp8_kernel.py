@@ -19,8 +19,11 @@ if INTERPRET or not torch.cuda.is_available():
 else:
     DEVICE, CAN_RUN = "cuda", torch.cuda.get_device_capability() >= fp8.MIN_CAPABILITY
 needs_kernel = pytest.mark.skipif(not CAN_RUN, reason="needs an sm_90+ GPU or TRITON_INTERPRET=1")
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2 ** -10, atol=1e-3),
-       torch.bfloat16: dict(rtol=2 ** -7, atol=1e-2)}
+# fp32 output: 1e-5 under the interpreter (fp32 sums); on Hopper the fp8 MMA adds its products with fewer bits than
+# fp32 (the kernel promotes into an fp32 accumulator once per K-tile), measured on an H100 up to 3e-4 absolute
+# at these sizes (outputs ~1): hence 1e-3 there
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5) if INTERPRET else dict(rtol=2 ** -10, atol=1e-3),
+       torch.float16: dict(rtol=2 ** -10, atol=1e-3), torch.bfloat16: dict(rtol=2 ** -7, atol=1e-2)}
 
 
 def _operands(M, N, K, seed=0, bias=True, dtype_b=E4M3):

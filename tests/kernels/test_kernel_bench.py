@@ -37,3 +37,28 @@ def test_cpu_minilm_table():
 def test_environment_names_versions():
     text = bench.environment()
     assert f"torch {torch.__version__}" in text and "triton" in text
+
+
+def test_gpu_results_filters_by_timing(tmp_path):
+    import pandas as pd
+
+    path = tmp_path / "results.csv"
+    pd.DataFrame([{"part": "cpu", "ms": 1.0, "timing": None},
+                  {"part": "gpu", "ms": 2.0, "timing": "CUDA-graph replay, L2 flushed (GPU time)"},
+                  {"part": "gpu", "ms": 3.0, "timing": "eager Python call"}]).to_csv(path, index=False)
+    assert list(bench.gpu_results(path)["ms"]) == [2.0, 3.0]
+    assert list(bench.gpu_results(path, timing="CUDA-graph")["ms"]) == [2.0]
+    assert bench.gpu_results(tmp_path / "absent.csv").empty
+    recorded = bench.gpu_results(timing="CUDA-graph")   # the repository's rows: each says where and how it ran
+    assert recorded.empty or (recorded["environment"].str.contains("torch") & (recorded["ms"] > 0)).all()
+
+
+def test_e2e_rows_plumbing():
+    """`kernels.bench_e2e` on a tiny Llama on the CPU: bf16 rows are timed; a path that cannot run there (2:4
+    needs CUDA) is a row with its error, not a crash."""
+    from kernels import bench_e2e
+
+    df = bench_e2e.model_rows(kinds=("llama",), paths=("bf16", "2:4 sparse"), device="cpu", tiny=True)
+    bf16 = df[df["path"] == "bf16"]
+    assert len(bf16) == 2 and (bf16["ms"] > 0).all() and (bf16["speedup"] == 1.0).all()
+    assert "needs CUDA" in df.loc[df["path"] == "2:4 sparse", "note"].iloc[0]

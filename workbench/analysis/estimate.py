@@ -138,7 +138,10 @@ def estimate_calibration(model: nn.Module, plan, calibration: Iterable[Any], *, 
     seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
             for batch_list in records.values() for batch in batch_list for t in batch}
     first = {n: b[0] for n, b in records.items() if b}
-    scale = sum(b[0].numel() for b in batches) / max(1, batches[0][0].numel())
+    def lead(b):  # the first input of a batch: positional, or the first keyword input
+        return next(iter(b.values())) if isinstance(b, dict) else b[0]
+
+    scale = sum(lead(b).numel() for b in batches) / max(1, lead(batches[0]).numel())
     per_batch = sum(seen.values())
     recorded = int(per_batch * scale)
 

@@ -105,13 +105,16 @@ def _calibration_key(calibration) -> Any:
 
     h = hashlib.blake2b(digest_size=12)
     for batch in ([calibration] if isinstance(calibration, torch.Tensor) else calibration):
-        for t in ((batch,) if isinstance(batch, torch.Tensor) else batch):
+        for t in ((batch,) if isinstance(batch, torch.Tensor) else
+                  [batch[k] for k in sorted(batch)] if isinstance(batch, dict) else batch):
             h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
 def _layer_inputs(model: nn.Module, layers: Sequence[str], batch) -> dict[str, tuple]:
     """The inputs each of ``layers`` receives (first call) when ``model`` runs on ``batch``."""
+    from workbench.tasks.inputs import call, to_device
+
     device = model_device(model)
     records: dict[str, tuple] = {}
     handles = []
@@ -121,7 +124,7 @@ def _layer_inputs(model: nn.Module, layers: Sequence[str], batch) -> dict[str, t
         handles.append(model.get_submodule(name).register_forward_pre_hook(hook))
     try:
         with torch.inference_mode():
-            model(*(t.to(device) for t in batch))
+            call(model, to_device(batch, device))
     finally:
         for h in handles:
             h.remove()

@@ -98,7 +98,7 @@ def test_errors_are_shown_not_raised(app):
     app.technique.value = "quantize"
     app.bits.value, app.group.value = 4, 128
     app.set_button.click()
-    app.session.assigned["fc2"] = wb.quant.WeightOnly(bits=4, group_size=7)  # bypass the check: fails on apply
+    app.session.assigned["fc2"] = wb.quant.WeightOnly(bits=4, group_size=7, symmetric=False, method="hqq")  # bypass the check: fails on apply
     app.apply_button.click()
     assert "ApplyError" in app.status.value and "fc2" in app.status.value
     assert len(app.session.history) == 1 and not app.apply_button.disabled and app.progress_label.value == "failed"

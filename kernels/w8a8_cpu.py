@@ -114,6 +114,30 @@ def load_extension():
     return ext
 
 
+def int8_dot_product() -> bool:
+    """Whether this CPU has an int8 dot-product instruction (AVX-512 VNNI, AVX-VNNI or AMX on x86) that oneDNN's
+    int8 GEMM - the heart of the W8A8 CPU path - runs on. Without one (e.g. an AVX2-only x86) oneDNN runs a
+    generic loop that is many times slower than an fp32 GEMM, so ``kernel="auto"`` does not choose that path.
+    Read from /proc/cpuinfo on Linux x86; assumed present elsewhere (ARM has its own dot-product path)."""
+    return _int8_dot_product()
+
+
+@functools.lru_cache(maxsize=None)
+def _int8_dot_product() -> bool:
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "x86"):
+        return True
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), None)
+    except OSError:
+        return True
+    if flags is None:
+        return True
+    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & set(flags))
+
+
 def cpu_isa() -> str:
     """The vector ISA the kernel uses on this CPU: "avx512", "avx2" or "scalar"."""
     return load_extension().cpu_isa()

@@ -93,3 +93,12 @@ def test_goldens_command_fails_on_a_regression(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "app: metric 'points' expected 5" in err and "found 1" in err
     assert json.loads(path.read_text())["metrics"] == shipped["metrics"]   # never rewritten without --update
+
+
+def test_a_conditional_metric_is_checked_only_when_its_condition_holds():
+    g = Golden("50_kernels", [GoldenMetric("speedup", 2.5, 1.0, "higher", when={"cpu_int8_dot_product": True})])
+    assert goldens.compare(g, {"speedup": 0.02, "cpu_int8_dot_product": True})          # a regression there
+    assert goldens.compare(g, {"speedup": 0.02, "cpu_int8_dot_product": False}) == []   # not this CPU's claim
+    assert "not checked" in goldens.not_applicable(g, {"speedup": 0.02, "cpu_int8_dot_product": False})[0]
+    assert "was not recorded" in goldens.compare(g, {"speedup": 3.0})[0]                 # the condition must be
+    assert json.loads(json.dumps(g.to_json()))["metrics"][0]["when"] == {"cpu_int8_dot_product": True}

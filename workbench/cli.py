@@ -132,6 +132,8 @@ def _goldens(args: argparse.Namespace) -> int:
         found = goldens.compare(golden, recorded)
         failures += found
         print(f"{golden.notebook}: {'FAIL' if found else 'ok'} ({len(golden.metrics)} metric(s); executed: {nb})")
+        for line in goldens.not_applicable(golden, recorded):
+            print(f"  {line}")
     for f in failures:
         print(f, file=sys.stderr)
     return 1 if failures else 0

@@ -28,8 +28,8 @@ from typing import Any
 
 from workbench.paths import data_dir
 
-__all__ = ["GoldenMetric", "Golden", "golden_dir", "notebook_dir", "load", "load_all", "compare", "run", "update",
-           "DIRECTIONS"]
+__all__ = ["GoldenMetric", "Golden", "golden_dir", "notebook_dir", "load", "load_all", "compare", "not_applicable",
+           "run", "update", "DIRECTIONS"]
 
 DIRECTIONS = ("higher", "lower", "equal")
 
@@ -48,8 +48,14 @@ class GoldenMetric:
     value: Any
     tolerance: float = 0.0
     direction: str = "equal"
+    # checked only when the run recorded these values (e.g. {"cpu_int8_dot_product": true}: an int8 speedup
+    # is a property of CPUs with an int8 dot-product instruction); otherwise reported as not applicable
+    when: dict[str, Any] | None = None
 
     def __post_init__(self):
+        if self.when is not None and not isinstance(self.when, dict):
+            raise ValueError(f"golden metric {self.metric!r}: when must map recorded metrics to values, "
+                             f"got {self.when!r}")
         if self.direction not in DIRECTIONS:
             raise ValueError(f"golden metric {self.metric!r}: direction must be one of {DIRECTIONS}, "
                              f"got {self.direction!r}")
@@ -86,7 +92,8 @@ class Golden:
     def to_json(self) -> dict:
         return {"notebook": self.notebook, "parameters": self.parameters,
                 "metrics": [{"metric": m.metric, "value": m.value, "tolerance": m.tolerance,
-                             "direction": m.direction} for m in self.metrics]}
+                             "direction": m.direction, **({"when": m.when} if m.when else {})}
+                            for m in self.metrics]}
 
 
 def load(name_or_path: str | os.PathLike) -> Golden:
@@ -115,10 +122,29 @@ def load_all() -> list[Golden]:
     return [load(p) for p in sorted(golden_dir().glob("*.json"))]
 
 
+def not_applicable(golden: Golden, recorded: dict[str, Any]) -> list[str]:
+    """The metrics whose ``when`` condition this run does not meet, each with the condition and what was found."""
+    return [f"{golden.notebook}: metric {m.metric!r} not checked: it holds when {m.when}, this run recorded "
+            f"{ {k: recorded.get(k) for k in m.when} }" for m in golden.metrics if not _applies(m, recorded)]
+
+
+def _applies(m: GoldenMetric, recorded: dict[str, Any]) -> bool:
+    return not m.when or all(recorded.get(k) == v for k, v in m.when.items())
+
+
 def compare(golden: Golden, recorded: dict[str, Any]) -> list[str]:
-    """One message per regression: notebook, metric, expected (with direction and tolerance) and found."""
+    """One message per regression: notebook, metric, expected (with direction and tolerance) and found. A metric
+    whose ``when`` condition the run does not meet is not compared (`not_applicable` lists those); a condition
+    metric that was not recorded at all is a regression."""
     failures = []
     for m in golden.metrics:
+        missing = [k for k in (m.when or {}) if k not in recorded]
+        if missing:
+            failures.append(f"{golden.notebook}: metric {m.metric!r} is checked when {m.when}, but {missing} "
+                            f"was not recorded")
+            continue
+        if not _applies(m, recorded):
+            continue
         if m.metric not in recorded:
             failures.append(f"{golden.notebook}: metric {m.metric!r} was not recorded (expected {m.value!r}); "
                             f"recorded: {sorted(recorded)}")

@@ -224,10 +224,13 @@ PATHS = ("reference", "cpu", "triton")
 KERNELS = PATHS + ("auto",)
 
 
-def choose_kernel(owner: str, kernel: str, supported: tuple[str, ...], device: torch.device) -> str:
+def choose_kernel(owner: str, kernel: str, supported: tuple[str, ...], device: torch.device,
+                  int8_gemm: bool = False) -> str:
     """The path to run: ``kernel`` itself if it is one of ``supported`` and can run on ``device`` here (else an
     error naming ``owner``), or for ``"auto"`` the device's fast path - "triton" on a CUDA GPU, "cpu" on the
-    CPU - where ``supported`` has it, and "reference" otherwise."""
+    CPU - where ``supported`` has it, and "reference" otherwise. ``int8_gemm``: the CPU path is an int8 GEMM,
+    which "auto" takes only on a CPU with an int8 dot-product instruction (`kernels.w8a8_cpu.int8_dot_product`:
+    without one oneDNN's int8 GEMM is tens of times slower than the reference)."""
     if kernel not in KERNELS:
         raise ValueError(f"{owner}: kernel must be one of {KERNELS}, got {kernel!r}")
     if kernel == "auto":
@@ -235,7 +238,13 @@ def choose_kernel(owner: str, kernel: str, supported: tuple[str, ...], device: t
 
         if device.type == "cuda" and "triton" in supported and triton_available(device):
             return "triton"
-        return "cpu" if device.type == "cpu" and "cpu" in supported else "reference"
+        if device.type == "cpu" and "cpu" in supported:
+            if int8_gemm:
+                from kernels.w8a8_cpu import int8_dot_product
+
+                return "cpu" if int8_dot_product() else "reference"
+            return "cpu"
+        return "reference"
     if kernel not in supported:
         raise ValueError(f"{owner} has no {kernel!r} kernel; it supports {supported}")
     if kernel == "cpu" and device.type not in ("cpu", "meta"):
@@ -555,7 +564,7 @@ class W8A8Linear(nn.Module):
         """Choose the matmul path (see the module docstring); raises if it cannot run here."""
         supported = ("reference", "cpu") if self.static else PATHS
         owner = f"W8A8Linear({'static' if self.static else 'dynamic'})"
-        self.kernel = choose_kernel(owner, kernel, supported, self.qweight_t.device)
+        self.kernel = choose_kernel(owner, kernel, supported, self.qweight_t.device, int8_gemm=True)
         return self
 
     @classmethod

@@ -104,7 +104,8 @@ class _DynamicQuantRNN(nn.Module):
 
     def set_kernel(self, kernel: str):
         """Choose the int8 matmul path for every child ("cpu", "reference" or "auto"); raises if it cannot run."""
-        self.kernel = choose_kernel(type(self).__name__, kernel, ("reference", "cpu"), self.ih_l0.qweight_t.device)
+        self.kernel = choose_kernel(type(self).__name__, kernel, ("reference", "cpu"), self.ih_l0.qweight_t.device,
+                                    int8_gemm=True)
         for m in self.children():
             m.set_kernel(self.kernel)
         return self

@@ -87,8 +87,11 @@ def fit_mixed(model: nn.Module, task, *, precision: str = "fp32", epochs: int = 
         raise TypeError(f"fit_mixed needs a classification task (digits, mnist1d), got {task!r}")
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed)
-    x = torch.from_numpy(split.x_train)
-    y = torch.from_numpy(split.y_train)
+    from workbench.tasks.base import model_device
+
+    device = model_device(model)   # the task's arrays live on the CPU; the model may be on a GPU
+    x = torch.as_tensor(split.x_train).to(device)
+    y = torch.as_tensor(split.y_train).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=epochs * math.ceil(len(x) / batch_size))
     step = AmpStep(model, opt, precision)

@@ -577,8 +577,9 @@ class W8A8Linear(nn.Module):
         scale, zp = choose_qparams(w, 8, symmetric=True)                 # (out, 1) per output channel
         q = quantize(w, scale, zp, -128, 127, torch.int8)                 # (out, in)
         new = cls(linear.in_features, linear.out_features, linear.bias is not None, static=act_scale is not None,
-                  smooth=smooth is not None, kernel=kernel)
-        return _fill(new, linear, qweight_t=q.t(), scale=scale.t(), act_scale=act_scale, smooth=smooth)
+                  smooth=smooth is not None, device=w.device)   # on the layer's device: kernel="triton" on CUDA
+        new = _fill(new, linear, qweight_t=q.t(), scale=scale.t(), act_scale=act_scale, smooth=smooth)
+        return new.set_kernel(kernel) if kernel != "reference" else new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., in)
         xs = x / self.smooth if hasattr(self, "smooth") else x

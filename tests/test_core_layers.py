@@ -91,7 +91,7 @@ def test_module_under_two_names_is_swapped_under_both():
 
 
 def test_describe_and_report_list_passed_over_layers():
-    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.LSTM(8, 8), nn.Linear(8, 2))
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.RNN(8, 8), nn.Linear(8, 2))
     plan = Plan({"3": None, "*": wb.quant.Dynamic()})
     df = plan.describe(model).set_index("layer")
     assert df.loc["0", "status"] == "compressed"

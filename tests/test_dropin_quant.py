@@ -278,15 +278,28 @@ def test_qat_star_takes_embeddings():
 
 @pytest.mark.parametrize("technique", ["int8", "int4", "dynamic", "bf16"])
 def test_star_on_an_encoder_handles_attention_out_proj(technique):
-    """``"*"`` also meets MultiheadAttention's out_proj (a Linear subclass the attention reads directly):
-    weight-only formats take it (the attention computes with the decoded ``.weight``); W8A8 and Cast, which act
-    on the activations in forward, leave it as it is."""
+    """``"*"`` reaches the encoder's attention, which the core rewrites with separate q/k/v/out projections
+    (`workbench.models.canonical`): every technique then takes all four, W8A8 and Cast included (their forward
+    runs, unlike a packed MultiheadAttention's out_proj, whose weight the attention reads directly)."""
+    from workbench.models.canonical import SplitMultiheadAttention
+
     config, threshold = TECHNIQUES[technique]
     small = _check(_encoder(True), {"*": config}, torch.randn(3, 7, 32), threshold)
-    out_proj = small.layers[0].self_attn.out_proj
-    weight_only = isinstance(config, Q.WeightOnly)
-    assert (type(out_proj) is nn.modules.linear.NonDynamicallyQuantizableLinear) != weight_only
+    attn = small.layers[0].self_attn
+    assert isinstance(attn, SplitMultiheadAttention)
+    assert all(type(p) is not nn.Linear for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj))
     assert type(small.layers[0].linear1) is not nn.Linear
+
+
+def test_a_packed_attention_out_proj_is_weight_only():
+    """Without the rewriting (a plan naming only the packed attention's out_proj is rewritten too, so this is the
+    bare handler): weight-only formats take a MultiheadAttention's out_proj - the attention computes with the
+    decoded ``.weight`` - and W8A8, which acts on activations in forward, does not."""
+    from workbench.plans.registry import handler_for
+
+    out_proj = nn.MultiheadAttention(32, 4).out_proj
+    assert handler_for(Q.WeightOnly(8)).supports(out_proj, Q.WeightOnly(8))
+    assert not handler_for(Q.Dynamic()).supports(out_proj, Q.Dynamic())
 
 
 def test_qat_convolutions_keep_their_computation():
@@ -324,4 +337,4 @@ def test_the_drop_in_weight_costs_no_extra_decode(monkeypatch):
     assert not calls
     with torch.inference_mode():
         small(torch.randn(3, 7, 32))
-    assert len(layers) == 6 and len(calls) == 6      # linear1, linear2, attention out_proj: x 2 layers
+    assert len(layers) == 12 and len(calls) == 12    # linear1, linear2, q/k/v/out projections: x 2 layers

@@ -175,7 +175,8 @@ class Plan(Mapping[str, Config | None]):
                     why = getattr(handler, "why_not", None)
                     reason = (why(module, config) if why is not None else None) or \
                         f"{type(config).__name__} does not handle {type(module).__name__}"
-                    matrix = any(p.dim() >= 2 for p in module.parameters(recurse=False))
+                    own = dict(module.named_parameters(recurse=False))   # a layer's weight matrix, not a
+                    matrix = any(p.dim() >= 2 for n, p in own.items() if "weight" in n)   # token or table
                     passed.append(PassedOver(name, type(module).__name__, pattern, config, reason, matrix))
                 continue
             taken.append(name)

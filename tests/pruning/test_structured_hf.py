@@ -162,8 +162,12 @@ def test_transformer_encoder_ffn_and_the_fx_error():
     enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True), 2,
                                 enable_nested_tensor=False).eval()
     x = torch.randn(3, 7, 32)
-    with pytest.raises(ValueError, match="could not be traced.*consumers="):
-        wb.prune.channels(enc, {"layers.0.linear1": 0.5})
+    # fx cannot trace the encoder: its feed-forward blocks are found by structure; a layer outside them is refused
+    # with the fx error, naming the layer and pointing to consumers=
+    auto = wb.prune.channels(enc, {"layers.0.linear1": 0.5})
+    assert auto.layers[0].linear1.out_features == 32 and auto.layers[0].linear2.in_features == 32
+    with pytest.raises(ValueError, match="could not be traced.*consumers=.*layers.0.self_attn.out_proj"):
+        wb.prune.channels(enc, {"layers.0.self_attn.out_proj": 0.5})
     consumers = wb.prune.transformer_ffn_consumers(enc)
     assert consumers == {"layers.0.linear1": ["layers.0.linear2"], "layers.1.linear1": ["layers.1.linear2"]}
     small = wb.prune.channels(enc, {"layers.*.linear1": 0.5}, consumers=consumers, criterion="taylor",

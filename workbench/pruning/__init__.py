@@ -1,8 +1,10 @@
 """Pruning (`wb.prune`): unstructured magnitude / random, N:M semi-structured, global thresholds, masks
 kept for fine-tuning or made permanent (dense zeros, CSR or 2:4 storage) - see `configs`; pruned layers are drop-ins
 (`modules`) - and structured pruning that physically removes channels and fixes their dependents (`channels`, see
-`structured`) or removes attention heads (`attention_heads`, see `heads`)."""
+`structured`) or removes attention heads (`attention_heads`, see `heads`); `reestimate_batchnorm` refreshes
+BatchNorm statistics after pruning."""
 from workbench.pruning import masks
+from workbench.pruning.batchnorm import reestimate_batchnorm
 from workbench.pruning.schedules import gradual_prune, polynomial_sparsity, sweep
 from workbench.pruning.structured import Kept, channel_importance, channels, transformer_ffn_consumers
 from workbench.pruning.heads import KeptHeads, attention_heads, head_importance
@@ -11,6 +13,6 @@ from workbench.pruning.modules import (
     PrunedConv1d, PrunedConv2d, PrunedEmbedding, PrunedLinear, SemiStructuredLinear, SparseLinear, pruned_class,
 )
 
-__all__ = ["masks", "Kept", "KeptHeads", "channels", "channel_importance", "attention_heads", "head_importance",
+__all__ = ["masks", "reestimate_batchnorm", "Kept", "KeptHeads", "channels", "channel_importance", "attention_heads", "head_importance",
            "transformer_ffn_consumers", "polynomial_sparsity", "gradual_prune", "sweep", "Magnitude", "Random", "NM", "global_plan", "finalize", "sparsity_of", "PrunedLinear",
            "PrunedConv2d", "PrunedConv1d", "PrunedEmbedding", "pruned_class", "SparseLinear", "SemiStructuredLinear"]

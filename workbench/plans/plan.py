@@ -218,10 +218,10 @@ class Plan(Mapping[str, Config | None]):
         ("compressed", "kept" for a ``None`` entry, "passed over") and the reason a layer is passed over."""
         import pandas as pd
 
-        assigned, passed = self.survey(model)
         from workbench.plans.layers import canonical_view
 
-        model = canonical_view(model, self)
+        model = canonical_view(model, self)   # once: surveying the view finds nothing left to rewrite
+        assigned, passed = self.survey(model)
         rows = {a.name: {"layer": a.name, "type": a.module_type, "pattern": a.pattern, "config": repr(a.config),
                          "status": "compressed", "reason": ""} for a in assigned}
         rows.update({p.name: {"layer": p.name, "type": p.module_type, "pattern": p.pattern, "config": repr(p.config),

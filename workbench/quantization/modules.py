@@ -268,6 +268,13 @@ def triton_weight_kind(fmt: fm.WeightFormat) -> str | None:
     return None
 
 
+def _conv_repr(m: nn.Module, what: str) -> str:
+    """The description a quantized convolution prints: its shape, ``what`` it stores, any input padding."""
+    pad = m.conv_args["input_padding"]
+    return (f"{m.in_channels}, {m.out_channels}, kernel_size={m.kernel_size}, stride={m.stride}, "
+            f"groups={m.groups}, {what}" + ("" if pad is None else f", input_padding={pad}"))
+
+
 def conv_args(conv: nn.Module, input_padding: InputPadding | None = None) -> dict:
     """What a quantized convolution needs to rebuild the computation of ``conv`` (an nn.Conv1d / Conv2d /
     ConvTranspose2d): its `ConvOp`, weight shape, stride, padding, ... and the `InputPadding` applied before
@@ -478,10 +485,7 @@ class _WeightOnlyConv(_PackedWeight):
         return a["op"](x, w, None if self.bias is None else self.bias.to(x.dtype), a)
 
     def extra_repr(self) -> str:
-        a = self.conv_args
-        pad = "" if a["input_padding"] is None else f", input_padding={a['input_padding']}"
-        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
-                f"groups={self.groups}, fmt={self.fmt}{pad}{self._note_repr()}")
+        return _conv_repr(self, f"fmt={self.fmt}") + self._note_repr()
 
 
 class WeightOnlyConv1d(_WeightOnlyConv):
@@ -682,10 +686,7 @@ class _W8A8Conv(nn.Module):
         return y.to(x.dtype)
 
     def extra_repr(self) -> str:
-        a = self.conv_args
-        pad = "" if a["input_padding"] is None else f", input_padding={a['input_padding']}"
-        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
-                f"groups={self.groups}, activations=static{pad}")
+        return _conv_repr(self, "activations=static")
 
 
 class W8A8Conv1d(_W8A8Conv):

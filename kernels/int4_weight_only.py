@@ -73,9 +73,9 @@ _DECODE_TILES = [(64, 128, 4, 4), (128, 128, 4, 4), (128, 64, 4, 5), (64, 256, 4
                  (256, 64, 8, 4), (128, 32, 4, 6), (256, 32, 8, 5)]     # (BLOCK_N, BLOCK_K, warps, stages)
 
 
-_GEMV_TILES = [(8, 512, 4, 2), (16, 256, 4, 3), (16, 512, 4, 2), (32, 256, 4, 3), (32, 256, 8, 3),
-               (16, 1024, 8, 2), (64, 128, 4, 4), (32, 512, 8, 2), (8, 1024, 4, 2),
-               (32, 128, 4, 4), (32, 64, 4, 4), (16, 64, 4, 4)]         # (BLOCK_N, BLOCK_K, warps, stages)
+_GEMV_TILES = [(8, 128, 4, 3), (16, 128, 4, 3), (32, 128, 4, 3), (16, 128, 4, 4), (32, 128, 8, 3),
+               (64, 128, 8, 3), (8, 256, 4, 3), (16, 256, 8, 2), (16, 64, 4, 4), (32, 64, 4, 4),
+               (64, 64, 4, 4)]                                          # (BLOCK_N, BLOCK_K, warps, stages)
 
 
 def _autotune_configs(small_m: bool) -> list:
@@ -276,47 +276,44 @@ def _nibbles_f32(packed):
 
 @triton.jit
 def _int4_gemv_kernel(
-        # pointers: x (M, K), qweight (N, K // 2) uint8, scale / zero (N, K // GROUP_SIZE), bias (N,),
-        # c (M, N) in x's dtype
+        # pointers: x (1, K), qweight (N, K // 2) uint8, scale / zero (N, K // GROUP_SIZE), bias (N,),
+        # c (1, N) in x's dtype
         x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, c_ptr,
-        M, N, K,
-        stride_xm, stride_xk, stride_wn, stride_wj, stride_sn, stride_sg, stride_cm, stride_cn,
+        N, K,
+        stride_xk, stride_wn, stride_wj, stride_sn, stride_sg, stride_cn,
         GROUP_SIZE: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
-        # BLOCK_M: M rounded up to a power of two (<= GEMV_M); one program owns BLOCK_N weight rows; each
-        # K-tile (BLOCK_K codes, BLOCK_K / 2 bytes) lies inside one group (GROUP_SIZE % BLOCK_K == 0)
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        # one program owns BLOCK_N weight rows; each K-tile (BLOCK_K codes, BLOCK_K / 2 bytes) lies inside
+        # one group (GROUP_SIZE % BLOCK_K == 0)
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """GEMV for M <= GEMV_M rows of x: each program streams BLOCK_N packed weight rows along K (contiguous,
-    coalesced), decodes both nibble planes to exact fp32 codes and, per row of x, reduces
-    ``sum_k x[k] * (u[k] - z) = sum_k x[k] u[k] - z sum_k x[k]`` along the K-tile (the zero point, integer or
-    HQQ's float, leaves the inner loop), then applies the group's scale. No tl.dot, no padding of M, no
-    split-K buffer. The even / odd activation columns meet the low / high nibbles."""
+    """GEMV for one row of x (decode): each program streams BLOCK_N packed weight rows along K (contiguous,
+    coalesced), decodes both nibble planes to exact fp32 codes and accumulates
+    ``s * (u_lo x_even + u_hi x_odd)`` elementwise in a (BLOCK_N, BLOCK_K / 2) fp32 tile; the zero point
+    leaves the inner loop as ``s * z * sum_k x[k]`` per row and K-tile. One reduction along K at the end. No
+    tl.dot (which pads M to 16 rows), no split-K buffer. The even / odd activation columns meet the low / high
+    nibbles."""
     HALF: tl.constexpr = BLOCK_K // 2
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_j = tl.arange(0, HALF)
-    offs_m = tl.arange(0, BLOCK_M)
     n_mask = offs_n < N
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_j[None, :] * stride_wj  # (BLOCK_N, HALF)
     s_ptrs = scale_ptr + offs_n.to(tl.int64) * stride_sn                                     # (BLOCK_N,)
     z_ptrs = zero_ptr + offs_n.to(tl.int64) * stride_sn
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)          # transposed: (n, m), in the weight's layout
+    acc = tl.zeros((BLOCK_N, HALF), dtype=tl.float32)
+    zacc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):                               # K is a multiple of GROUP_SIZE, so of BLOCK_K
         u_lo, u_hi = _nibbles_f32(tl.load(w_ptrs + (k0 // 2) * stride_wj, mask=n_mask[:, None], other=0))
         grp = (k0 // GROUP_SIZE) * stride_sg
         s, z = _group_params(s_ptrs + grp, z_ptrs + grp, n_mask, HAS_ZERO)                    # (BLOCK_N,)
-        for m in tl.static_range(BLOCK_M):
-            row_ok = offs_j * 0 + m < M
-            x_row = x_ptr + m * stride_xm + (k0 + 2 * offs_j) * stride_xk
-            a_even = tl.load(x_row, mask=row_ok, other=0.0).to(tl.float32)                 # (HALF,)
-            a_odd = tl.load(x_row + stride_xk, mask=row_ok, other=0.0).to(tl.float32)
-            part = tl.sum(u_lo * a_even[None, :] + u_hi * a_odd[None, :], axis=1)            # (BLOCK_N,)
-            part = (part - z * tl.sum(a_even + a_odd, axis=0)) * s
-            acc += tl.where(offs_m[None, :] == m, part[:, None], 0.0)
+        a_even = tl.load(x_ptr + (k0 + 2 * offs_j) * stride_xk).to(tl.float32)                # (HALF,)
+        a_odd = tl.load(x_ptr + (k0 + 2 * offs_j + 1) * stride_xk).to(tl.float32)
+        acc += (u_lo * a_even[None, :] + u_hi * a_odd[None, :]) * s[:, None]
+        zacc += s * z * tl.sum(a_even + a_odd, axis=0)
+    y = tl.sum(acc, axis=1) - zacc                                                              # (BLOCK_N,)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-    c_ptrs = c_ptr + offs_m[None, :] * stride_cm + offs_n[:, None] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=n_mask[:, None] & (offs_m[None, :] < M))
+        y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(c_ptr + offs_n * stride_cn, y.to(c_ptr.dtype.element_ty), mask=n_mask)
 
 
 _KEY = ["M_BUCKET", "N", "K", "GROUP_SIZE", "HAS_ZERO", "HAS_BIAS"]
@@ -327,7 +324,7 @@ _kernel_large_m = triton.autotune(configs=_autotune_configs(small_m=False), key=
                                   do_bench=graph_bench,
                                   prune_configs_by={"early_config_prune": _prune})(_int4_weight_only_mm_kernel)
 _kernel_gemv = triton.autotune(configs=gemv_configs(_GEMV_TILES),
-                               key=["BLOCK_M", "N", "K", "GROUP_SIZE", "HAS_ZERO", "HAS_BIAS"], do_bench=graph_bench,
+                               key=["N", "K", "GROUP_SIZE", "HAS_ZERO", "HAS_BIAS"], do_bench=graph_bench,
                                prune_configs_by={"early_config_prune": _prune_gemv})(_int4_gemv_kernel)
 
 
@@ -375,11 +372,9 @@ def launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: to
                FAST_UNPACK=not INTERPRET and x.dtype != torch.float32, GROUP_M=8)
 
     def call_gemv(kernel, x2, c, M):
-        kernel(x2, qweight, scale, scale if zero is None else zero, scale if bias is None else bias, c, M, N, K,
-               x2.stride(0), x2.stride(1), qweight.stride(0), qweight.stride(1), scale.stride(0),
-               scale.stride(1), c.stride(0), c.stride(1),
-               GROUP_SIZE=group_size, HAS_ZERO=zero is not None, HAS_BIAS=bias is not None,
-               BLOCK_M=triton.next_power_of_2(M))
+        kernel(x2, qweight, scale, scale if zero is None else zero, scale if bias is None else bias, c, N, K,
+               x2.stride(1), qweight.stride(0), qweight.stride(1), scale.stride(0), scale.stride(1), c.stride(1),
+               GROUP_SIZE=group_size, HAS_ZERO=zero is not None, HAS_BIAS=bias is not None)
 
     gemv = (_kernel_gemv, call_gemv) if gemv_applies(group_size) else None
     return launch_split_k(OP, x, N, K, bias, config, (_kernel_small_m, _kernel_large_m),

@@ -60,8 +60,8 @@ _DECODE_TILES = [(64, 128, 4, 4), (128, 128, 4, 4), (128, 64, 4, 5), (64, 256, 4
                  (128, 256, 8, 3)]                                      # (BLOCK_N, BLOCK_K, warps, stages)
 
 
-_GEMV_TILES = [(8, 512, 4, 2), (16, 256, 4, 3), (16, 512, 4, 2), (32, 256, 4, 3), (32, 256, 8, 3),
-               (16, 1024, 8, 2), (64, 128, 4, 4), (32, 512, 8, 2), (8, 1024, 4, 2)]  # (BLOCK_N, BLOCK_K, warps, stages)
+_GEMV_TILES = [(8, 256, 4, 3), (16, 256, 4, 3), (8, 512, 4, 2), (16, 512, 8, 2), (32, 128, 4, 4),
+               (32, 256, 8, 3), (4, 512, 4, 3), (16, 128, 4, 4)]      # (BLOCK_N, BLOCK_K, warps, stages)
 
 
 def _autotune_configs(small_m: bool) -> list:
@@ -182,37 +182,33 @@ def _codes_f32(u):
 
 @triton.jit
 def _int8_gemv_kernel(
-        # pointers: x (M, K), qweight (N, K) uint8, scale (N, 1), bias (N,), c (M, N) in x's dtype
+        # pointers: x (1, K), qweight (N, K) uint8, scale (N, 1), bias (N,), c (1, N) in x's dtype
         x_ptr, w_ptr, scale_ptr, bias_ptr, c_ptr,
-        M, N, K,
-        stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_cm, stride_cn,
+        N, K,
+        stride_xk, stride_wn, stride_wk, stride_sn, stride_cn,
         HAS_BIAS: tl.constexpr,
-        # BLOCK_M: M rounded up to a power of two (<= GEMV_M); one program owns BLOCK_N weight rows
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,     # one program owns BLOCK_N weight rows
 ):
-    """GEMV for M <= GEMV_M rows of x: each program streams BLOCK_N rows of the weight along K (contiguous,
-    coalesced), converts the codes in fp32 registers and, for each row of x, multiplies and reduces along K
-    on the CUDA cores. No tl.dot, so nothing is padded to the MMA's 16 rows, and no split-K buffer."""
+    """GEMV for one row of x (decode): each program streams BLOCK_N rows of the weight along K (contiguous,
+    coalesced), converts the codes in fp32 registers and accumulates ``w * x`` elementwise in a
+    (BLOCK_N, BLOCK_K) fp32 tile -- one decode and one FMA per weight, no cross-thread work in the loop --
+    reduced along K once at the end. No tl.dot (which pads M to 16 rows) and no split-K buffer."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    offs_m = tl.arange(0, BLOCK_M)
     n_mask = offs_n < N
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :] * stride_wk  # (BLOCK_N, BLOCK_K)
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)          # transposed: (n, m), in the weight's layout
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = k0 + offs_k < K
         w = _codes_f32(tl.load(w_ptrs + k0 * stride_wk, mask=n_mask[:, None] & k_mask[None, :], other=128))
-        for m in tl.static_range(BLOCK_M):
-            a = tl.load(x_ptr + m * stride_xm + (k0 + offs_k) * stride_xk, mask=k_mask & (offs_k * 0 + m < M), other=0.0)
-            part = tl.sum(w * a.to(tl.float32)[None, :], axis=1)                                # (BLOCK_N,)
-            acc += tl.where(offs_m[None, :] == m, part[:, None], 0.0)
-    s = tl.load(scale_ptr + offs_n * stride_sn, mask=n_mask, other=0.0).to(tl.float32)
-    acc = acc * s[:, None]
+        a = tl.load(x_ptr + (k0 + offs_k) * stride_xk, mask=k_mask, other=0.0).to(tl.float32)    # (BLOCK_K,)
+        acc += w * a[None, :]
+    y = tl.sum(acc, axis=1)                                                                     # (BLOCK_N,)
+    y = y * tl.load(scale_ptr + offs_n * stride_sn, mask=n_mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-    c_ptrs = c_ptr + offs_m[None, :] * stride_cm + offs_n[:, None] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=n_mask[:, None] & (offs_m[None, :] < M))
+        y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(c_ptr + offs_n * stride_cn, y.to(c_ptr.dtype.element_ty), mask=n_mask)
 
 
 _KEY = ["M_BUCKET", "N", "K", "HAS_BIAS"]
@@ -222,7 +218,7 @@ _kernel_small_m = triton.autotune(configs=_autotune_configs(small_m=True), key=_
 _kernel_large_m = triton.autotune(configs=_autotune_configs(small_m=False), key=_KEY,
                                   do_bench=graph_bench,
                                   prune_configs_by={"early_config_prune": _prune})(_int8_weight_only_mm_kernel)
-_kernel_gemv = triton.autotune(configs=gemv_configs(_GEMV_TILES), key=["BLOCK_M", "N", "K", "HAS_BIAS"],
+_kernel_gemv = triton.autotune(configs=gemv_configs(_GEMV_TILES), key=["N", "K", "HAS_BIAS"],
                                do_bench=graph_bench)(_int8_gemv_kernel)
 
 
@@ -264,9 +260,9 @@ def launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                FAST_UNPACK=not INTERPRET and x.dtype != torch.float32, GROUP_M=8)
 
     def call_gemv(kernel, x2, c, M):
-        kernel(x2, qweight, scale, scale if bias is None else bias, c, M, N, K,
-               x2.stride(0), x2.stride(1), qweight.stride(0), qweight.stride(1), scale.stride(0),
-               c.stride(0), c.stride(1), HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(M))
+        kernel(x2, qweight, scale, scale if bias is None else bias, c, N, K,
+               x2.stride(1), qweight.stride(0), qweight.stride(1), scale.stride(0), c.stride(1),
+               HAS_BIAS=bias is not None)
 
     return launch_split_k(OP, x, N, K, bias, config, (_kernel_small_m, _kernel_large_m),
                           _int8_weight_only_mm_kernel, min_block_k=16, call=call, gemv=(_kernel_gemv, call_gemv))

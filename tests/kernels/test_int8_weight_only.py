@@ -90,18 +90,18 @@ class _Spy:
 
 @needs_triton
 @pytest.mark.parametrize("M, N, K, dtype, bias", [
-    (1, 20, 100, torch.float32, True), (2, 37, 64, torch.float16, False), (3, 16, 130, torch.bfloat16, True),
-    (4, 33, 96, torch.float16, True)], ids=["M1-fp32-bias", "M2-fp16", "M3-bf16-bias", "M4-fp16-bias"])
+    (1, 20, 100, torch.float32, True), (1, 37, 64, torch.float16, False), (1, 16, 130, torch.bfloat16, True),
+    (2, 33, 96, torch.float16, True)], ids=["M1-fp32-bias", "M1-fp16", "M1-bf16-bias", "M2-fp16-bias"])
 def test_gemv_path_for_few_rows(monkeypatch, M, N, K, dtype, bias):
-    """M <= GEMV_M runs the GEMV kernel (N and K not multiples of its tiles; M not a power of two)."""
+    """M <= GEMV_M runs the GEMV kernel (N and K not multiples of its tiles), more rows the tl.dot kernel."""
     spy = _Spy(k8._kernel_gemv)
     monkeypatch.setattr(k8, "_kernel_gemv", spy)
     args, _ = make(M, N, K, dtype, bias)
     y = k8.launch(*args)
-    assert spy.launches == 1 and y.shape == (M, N) and y.dtype == dtype
+    assert spy.launches == (M <= k8.GEMV_M) and y.shape == (M, N) and y.dtype == dtype
     assert rel_err(y, k8.reference(*args)) <= TOL[dtype]
     k8.launch(*make(k8.GEMV_M + 1, N, K, dtype, bias)[0])          # one row more: the tl.dot kernel
-    assert spy.launches == 1
+    assert spy.launches == (M <= k8.GEMV_M)
 
 
 @needs_triton

@@ -56,8 +56,8 @@ import triton
 import triton.language as tl
 
 from kernels._common import (
-    GEMV_M, INTERPRET, SMALL_M, check, check_same_device, fit_m_bucket, gemv_configs, graph_bench, launch_split_k,
-    m_bucket, split_k_configs,
+    INTERPRET, SMALL_M, check, check_same_device, fit_m_bucket, graph_bench, launch_split_k, m_bucket,
+    split_k_configs,
 )
 
 __all__ = ["int4_weight_only_mm", "launch", "reference", "unpack_int4", "SMALL_M"]
@@ -73,11 +73,6 @@ _DECODE_TILES = [(64, 128, 4, 4), (128, 128, 4, 4), (128, 64, 4, 5), (64, 256, 4
                  (256, 64, 8, 4), (128, 32, 4, 6), (256, 32, 8, 5)]     # (BLOCK_N, BLOCK_K, warps, stages)
 
 
-_GEMV_TILES = [(8, 128, 4, 3), (16, 128, 4, 3), (32, 128, 4, 3), (16, 128, 4, 4), (32, 128, 8, 3),
-               (64, 128, 8, 3), (8, 256, 4, 3), (16, 256, 8, 2), (16, 64, 4, 4), (32, 64, 4, 4),
-               (64, 64, 4, 4)]                                          # (BLOCK_N, BLOCK_K, warps, stages)
-
-
 def _autotune_configs(small_m: bool) -> list:
     return split_k_configs(small_m, _DECODE_TILES)
 
@@ -91,18 +86,6 @@ def _prune(configs: list, named_args: dict, **kwargs) -> list:
     fit = fit_m_bucket(configs, args["M_BUCKET"], args["K"])
     one_group = [c for c in fit if g % c.kwargs["BLOCK_K"] == 0 and (c.kwargs["BLOCK_K"] >= 64 or g < 64)]
     return one_group or fit or configs[:1]
-
-
-def _prune_gemv(configs: list, named_args: dict, **kwargs) -> list:
-    """The GEMV kernel needs each K-tile inside one group (g a multiple of BLOCK_K)."""
-    g = {**named_args, **kwargs}["GROUP_SIZE"]
-    return [c for c in configs if g % c.kwargs["BLOCK_K"] == 0] or configs[-1:]
-
-
-def gemv_applies(group_size: int) -> bool:
-    """Whether the GEMV kernel runs this group size: some config's K-tile (32 under the interpreter, 64 or
-    more on a GPU) divides it."""
-    return group_size % (32 if INTERPRET else 64) == 0
 
 
 # ------------------------------------------------------------------------------------------------ kernel
@@ -264,58 +247,6 @@ def _int4_weight_only_mm_kernel(
         tl.atomic_add(c_ptrs, acc, mask=c_mask, sem="relaxed")
 
 
-@triton.jit
-def _nibbles_f32(packed):
-    """(low, high) nibbles of uint8 bytes as exact fp32 codes: each ORed into the mantissa of 2^23, then one
-    subtraction (integer ops at full rate, no int-to-float conversion)."""
-    p = packed.to(tl.uint32)
-    lo = ((p & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    hi = ((p >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    return lo, hi
-
-
-@triton.jit
-def _int4_gemv_kernel(
-        # pointers: x (1, K), qweight (N, K // 2) uint8, scale / zero (N, K // GROUP_SIZE), bias (N,),
-        # c (1, N) in x's dtype
-        x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, c_ptr,
-        N, K,
-        stride_xk, stride_wn, stride_wj, stride_sn, stride_sg, stride_cn,
-        GROUP_SIZE: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
-        # one program owns BLOCK_N weight rows; each K-tile (BLOCK_K codes, BLOCK_K / 2 bytes) lies inside
-        # one group (GROUP_SIZE % BLOCK_K == 0)
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """GEMV for one row of x (decode): each program streams BLOCK_N packed weight rows along K (contiguous,
-    coalesced), decodes both nibble planes to exact fp32 codes and accumulates
-    ``s * (u_lo x_even + u_hi x_odd)`` elementwise in a (BLOCK_N, BLOCK_K / 2) fp32 tile; the zero point
-    leaves the inner loop as ``s * z * sum_k x[k]`` per row and K-tile. One reduction along K at the end. No
-    tl.dot (which pads M to 16 rows), no split-K buffer. The even / odd activation columns meet the low / high
-    nibbles."""
-    HALF: tl.constexpr = BLOCK_K // 2
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_j = tl.arange(0, HALF)
-    n_mask = offs_n < N
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_j[None, :] * stride_wj  # (BLOCK_N, HALF)
-    s_ptrs = scale_ptr + offs_n.to(tl.int64) * stride_sn                                     # (BLOCK_N,)
-    z_ptrs = zero_ptr + offs_n.to(tl.int64) * stride_sn
-    acc = tl.zeros((BLOCK_N, HALF), dtype=tl.float32)
-    zacc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):                               # K is a multiple of GROUP_SIZE, so of BLOCK_K
-        u_lo, u_hi = _nibbles_f32(tl.load(w_ptrs + (k0 // 2) * stride_wj, mask=n_mask[:, None], other=0))
-        grp = (k0 // GROUP_SIZE) * stride_sg
-        s, z = _group_params(s_ptrs + grp, z_ptrs + grp, n_mask, HAS_ZERO)                    # (BLOCK_N,)
-        a_even = tl.load(x_ptr + (k0 + 2 * offs_j) * stride_xk).to(tl.float32)                # (HALF,)
-        a_odd = tl.load(x_ptr + (k0 + 2 * offs_j + 1) * stride_xk).to(tl.float32)
-        acc += (u_lo * a_even[None, :] + u_hi * a_odd[None, :]) * s[:, None]
-        zacc += s * z * tl.sum(a_even + a_odd, axis=0)
-    y = tl.sum(acc, axis=1) - zacc                                                              # (BLOCK_N,)
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(c_ptr + offs_n * stride_cn, y.to(c_ptr.dtype.element_ty), mask=n_mask)
-
-
 _KEY = ["M_BUCKET", "N", "K", "GROUP_SIZE", "HAS_ZERO", "HAS_BIAS"]
 _kernel_small_m = triton.autotune(configs=_autotune_configs(small_m=True), key=_KEY, reset_to_zero=["c_ptr"],
                                   do_bench=graph_bench,
@@ -323,9 +254,6 @@ _kernel_small_m = triton.autotune(configs=_autotune_configs(small_m=True), key=_
 _kernel_large_m = triton.autotune(configs=_autotune_configs(small_m=False), key=_KEY,
                                   do_bench=graph_bench,
                                   prune_configs_by={"early_config_prune": _prune})(_int4_weight_only_mm_kernel)
-_kernel_gemv = triton.autotune(configs=gemv_configs(_GEMV_TILES),
-                               key=["N", "K", "GROUP_SIZE", "HAS_ZERO", "HAS_BIAS"], do_bench=graph_bench,
-                               prune_configs_by={"early_config_prune": _prune_gemv})(_int4_gemv_kernel)
 
 
 # ---------------------------------------------------------------------------------------------- launcher
@@ -371,14 +299,8 @@ def launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: to
                DOT_FP32=x.dtype == torch.float32 or (INTERPRET and x.dtype == torch.bfloat16),
                FAST_UNPACK=not INTERPRET and x.dtype != torch.float32, GROUP_M=8)
 
-    def call_gemv(kernel, x2, c, M):
-        kernel(x2, qweight, scale, scale if zero is None else zero, scale if bias is None else bias, c, N, K,
-               x2.stride(1), qweight.stride(0), qweight.stride(1), scale.stride(0), scale.stride(1), c.stride(1),
-               GROUP_SIZE=group_size, HAS_ZERO=zero is not None, HAS_BIAS=bias is not None)
-
-    gemv = (_kernel_gemv, call_gemv) if gemv_applies(group_size) else None
     return launch_split_k(OP, x, N, K, bias, config, (_kernel_small_m, _kernel_large_m),
-                          _int4_weight_only_mm_kernel, min_block_k=32, call=call, gemv=gemv)
+                          _int4_weight_only_mm_kernel, min_block_k=32, call=call)
 
 
 # --------------------------------------------------------------------------------------------- reference

@@ -85,48 +85,10 @@ def test_kernel_matches_reference(M, N, K, g, mode, dtype, bias, config):
 
 
 @needs_triton
-@pytest.mark.parametrize("M", [3, 17, 70])  # the GEMV, decode (split-K) and prefill autotune families
+@pytest.mark.parametrize("M", [3, 70])  # the decode (split-K) and the prefill autotune families
 def test_custom_op_with_autotuned_config(M):
     args, _, _ = make(M, 40, 96, 32, "uint8-zero", torch.float16)
     assert rel_err(k4.int4_weight_only_mm(*args), k4.reference(*args)) <= TOL[torch.float16]
-
-
-class _Spy:
-    """Wraps an autotuned kernel and counts its launches."""
-
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, 0
-
-    def __getitem__(self, grid):
-        self.launches += 1
-        return self.kernel[grid]
-
-
-@needs_triton
-@pytest.mark.parametrize("M, N, K, g, mode, dtype, bias", [
-    (1, 20, 64, 64, "symmetric", torch.float32, True), (1, 37, 128, 64, "uint8-zero", torch.float16, False),
-    (1, 16, 192, 64, "float-zero", torch.bfloat16, True), (1, 33, 128, 128, "uint8-zero", torch.float32, True),
-    (1, 24, 96, 32, "float-zero", torch.float16, False), (3, 24, 96, 32, "symmetric", torch.float16, False)],
-    ids=["M1-sym-fp32-bias", "M1-u8-fp16", "M1-hqq-bf16-bias", "M1-u8-fp32-bias-g128", "M1-hqq-fp16-g32",
-         "M3-sym-fp16"])
-def test_gemv_path_for_few_rows(monkeypatch, M, N, K, g, mode, dtype, bias):
-    """M <= GEMV_M runs the GEMV kernel when its K-tiles fit the group size (N not a multiple of its tiles);
-    every zero-point storage; more rows run the tl.dot kernel."""
-    spy = _Spy(k4._kernel_gemv)
-    monkeypatch.setattr(k4, "_kernel_gemv", spy)
-    args, _, _ = make(M, N, K, g, mode, dtype, bias)
-    y = k4.launch(*args)
-    assert spy.launches == (M <= k4.GEMV_M and k4.gemv_applies(g)) and y.shape == (M, N) and y.dtype == dtype
-    assert rel_err(y, k4.reference(*args)) <= TOL[dtype]
-
-
-@needs_triton
-def test_gemv_path_not_for_group_sizes_it_cannot_tile(monkeypatch):
-    spy = _Spy(k4._kernel_gemv)
-    monkeypatch.setattr(k4, "_kernel_gemv", spy)
-    args, _, _ = make(1, 16, 63, 21, "uint8-zero", torch.float32)
-    assert rel_err(k4.launch(*args), k4.reference(*args)) <= TOL[torch.float32]
-    assert spy.launches == 0 and not k4.gemv_applies(21)
 
 
 @needs_triton

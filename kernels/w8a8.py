@@ -145,7 +145,6 @@ if triton is not None:
 
     @triton.autotune(configs=_gemm_configs(), key=["M_BUCKET", "N", "K", "QUANT_A"], do_bench=graph_bench,
                      prune_configs_by={"early_config_prune": _prune_configs})
-    @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
     @triton.jit
     def _w8a8_kernel(
         # pointers: A (M, K) float if QUANT_A else int8 codes; s_a (M,) fp32 (unused if QUANT_A);
@@ -155,8 +154,8 @@ if triton is not None:
         M, N, K, M_BUCKET,
         # strides
         stride_am, stride_ak, stride_wk, stride_wn, stride_ym, stride_yn,
-        # meta-parameters: INT64 offsets when a tensor has 2^31 elements or more; EVEN_K: no K remainder
-        QUANT_A: tl.constexpr, HAS_BIAS: tl.constexpr, INT64: tl.constexpr, EVEN_K: tl.constexpr,
+        # meta-parameters
+        QUANT_A: tl.constexpr, HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ):
         # grouped ordering: GROUP_M row blocks walk the column blocks together (weight tiles reused in L2)
@@ -164,45 +163,38 @@ if triton is not None:
         grid_n = tl.cdiv(N, BLOCK_N)
         pid_m, pid_n = tl.swizzle2d(pid // grid_n, pid % grid_n, tl.cdiv(M, BLOCK_M), grid_n, GROUP_M)
 
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                  # (BLOCK_M,)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                  # (BLOCK_N,)
-        # the loads wrap past the last row / column (reading valid duplicates, never stored), so the tiles
-        # need no M / N mask and, with EVEN_K, no mask at all: the pipelined copies stay unpredicated
-        offs_m, offs_n = rows % M, cols % N
-        if INT64:
-            offs_m, offs_n = offs_m.to(tl.int64), offs_n.to(tl.int64)
+        offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # (BLOCK_M,)
+        offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # (BLOCK_N,)
         offs_k = tl.arange(0, BLOCK_K)
+        m_mask = offs_m < M
+        n_mask = offs_n < N
 
         if QUANT_A:  # fused prologue: this row block's per-token scales
             s_a = _row_scale(_rows_absmax(a_ptr, offs_m, M, K, stride_am, stride_ak, BLOCK_M, BLOCK_K))
             inv_a = tl.math.div_rn(1.0, s_a)[:, None]                   # (BLOCK_M, 1)
         else:
-            s_a = tl.load(sa_ptr + offs_m)
+            s_a = tl.load(sa_ptr + offs_m, mask=m_mask, other=0.0)
 
         a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak   # (BLOCK_M, BLOCK_K)
         w_ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn   # (BLOCK_K, BLOCK_N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-                w = tl.load(w_ptrs)
-            else:
-                k_left = K - k * BLOCK_K
-                a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0)
-                w = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0)
+            k_left = K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=m_mask[:, None] & (offs_k[None, :] < k_left), other=0)
             if QUANT_A:
                 a = _quantize_tile(a.to(tl.float32), inv_a)
+            w = tl.load(w_ptrs, mask=(offs_k[:, None] < k_left) & n_mask[None, :], other=0)
             acc = tl.dot(a, w, acc, out_dtype=tl.int32)
             a_ptrs += BLOCK_K * stride_ak
             w_ptrs += BLOCK_K * stride_wk
 
         # epilogue: (acc * s_a) * s_w (+ bias), the module's order of operations
-        s_w = tl.load(sw_ptr + offs_n)
+        s_w = tl.load(sw_ptr + offs_n, mask=n_mask, other=0.0)
         y = acc.to(tl.float32) * s_a[:, None] * s_w[None, :]
         if HAS_BIAS:
-            y += tl.load(bias_ptr + offs_n).to(tl.float32)[None, :]
-        y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :] * stride_yn
-        tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+            y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
+        tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 # --- launchers -------------------------------------------------------------------------------------------
@@ -291,8 +283,7 @@ def w8a8_mm(x: torch.Tensor, qweight_t: torch.Tensor, scale: torch.Tensor, bias:
         a, s_a, qweight_t, scale, bias if bias is not None else scale, y,
         M, N, K, triton.next_power_of_2(M),
         a.stride(0), a.stride(1), qweight_t.stride(0), qweight_t.stride(1), y.stride(0), y.stride(1),
-        QUANT_A=fused, HAS_BIAS=bias is not None, INT64=max(a.numel(), qweight_t.numel(), y.numel()) >= 2**31,
-        enable_fp_fusion=False)
+        QUANT_A=fused, HAS_BIAS=bias is not None, enable_fp_fusion=False)
     return y.reshape(*x.shape[:-1], N)
 
 

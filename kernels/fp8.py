@@ -8,7 +8,8 @@ The math::
 ``scale_b`` fp32 ``(N, 1)``: exactly how `workbench.quantization.formats.FP8Format` stores a Linear weight
 (``qweight`` ``(out, in)``, ``scale`` ``(out, 1)``, from ``primitives.float8_quantize``). The output is
 bf16, fp16 or fp32. `quantize_rowwise` is the matching PyTorch quantizer (``scale = amax / finfo.max`` per
-row, clamped below at fp32 eps) and `fp8_linear` chains the two for a float input ``(..., K)``.
+row, clamped below at fp32 eps), `quantize_rowwise_kernel` the same numbers in one Triton launch, and
+`fp8_linear` chains that and the GEMM for a float input ``(..., K)``.
 
 Blocking (Triton tutorial 03): one program computes a ``BLOCK_M x BLOCK_N`` tile of ``y``, programs in
 groups of ``GROUP_M`` row blocks for L2 reuse of ``b``. The main loop walks K in ``BLOCK_K`` steps with
@@ -18,7 +19,7 @@ precision and Triton never promotes by default on sm_90, so the dot is called wi
 ``max_num_imprecise_acc=BLOCK_K``: each tile's partial sum is added into the fp32 register accumulator.
 The epilogue applies ``scale_a`` per row, ``scale_b`` per column and the bias, then casts once.
 
-Autotune space (GPU): BLOCK_M 64/128, BLOCK_N 64/128/256 (128 x 256 excluded: it spills with the promotion
+Autotune space (GPU): BLOCK_M 64/128/256 (256 only with BLOCK_N 128), BLOCK_N 64/128/256 (128 x 256 excluded: it spills with the promotion
 accumulator), BLOCK_K 128 (fp8 wgmma takes K = 32 per instruction; 128 bytes per row is a full swizzled
 smem line), 4/8 warps, 3-4 stages; keyed on M rounded up to a power of two, N, K. Compiled ahead of time
 for sm_90 every config lowers to ``wgmma ... f32.e4m3.e4m3`` without spills. Below sm_90 the launcher

@@ -21,7 +21,12 @@ the mantissa of a power of two, and a subtraction finishes) rather than by int-t
 run at a quarter of the ALU rate: about 1 (fp16) or 2.5 (bf16) instructions a weight instead of 8, as counted
 in the sm_90 machine code, which keeps decode memory-bound.
 
-Two families of autotune configs (`_autotune_configs`), keyed on (M bucket, N, K):
+One row of x (``M = GEMV_M = 1``, decode) runs `_int8_gemv_kernel` instead: no ``tl.dot`` (whose tiles pad M
+to 16 rows), each program streams BLOCK_N weight rows along K, decodes the codes to fp32 by bit operations
+(`_codes_f32`), accumulates ``w * x`` elementwise and reduces along K once at the end, writing x's dtype
+directly (no split-K buffer). On an H100 it took the 4096 x 14336 layer from 37 to 34 us (1.61x bf16).
+
+Otherwise two families of autotune configs (`_autotune_configs`), keyed on (M bucket, N, K):
 
 - ``M <= 64`` (decode): the weight read dominates and there are few output tiles (``N / BLOCK_N``, often
   fewer than an H100's 132 SMs), so the K loop is split ``SPLIT_K`` ways (1/2/4/8) over more programs. The

@@ -6,11 +6,12 @@ import platform
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from workbench.measurement.footprint import bytes_by_dtype, peak_memory, size_bytes
-from workbench.measurement.latency import num_threads, time_forward
+from workbench.measurement.latency import Latency, num_threads, time_forward
 from workbench.measurement.speedup import Speedup, speedup
 from workbench.tasks.base import Task, check_fit, check_model, model_device
 from workbench.tasks.inputs import to_device
@@ -140,24 +141,29 @@ def measure(model: nn.Module, task: Task | str, *, batch_size: int | None = None
     was_training = model.training
     model.eval()
     try:
-        with num_threads(threads) as used, tqdm(total=3 + (baseline is not None), desc=f"measure {task.name}",
+        with num_threads(threads) as used, tqdm(total=3, desc=f"measure {task.name}",
                                                 leave=False, disable=not progress) as bar:
             bar.set_postfix_str("quality")
             quality, quality_error = task.evaluate_with_error(model, quick=quick)
             bar.update()
-            bar.set_postfix_str("latency")
             inputs = to_device(task.example_inputs(bs), device)
-            lat = time_forward(model, inputs, warmup=2 if quick else 3, min_runs=5 if quick else 10,
-                               max_runs=20 if quick else 100, budget_s=0.5 if quick else 2.0)
+            fast = None
+            if baseline is not None:
+                # the model's latency comes from the same paired rounds as its speedup: timing it again
+                # apart would cost as much and be worth less (quick: one warm-up, at least 6 rounds, 1 s)
+                bar.set_postfix_str("speedup + latency")
+                fast = speedup(model, baseline, inputs, threads=used, warmup=1 if quick else 2,
+                               min_rounds=6 if quick else 8, budget_s=1.0 if quick else 3.0)
+                times = np.asarray(fast.model_times_ms)
+                lat = Latency(float(np.median(times)), float(np.percentile(times, 90)), len(times), used)
+            else:
+                bar.set_postfix_str("latency")
+                lat = time_forward(model, inputs, warmup=2 if quick else 3, min_runs=5 if quick else 10,
+                                   max_runs=20 if quick else 100, budget_s=0.5 if quick else 2.0)
             bar.update()
             bar.set_postfix_str("memory")
             mem = peak_memory(model, inputs)
             bar.update()
-            fast = None
-            if baseline is not None:
-                bar.set_postfix_str("speedup")
-                fast = speedup(model, baseline, inputs, threads=used, budget_s=1.0 if quick else 3.0)
-                bar.update()
     finally:
         model.train(was_training)
     missing = [m.name for m in task.metrics if m.name not in quality and (not quick or m is task.primary)]

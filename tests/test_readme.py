@@ -26,8 +26,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import nbformat
@@ -36,7 +34,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 PY = sys.executable
-pytestmark = pytest.mark.slow   # ~60 s: a fresh interpreter, two papermill reports and a Voila server
+pytestmark = pytest.mark.slow   # fresh interpreters, three papermill runs and the app command
 
 # ---------------------------------------------------------------------------------------------- extraction
 
@@ -55,7 +53,7 @@ def shell_commands(text: str) -> list[str]:
             line = re.sub(r"\s+#.*$", "", line).strip()
             out += [c.strip() for c in line.split(";") if c.strip()]
     prose = re.sub(r"```.*?```", "", text, flags=re.S)
-    out += [m.strip() for m in re.findall(r"`((?:workbench |python -m |make )[^`]*)`", prose)]
+    out += [" ".join(m.split()) for m in re.findall(r"`((?:workbench |python -m |make )[^`]*)`", prose)]
     return list(dict.fromkeys(out))
 
 
@@ -65,7 +63,7 @@ def notebook_commands() -> list[str]:
     for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
         for cell in nbformat.read(str(path), as_version=4).cells:
             if cell.cell_type == "markdown":
-                out += [m.strip() for m in re.findall(r"`(workbench [^`]*)`", cell.source)]
+                out += [" ".join(m.split()) for m in re.findall(r"`(workbench [^`]*)`", cell.source)]
     return list(dict.fromkeys(out))
 
 
@@ -121,6 +119,7 @@ SHELL_SUBSTITUTIONS = [   # (regex, replacement, why), applied in order to every
     (r"--model minilm --plan PLAN", "--model digits-mlp --plan plan.json", "MiniLM -> digits-mlp; PLAN -> a file"),
     (r"^workbench report (notebooks/90_report\.ipynb .*)$", r"workbench report \1 -p quick True -p sensitivity False",
      "the report template in quick mode, without its sensitivity sweep (tests/test_notebooks.py runs it fully)"),
+    (r"--model NAME --task TASK", "--model digits-cnn --task digits", "the app notebook's placeholders"),
     (r"^workbench goldens NAME \.\.\.$", "workbench goldens app", "NAME -> the app notebook, the quickest golden"),
     (r"^python -m workbench\.models\.train NAME$", "python -m workbench.models.train digits-mlp --out weights",
      "NAME -> digits-mlp, written to a temporary folder (never over the shipped weights)"),
@@ -137,6 +136,7 @@ PARSED_ONLY = {   # command -> why it is not run; its arguments are parsed by th
     "python -m benchmarks.recurrent": "LSTM / GRU timing rounds: a minute",
     "python -m benchmarks.honest": "five models x interleaved rounds: a minute",
     "python -m kernels.bench": "every kernel at Llama sizes (GPU) or MiniLM W8A8 (CPU): minutes",
+    "python -m kernels.bench --cpu": "MiniLM W8A8 at 32 x 128 tokens, one thread, 8 interleaved runs: minutes",
 }
 
 EXCLUDED = {   # command -> why it is neither run nor parsed here
@@ -150,9 +150,10 @@ EXCLUDED = {   # command -> why it is neither run nor parsed here
                     "`python -m workbench.models.train NAME` runs below into a temporary folder",
     "workbench report": "the command's name in prose; its full forms run below",
     "workbench goldens --update": "rewrites data/golden deliberately, never from a test",
+    "workbench measure --plan": "the explorer notebook naming the option; `workbench measure ... --plan` runs here",
 }
 
-SERVERS = {"workbench app"}   # commands that start a server: run until it answers HTTP, then stopped
+SERVERS = {"workbench app"}   # commands that start a server: run until they say they serve, then stopped
 
 
 def _prepare(cmd: str) -> str:
@@ -239,24 +240,26 @@ def _free_port() -> int:
 
 
 def _serve(argv: list[str], cwd: Path) -> str:
-    """Start a server command, wait until it answers HTTP, stop it; returns what it printed."""
-    port = _free_port()
+    """Start a server command and stop it once it says it is serving (the command checked the model and task
+    and wrote the parameterised app notebook; Voila's rendering is tests/ui/test_browser.py's job)."""
     argv = [a for a in argv]
-    i = argv.index("--port")
-    argv[i + 1] = str(port)   # any free port: other sessions may hold 8866
-    proc = subprocess.Popen(argv, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if "--port" not in argv:
+        argv += ["--port", "0"]
+    argv[argv.index("--port") + 1] = str(_free_port())   # any free port: other sessions may hold 8866
+    log = cwd / f"serve-{len(list(cwd.glob('serve-*')))}.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(argv, cwd=cwd, env=_env(), stdout=out, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            assert proc.poll() is None, f"{argv} exited with {proc.returncode}: {proc.stdout.read()[-3000:]}"
-            try:   # any HTTP answer: the server is up (rendering the app is tests/ui/test_browser.py's job)
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/voila/static/", timeout=2):
-                    return "served"
-            except urllib.error.HTTPError:
-                return "served"
-            except OSError:
-                time.sleep(0.5)
-        raise AssertionError(f"{argv} did not answer on port {port} within 120 s")
+            text = log.read_text()
+            if "serving " in text:
+                notebook = cwd / text.split("serving ", 1)[1].split(" at ", 1)[0]
+                assert notebook.is_file(), text
+                return text
+            assert proc.poll() is None, f"{argv} exited with {proc.returncode}: {text[-3000:]}"
+            time.sleep(0.3)
+        raise AssertionError(f"{argv} did not start serving within 120 s: {log.read_text()[-3000:]}")
     finally:
         proc.terminate()
         try:
@@ -268,11 +271,15 @@ def _serve(argv: list[str], cwd: Path) -> str:
 def test_shell_commands_run(tmp_path):
     _make_files(tmp_path)
     commands = shell_commands(README.read_text()) + notebook_commands()
-    ran = {}
+    ran, done = {}, set()
     for cmd in dict.fromkeys(commands):
         if cmd in EXCLUDED or cmd in PARSED_ONLY:
             continue
         prepared = _prepare(cmd)
+        key = re.sub(r" --port \d+", "", prepared)
+        if key in done:   # e.g. the README and a notebook print the same command
+            continue
+        done.add(key)
         argv = _argv(prepared)
         if any(prepared.startswith(s) for s in SERVERS):
             ran[cmd] = _serve(argv, tmp_path)

@@ -18,7 +18,7 @@ memory. Render it with
     new_code_cell("""# Parameters (papermill replaces these values)
 model_name = "digits-cnn"                      # any of wb.models.names()
 task_name = "digits"                           # any of wb.tasks.names()
-plan = "../data/plans/digits-cnn-mixed.json"   # the plan's JSON file (relative paths: from notebooks/)
+plan = "../data/plans/digits-cnn-mixed.json"   # the plan's JSON file (relative to notebooks/; `workbench report`: to where it runs)
 calibration = 64                               # calibration samples, for plans that need them (GPTQ, AWQ, static W8A8)
 quick = False                                  # True: the primary metric on the quick subset, fewer timing runs
 sensitivity = True                             # per-layer sensitivity of the plan's layers to the plan's configs

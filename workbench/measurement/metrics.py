@@ -121,7 +121,9 @@ def measure(model: nn.Module, task: Task | str, *, batch_size: int | None = None
     ``batch_size``: latency/memory batch (default: the task's).
     ``progress``: show a progress bar over the three stages (quality, latency, memory).
     ``baseline``: also measure the speedup over this model side by side (`wb.speedup`: paired rounds on the
-    same inputs, with an interval) - the only latency comparison that survives a noisy machine.
+    same inputs, with an interval) - the only latency comparison that survives a noisy machine. The model's
+    latency is then read from those same rounds.
+    Quality comes with its sampling error where the task states one (`Metrics.quality_error`).
     """
     from tqdm.auto import tqdm
 

@@ -40,9 +40,9 @@ def bench_honest(models=(*SMALL, "minilm"), threads: int = 2, repeats: int = 3):
         task = wb.tasks.load(wb.models.spec(name).task)
         points = {"int8 weight-only": _point(model), "unchanged copy": copy.deepcopy(model)}
         calls = {
-            "wb.speedup": lambda m: wb.speedup(m, model, task, threads=threads),
-            "wb.measure(quick, baseline)": lambda m: wb.measure(m, task, quick=True, threads=threads,
-                                                                baseline=model, progress=False).speedup,
+            "wb.speedup": lambda m, model=model, task=task: wb.speedup(m, model, task, threads=threads),
+            "wb.measure(quick, baseline)": lambda m, model=model, task=task: wb.measure(
+                m, task, quick=True, threads=threads, baseline=model, progress=False).speedup,
         }
         for point in points.values():   # warm-up round
             for call in calls.values():

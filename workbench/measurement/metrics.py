@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import math
 import platform
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -60,7 +61,7 @@ class Metrics:
 
     def _error_text(self, name: str) -> str:
         err = self.quality_error.get(name)
-        return f" +- {err:.2g}" if err is not None and err == err else ""
+        return f" +- {err:.2g}" if err is not None and not math.isnan(err) else ""
 
     def to_dict(self) -> dict[str, Any]:
         """A flat dict: one key per quality metric, plus the measurement fields."""

@@ -10,6 +10,7 @@ tried stays in the history; `restore` brings one back; `undo` / `redo` walk the 
 from __future__ import annotations
 
 import copy
+import math
 import threading
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
@@ -59,7 +60,8 @@ class Entry:
 
         m = self.metrics
         err = m.primary_error
-        quality = f"{m.primary}={m.primary_value:.4f}" + (f" +- {err:.2g}" if err is not None and err == err else "")
+        known = err is not None and not math.isnan(err)
+        quality = f"{m.primary}={m.primary_value:.4f}" + (f" +- {err:.2g}" if known else "")
         pace = self.speedup.verdict if self.speedup is not None else f"{m.latency_ms:.3g} ms"
         why = slowdown_note(m)
         return (f"{self.label}: {quality}, {m.size_bytes / 2**20:.3f} MiB, {pace} (batch {m.batch_size}, "

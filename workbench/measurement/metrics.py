@@ -153,10 +153,10 @@ def measure(model: nn.Module, task: Task | str, *, batch_size: int | None = None
             fast = None
             if baseline is not None:
                 # the model's latency comes from the same paired rounds as its speedup: timing it again
-                # apart would cost as much and be worth less (quick: one warm-up, at least 6 rounds, 1 s)
+                # apart would cost as much and be worth less (quick: one warm-up, at least 6 rounds, 0.6 s)
                 bar.set_postfix_str("speedup + latency")
                 fast = speedup(model, baseline, inputs, threads=used, warmup=1 if quick else 2,
-                               min_rounds=6 if quick else 8, budget_s=1.0 if quick else 3.0)
+                               min_rounds=6 if quick else 8, budget_s=0.6 if quick else 3.0)
                 times = np.asarray(fast.model_times_ms)
                 lat = Latency(float(np.median(times)), float(np.percentile(times, 90)), len(times), used)
             else:

@@ -8,11 +8,12 @@ from workbench.tasks import data
 
 
 def test_names_and_unknown_names():
-    assert wb.models.names() == ["digits-mlp", "digits-cnn", "mnist1d-cnn", "tiny-lm", "minilm", "efficientnet-lite0"]
-    assert wb.tasks.names() == ["digits", "mnist1d", "tiny-lm", "minilm", "imagenet-photos"]
+    assert wb.models.names() == ["digits-mlp", "digits-cnn", "mnist1d-cnn", "tiny-lm", "tiny-llama", "minilm",
+                                 "efficientnet-lite0"]
+    assert wb.tasks.names() == ["digits", "mnist1d", "tiny-lm", "tiny-llama", "minilm", "imagenet-photos"]
     with pytest.raises(ValueError, match="unknown model 'resnet'; available models: digits-mlp, digits-cnn"):
         wb.models.load("resnet")
-    with pytest.raises(ValueError, match="unknown task 'imagenet'; available tasks: digits, mnist1d, tiny-lm, minilm"):
+    with pytest.raises(ValueError, match="unknown task 'imagenet'; available tasks: digits, mnist1d, tiny-lm, tiny-llama"):
         wb.tasks.load("imagenet")
 
 

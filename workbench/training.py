@@ -3,7 +3,8 @@
 ``fit_classifier(model, task, epochs=..., lr=...)`` trains with AdamW and a one-cycle schedule on the task's
 training split (the calibration data comes from the same split; the test split is never touched), shows a
 tqdm progress bar, can be interrupted (Ctrl-C / the notebook's stop button: the model keeps the weights of
-the last finished step and is left in eval mode), and returns the per-epoch mean loss.
+the last finished step and is left in eval mode), and returns the per-epoch mean loss. ``workers=N`` trains
+with N data-parallel processes on the same global batch (`workbench.distributed`).
 """
 from __future__ import annotations
 
@@ -26,36 +27,53 @@ def one_cycle(params, *, lr: float, weight_decay: float, total_steps: int, optim
 
 
 def train_epoch(model: nn.Module, opt, sched, n: int, batch_size: int, generator: torch.Generator,
-                batch_loss) -> float:
+                batch_loss, where: tuple[int, int] = (0, 1)) -> float:
     """One pass over ``n`` samples in a random order: ``batch_loss(idx)`` gives each batch's loss. Returns the
-    mean loss; raises ``FloatingPointError`` (before any update) when a loss is NaN/Inf."""
+    mean loss; raises ``FloatingPointError`` (before any update) when a loss is NaN/Inf.
+
+    ``where = (rank, world)`` inside a data-parallel worker: each global batch of ``batch_size`` is shared
+    between the workers (`distributed.shard`) and the loss reported is the global batch's."""
+    from workbench.distributed import global_mean, shard
+
     model.train()
     perm = torch.randperm(n, generator=generator)
     total = 0.0
     for i in range(0, n, batch_size):
-        idx = perm[i:i + batch_size]
+        idx, weight = shard(perm[i:i + batch_size], where)
+        if len(idx) == 0:       # a short last batch leaves this worker nothing: it joins with zero weight
+            idx, weight = perm[i:i + 1], 0.0
         loss = batch_loss(idx)
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"the loss became {loss.item()}; try a smaller lr")
+        reported = global_mean(loss.detach() * weight, where)
+        if not torch.isfinite(reported):
+            raise FloatingPointError(f"the loss became {reported.item()}; try a smaller lr")
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss * weight if where[1] > 1 else loss).backward()
         opt.step()
         sched.step()
-        total += loss.item() * len(idx)
+        total += reported.item() * len(perm[i:i + batch_size])
     return total / n
 
 
 @threads_option
 def fit_classifier(model: nn.Module, task, *, epochs: int, lr: float, batch_size: int = 64,
                    weight_decay: float = 1e-4, seed: int = 0, progress: bool = True,
-                   optimizer_cls=torch.optim.AdamW, return_optimizer: bool = False):
+                   optimizer_cls=torch.optim.AdamW, return_optimizer: bool = False, workers: int = 1):
     """Train ``model`` on ``task``'s training split (a classification task, or a `tasks.data.Split`).
 
     ``optimizer_cls``: any AdamW-like class taking ``(params, lr=, weight_decay=)``, e.g.
-    ``wb.precision.AdamW8bit``. ``return_optimizer``: return ``(history, optimizer)`` to inspect its state."""
+    ``wb.precision.AdamW8bit``. ``return_optimizer``: return ``(history, optimizer)`` to inspect its state.
+    ``workers``: data-parallel processes (DDP, same global ``batch_size``); the trained weights come back into
+    ``model``."""
+    from workbench import distributed
     from workbench.tasks.base import check_model, model_device
 
     check_model(model)
+    if distributed.check_workers(workers) > 1 and not distributed.is_worker():
+        if return_optimizer:
+            raise ValueError("return_optimizer=True needs workers=1: the optimizer lives in the worker processes")
+        return distributed.launch(fit_classifier, model, (task,), dict(
+            epochs=epochs, lr=lr, batch_size=batch_size, weight_decay=weight_decay, seed=seed, progress=progress,
+            optimizer_cls=optimizer_cls), workers)
     split = getattr(task, "split", task)
     if not hasattr(split, "x_train"):
         raise TypeError(f"fit_classifier needs a classification task (digits, mnist1d) or a Split, got {task!r}")
@@ -69,11 +87,12 @@ def fit_classifier(model: nn.Module, task, *, epochs: int, lr: float, batch_size
     y = torch.from_numpy(split.y_train).to(device)
     opt, sched = one_cycle([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay,
                            total_steps=epochs * math.ceil(len(x) / batch_size), optimizer_cls=optimizer_cls)
+    net, where = distributed.prepare(model)
     history: list[float] = []
     try:
-        for _ in tqdm(range(epochs), desc="epochs", disable=not progress, leave=False):
+        for _ in tqdm(range(epochs), desc="epochs", disable=not progress or where[0] > 0, leave=False):
             history.append(train_epoch(model, opt, sched, len(x), batch_size, g,
-                                       lambda idx: F.cross_entropy(model(x[idx]), y[idx])))
+                                       lambda idx: F.cross_entropy(net(x[idx]), y[idx]), where))
     finally:
         model.eval()
     return (history, opt) if return_optimizer else history

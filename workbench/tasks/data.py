@@ -4,6 +4,12 @@
 - mnist1d: generated locally and deterministically by ``mnist1d.data.make_dataset``.
 - text: gensim's test corpus (``gensim/test/test_data``): lee_background.cor, lee.cor with its human
   similarity matrix, WordSim353, SimLex-999 and the Pang-Lee polarity sentences.
+- English documents for tiny-llama (`english_documents`): the 300 lee_background news documents and the
+  topics of Python's own documentation in ``pydoc_data.topics`` (help() texts, one document per topic, in
+  key order; the topics differ between Python versions, so the corpus belongs to this venv's Python 3.11).
+  Every tenth document of each source (index % 10 == 9) is held out, and nothing held out is seen by the
+  tokenizer or the model in training (training copies of a held-out document - lee_background repeats a few
+  stories - are dropped).
 """
 from __future__ import annotations
 
@@ -15,7 +21,8 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["Split", "digits", "mnist1d", "gensim_data_dir", "lee_background", "char_corpus",
-           "word_pairs", "lee_documents", "pang_lee"]
+           "word_pairs", "lee_documents", "pang_lee",
+           "EnglishText", "english_documents"]
 
 SEED = 0
 
@@ -84,6 +91,28 @@ class CharCorpus:
 
     def decode(self, ids) -> str:
         return "".join(self.vocab[int(i)] for i in ids)
+
+
+@dataclass(frozen=True)
+class EnglishText:
+    """Documents for training (tokenizer and model) and the held-out documents for perplexity."""
+
+    train: tuple[str, ...]
+    test: tuple[str, ...]
+
+
+@functools.lru_cache(maxsize=None)
+def english_documents(held_out_every: int = 10) -> EnglishText:
+    """lee_background (300 documents) then pydoc_data's topics (sorted by key); see the module docstring."""
+    from pydoc_data.topics import topics
+
+    train: list[str] = []
+    test: list[str] = []
+    for source in (lee_background(), tuple(topics[k].strip() for k in sorted(topics))):
+        for i, doc in enumerate(source):
+            (test if i % held_out_every == held_out_every - 1 else train).append(doc)
+    held_out = set(test)   # lee_background repeats some stories: a copy of a held-out one is not trained on
+    return EnglishText(tuple(d for d in train if d not in held_out), tuple(test))
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,102 @@
+"""Generation speed of a causal LM: ``tokens_per_second(model, task_or_prompt, new_tokens=64)``.
+
+Hugging Face ``generate`` with its KV cache, batch 1, greedy, exactly ``new_tokens`` new tokens (no early stop
+at an end-of-text token). Each timed run is one whole ``generate`` call (prefill of the prompt + decode); the
+prefill alone is timed separately (``generate`` of one token), so the decode rate excludes it:
+``decode_tokens_per_s = (new_tokens - 1) / (median total - median prefill)``. One untimed warm-up run first.
+The prompt is a string (tokenised with ``tokenizer``, by default the task's or tiny-llama's), a (1, T) tensor of
+ids, or a task with ``prompt`` and ``tokenizer`` attributes (`workbench.tasks.llama.TinyLlamaTask`).
+A model that cannot ``generate`` (not a Hugging Face ``GenerationMixin``) gets a TypeError.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from workbench.measurement.latency import num_threads
+
+__all__ = ["DecodeSpeed", "tokens_per_second", "prompt_ids"]
+
+
+@dataclass(frozen=True)
+class DecodeSpeed:
+    tokens_per_s: float          # new tokens / median wall time of a whole generate call
+    decode_tokens_per_s: float   # tokens after the first / (median total - median prefill)
+    prefill_ms: float            # median time of generate(max_new_tokens=1)
+    new_tokens: int
+    prompt_tokens: int
+    runs: int
+    threads: int
+
+
+def prompt_ids(task_or_prompt: Any, tokenizer=None) -> torch.Tensor:
+    """The (1, T) int64 prompt for ``task_or_prompt`` (see the module docstring)."""
+    if isinstance(task_or_prompt, torch.Tensor):
+        ids = task_or_prompt.reshape(1, -1) if task_or_prompt.ndim == 1 else task_or_prompt
+        if ids.ndim != 2 or ids.shape[0] != 1 or ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"a prompt tensor must hold integer ids of shape (1, T), got {ids.dtype} "
+                             f"{tuple(task_or_prompt.shape)}")
+        return ids.long()
+    if isinstance(task_or_prompt, str):
+        text = task_or_prompt
+    elif hasattr(task_or_prompt, "prompt"):
+        text = task_or_prompt.prompt
+        tokenizer = tokenizer or getattr(task_or_prompt, "tokenizer", None)
+    else:
+        raise TypeError(f"task_or_prompt must be a str, a (1, T) tensor of ids or a task with a prompt, got "
+                        f"{type(task_or_prompt).__name__}")
+    if tokenizer is None:
+        from workbench.models.llama import tokenizer as shipped
+
+        tokenizer = shipped()
+    ids = tokenizer(text, return_tensors="pt")["input_ids"]
+    if ids.shape[1] == 0:
+        raise ValueError("the prompt is empty after tokenisation")
+    return ids
+
+
+def tokens_per_second(model: nn.Module, task_or_prompt: Any, new_tokens: int = 64, *, tokenizer=None,
+                      repeats: int = 3, threads: int | None = None) -> DecodeSpeed:
+    """Greedy batch-1 generation speed of ``model`` with its KV cache (see the module docstring)."""
+    from workbench.tasks.base import eval_mode, model_device
+
+    if not callable(getattr(model, "generate", None)):
+        raise TypeError(f"{type(model).__name__} has no generate(); tokens_per_second needs a Hugging Face causal "
+                        f"LM (e.g. wb.models.load('tiny-llama'), compressed or not)")
+    if not isinstance(new_tokens, int) or new_tokens < 2:
+        raise ValueError(f"new_tokens must be an int >= 2, got {new_tokens!r}")
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be a positive int, got {repeats!r}")
+    ids = prompt_ids(task_or_prompt, tokenizer).to(model_device(model))   # (1, T)
+    mask = torch.ones_like(ids)
+    cuda = ids.device.type == "cuda"
+
+    def run(n: int) -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             use_cache=True, pad_token_id=0)
+        if cuda:
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+        if out.shape[1] != ids.shape[1] + n:
+            raise RuntimeError(f"generate returned {out.shape[1] - ids.shape[1]} new tokens, expected {n}")
+        return elapsed
+
+    with num_threads(threads) as used, eval_mode(model), torch.inference_mode():
+        run(new_tokens)                                        # warm-up (allocations, cache set-up)
+        totals, prefills = [], []
+        for _ in range(repeats):                               # interleaved, so drift hits both alike
+            prefills.append(run(1))
+            totals.append(run(new_tokens))
+    total, prefill = statistics.median(totals), statistics.median(prefills)
+    return DecodeSpeed(tokens_per_s=new_tokens / total,
+                       decode_tokens_per_s=(new_tokens - 1) / max(total - prefill, 1e-9),
+                       prefill_ms=prefill * 1e3, new_tokens=new_tokens, prompt_tokens=int(ids.shape[1]),
+                       runs=repeats, threads=int(used))

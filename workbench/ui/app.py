@@ -329,19 +329,21 @@ class Workbench:
         self._refresh()
         self._say(f"plan imported: {len(self.session.assigned)} layer(s) assigned; click Apply & measure")
 
-    def report(self, out_dir: str = "reports", quick: bool | None = None):
-        """Run the plan-report notebook with the current plan; returns (executed notebook, HTML) paths."""
+    def report(self, out_dir: str | None = None, quick: bool | None = None):
+        """Run the plan-report notebook with the current plan into ``out_dir`` (default: the reports folder
+        `wb.reports.reports_dir()`, shared with ``workbench report``); returns (executed notebook, HTML) paths."""
         from pathlib import Path
 
         from workbench import models
-        from workbench.reports import run_notebook
+        from workbench.reports import reports_dir, run_notebook
 
         name = models.source_of(self.session.original)
         if name is None:
             raise ValueError("Report reloads the model by its zoo name, and this model is not from wb.models; "
                              "export the plan and use wb.sweep / wb.measure on your model instead")
         notebook = Path(__file__).resolve().parents[2] / "notebooks" / "90_report.ipynb"
-        plan_file = Path(out_dir) / f"plan_report_{name}.plan.json"
+        out_dir = reports_dir() if out_dir is None else Path(out_dir)
+        plan_file = out_dir / f"plan_report_{name}.plan.json"
         plan_file.parent.mkdir(parents=True, exist_ok=True)
         self.session.plan.save(plan_file)
         params = {"model_name": name, "task_name": self.session.task.name, "plan": str(plan_file.resolve()),
@@ -355,10 +357,14 @@ class Workbench:
         self._say("running the report notebook ...")
 
         def run():
+            from workbench.reports import browser_url
+
             nb, page = self.report()
-            self.report_link.value = (f"<a href='{html.escape(str(page))}' target='_blank'>{html.escape(str(page))}"
-                                      f"</a> (executed notebook: {html.escape(str(nb))})")
-            self._say(f"report written: {page}")
+            # served as a plain file (not JupyterLab's untrusted HTML viewer), so its charts draw at once
+            self.report_link.value = (f"<a href='{html.escape(browser_url(page))}' target='_blank' rel='noopener'>"
+                                      f"open the report</a> <span style='color:#666'>({html.escape(str(page))}; "
+                                      f"executed notebook: {html.escape(nb.name)})</span>")
+            self._say(f"report written to {page}")
 
         if self.background:
             threading.Thread(target=self._guard(run), daemon=True).start()

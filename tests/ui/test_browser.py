@@ -96,3 +96,53 @@ def test_workbench_app_in_voila(browser, serve, tmp_path):
     page.goto(f"http://127.0.0.1:{port}/")
     page.wait_for_selector(".wb-layers select")
     _edit_and_apply(page, ROOT / "test-output", "workbench_app_voila", points=1)  # the reference
+
+
+def test_report_opens_offline(browser, tmp_path):
+    """A report run through papermill opens from disk with every request outside the file refused: the charts
+    draw, the maths is typeset, the code is folded and the parameters are one table."""
+    import nbformat
+
+    from workbench.reports import run_notebook
+
+    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                                           "language": "python"}})
+    params = nbformat.v4.new_code_cell("points = 3   # how many points the chart draws\ntitle = 'default'")
+    params.metadata["tags"] = ["parameters"]
+    nb.cells = [nbformat.v4.new_markdown_cell("# Offline report\nThe error $\\hat w - w$ and\n\n"
+                                              "$$p_i = \\frac{e^{z_i}}{\\sum_j e^{z_j}}$$"), params,
+                nbformat.v4.new_code_cell("import plotly.graph_objects as go\n"
+                                          "go.Figure(go.Scatter(x=list(range(points)), y=[v * v for v in "
+                                          "range(points)], mode='markers'), layout_title_text=title).show()")]
+    nbformat.write(nb, str(tmp_path / "offline.ipynb"))
+    _, html_path = run_notebook(tmp_path / "offline.ipynb", {"points": 5, "title": "five squares"}, out_dir=tmp_path)
+
+    page = browser.new_page(viewport={"width": 1440, "height": 900})
+    remote: list[str] = []
+
+    def refuse_network(route):
+        if route.request.url.startswith(("file:", "data:", "blob:")):
+            route.continue_()
+        else:
+            remote.append(route.request.url)
+            route.abort()
+
+    page.route("**/*", refuse_network)
+    page.goto(html_path.as_uri())
+    page.wait_for_selector(".js-plotly-plot .main-svg")
+    page.wait_for_timeout(500)
+    (ROOT / "test-output").mkdir(exist_ok=True)
+    page.screenshot(path=str(ROOT / "test-output" / "report_offline.png"), full_page=True)
+    assert remote == [], f"the report asked the network for {remote}"
+    assert page.locator(".js-plotly-plot .scatterlayer path.point").count() == 5     # drawn, not only in the data
+    assert page.locator(".js-plotly-plot .gtitle").text_content() == "five squares"
+    maths = page.locator("math")
+    assert maths.count() == 2 and all(maths.nth(i).bounding_box()["width"] > 20 for i in range(2))
+    assert not page.get_by_text("import plotly").is_visible()                        # code folded by default
+    page.locator("details.wb-code summary").first.click()
+    assert page.get_by_text("import plotly").is_visible()
+    header = page.locator(".wb-parameters th").all_inner_texts()
+    assert header[:3] == ["parameter", "value", "default"]
+    rows = page.locator(".wb-parameters tr").all_inner_texts()
+    assert len(rows) == 3 and "five squares" in rows[2] and "'default'" in rows[2]   # one table, both parameters
+    assert page.get_by_text("# Parameters").count() == 0                              # no injected-parameters cell

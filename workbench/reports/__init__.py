@@ -2,6 +2,7 @@
 
 - `record(**values)` (in a notebook) displays the values under the ``application/vnd.workbench.metrics+json``
   mime type, so tests and the golden-metric suite read them back from the executed notebook.
+  It shows them as a small table; `record_hidden(**values)` records without showing anything (a dashboard).
 - `recorded(path)` reads them back.
 - `run_notebook(path, parameters, out_dir)` executes a notebook with papermill into ``out_dir`` (default:
   `reports_dir()`, the one folder the CLI and the UI share) as .ipynb and renders it with `to_html` into a
@@ -17,7 +18,7 @@ from typing import Any
 
 from workbench.reports.html import browser_url, to_html
 
-__all__ = ["record", "recorded", "run_notebook", "to_html", "browser_url", "reports_dir", "METRICS_MIME"]
+__all__ = ["record", "record_hidden", "recorded", "run_notebook", "to_html", "browser_url", "reports_dir", "METRICS_MIME"]
 
 METRICS_MIME = "application/vnd.workbench.metrics+json"
 
@@ -33,12 +34,25 @@ def _jsonable(value: Any) -> Any:
 
 
 def record(**values: Any) -> None:
-    """Record named values as an output of the current notebook cell."""
+    """Record named values as an output of the current notebook cell, shown as a table of the values."""
+    import html
+
     from IPython.display import display
 
     data = {k: _jsonable(v) for k, v in values.items()}
     text = "\n".join(f"{k} = {v}" for k, v in data.items())
-    display({METRICS_MIME: data, "text/plain": text}, raw=True)
+    rows = "".join(f"<tr><th style='text-align:left'>{html.escape(k)}</th><td style='text-align:left'>"
+                   f"{html.escape(f'{v:.6g}' if isinstance(v, float) else str(v))}</td></tr>"
+                   for k, v in data.items())
+    display({METRICS_MIME: data, "text/plain": text,
+             "text/html": f"<table class='wb-recorded'><caption>recorded values</caption>{rows}</table>"}, raw=True)
+
+
+def record_hidden(**values: Any) -> None:
+    """`record` with nothing shown (an empty HTML output): for dashboards, where a dump would be noise."""
+    from IPython.display import display
+
+    display({METRICS_MIME: {k: _jsonable(v) for k, v in values.items()}, "text/html": ""}, raw=True)
 
 
 def recorded(path: str | os.PathLike) -> dict[str, Any]:

@@ -2,8 +2,9 @@
 
     wb.ui.Workbench(model, task)        # displays itself in a notebook cell
 
-Pick layers (click, shift/ctrl-click, or a name pattern), choose a technique and its settings, "Set for
-selected", then "Apply & measure": only the changed layers are rebuilt, the model is measured on the task's
+Pick layers in the layer table (click, shift/ctrl-click, sort by any column, or a name pattern), choose a
+technique - the list is every config type in the technique registry, its form generated from the config's
+fields (`workbench.ui.forms`) - and "Set for selected", then "Apply & measure": only the changed layers are rebuilt, the model is measured on the task's
 quick subset and a point joins the trade-off charts (quality vs size and vs latency, Pareto front dashed,
 every plan tried kept; click a point to bring its plan back). Undo / redo walk the edits. Tabs hold the
 sensitivity heatmap (computed from the UI), the roofline view of every plan tried, the size breakdown of
@@ -23,10 +24,11 @@ import torch
 from workbench.plans.registry import Config
 from workbench.ui.session import Cancelled, Session
 
-__all__ = ["Workbench", "TECHNIQUES"]
+__all__ = ["Workbench"]
 
-TECHNIQUES = ("none", "quantize", "w8a8", "prune", "low-rank", "cast")
-_STYLE = "<style>.wb-layers select{font-family:monospace;font-size:12px}</style>"
+# the charts share the width of a 1280-1920 px page: two side by side at 1280, growing with the window
+_STYLE = ("<style>.wb-chart{flex:1 1 560px;min-width:520px}.wb-help{color:#555;font-size:12px;margin:2px 0 6px}"
+          ".wb-layers table.dataTable td,.wb-layers table.dataTable th{font-size:12px}</style>")
 
 
 def _default_candidates() -> dict[str, Config]:
@@ -52,31 +54,25 @@ class Workbench:
         self._cancel = threading.Event()
         self._worker: threading.Thread | None = None
 
+        from workbench.ui.forms import technique_forms
+        from workbench.ui.layer_table import LayerTable
+
         self.status = W.HTML()
-        self.layers = W.SelectMultiple(options=[], rows=min(14, len(self.session.layer_names)),
-                                       layout=W.Layout(width="100%"))
-        self.layers.add_class("wb-layers")
+        self.layers = LayerTable(self.session.layer_rows())
         self.pattern = W.Text(placeholder="pattern, e.g. encoder.*.dense or re:.*fc[12]", layout=W.Layout(width="340px"))
         self.select_button = W.Button(description="Select matching")
-        self.technique = W.Dropdown(options=TECHNIQUES, value="quantize", description="technique")
-        self.bits = W.Dropdown(options=[8, 4, 3, 2], value=8, description="bits")
-        # 0 stands for "one group per output channel" (a Dropdown value of None would show as no selection)
-        self.group = W.Dropdown(options=[("per channel", 0), ("32", 32), ("64", 64), ("128", 128)], value=0,
-                                description="group size")
-        self.method = W.Dropdown(options=["rtn", "gptq", "awq", "hqq"], value="rtn", description="method")
-        self.sparsity = W.FloatSlider(value=0.5, min=0.05, max=0.95, step=0.05, description="sparsity")
-        self.energy = W.FloatSlider(value=0.9, min=0.5, max=1.0, step=0.01, description="SVD energy")
-        self.rank = W.BoundedIntText(value=0, min=0, max=1_000_000, description="SVD rank",
-                                     tooltip="0: choose the rank by the energy kept")
-        self.activations = W.Dropdown(options=["dynamic", "static"], value="dynamic", description="activations")
-        self.kernel = W.Dropdown(options=["cpu", "reference"], value="cpu", description="kernel")
-        self.dtype = W.Dropdown(options=["bfloat16", "float16"], value="bfloat16", description="dtype")
-        self.set_button = W.Button(description="Set for selected", button_style="info")
-        self.samples = W.BoundedIntText(value=calibration, min=1, max=100_000, description="calib. samples")
-        from workbench.quantization.observers import OBSERVERS
+        self.forms = technique_forms()   # config type -> its generated form, for every registered technique
+        self.technique = W.Dropdown(options=[("none (undo the technique)", None)]
+                                    + [(f.label, cls) for cls, f in self.forms.items()], description="technique",
+                                    style={"description_width": "initial"})
+        from workbench import quant
 
-        self.observer = W.Dropdown(options=list(OBSERVERS), value="minmax", description="observer",
-                                   tooltip="activation range observer of static W8A8")
+        self.technique.value = quant.WeightOnly   # the common first choice
+        self.technique_help = W.HTML()
+        self.form_box = W.Box()
+        self.set_button = W.Button(description="Set for selected", button_style="info")
+        self.samples = W.BoundedIntText(value=calibration, min=1, max=100_000, description="calibration samples",
+                                        style={"description_width": "initial"})
         self.estimate_box = W.HTML()
         self.progress = W.FloatProgress(value=0.0, min=0.0, max=1.0, description="", layout=W.Layout(width="300px"))
         self.progress_label = W.Label()
@@ -112,24 +108,23 @@ class Workbench:
         self.report_button.on_click(self._guard(self._on_report))
         self.samples.observe(self._guard(self._on_samples), names="value")
         self.technique.observe(lambda _: self._show_controls(), names="value")
-        self.method.observe(lambda _: self._show_controls(), names="value")
-        self.activations.observe(lambda _: self._show_controls(), names="value")
 
         controls = W.VBox([W.HBox([self.pattern, self.select_button]),
-                           W.HBox([self.technique, self.bits, self.group]),
-                           W.HBox([self.method, self.activations, self.kernel, self.sparsity, self.energy,
-                                   self.rank, self.dtype]),
+                           W.HBox([self.technique, self.technique_help]), self.form_box,
                            W.HBox([self.set_button, self.undo_button, self.redo_button])])
         calibration_box = W.VBox([W.HTML("<b>Calibration</b> (GPTQ / AWQ / static W8A8)"),
-                                  W.HBox([self.samples, self.observer]), self.estimate_box])
+                                  W.HBox([self.samples]), self.estimate_box])
         run = W.HBox([self.apply_button, self.cancel_button, self.progress, self.progress_label])
-        self.tabs = W.Tab(children=[W.HBox([self.size_chart, self.latency_chart]),
+        self.size_chart.add_class("wb-chart")
+        self.latency_chart.add_class("wb-chart")
+        self.tabs = W.Tab(children=[W.HBox([self.size_chart, self.latency_chart],
+                                           layout=W.Layout(flex_flow="row wrap", width="100%")),
                                     W.VBox([self.sens_button, self.heatmap]), self.roofline_chart, self.size_figure,
                                     W.VBox([W.HBox([self.export_button, self.import_button, self.report_button]),
                                             self.report_link, self.plan_text])])
         for i, title in enumerate(["Trade-offs", "Sensitivity", "Roofline", "Size", "Plan JSON"]):
             self.tabs.set_title(i, title)
-        self.widget = W.VBox([W.HTML(_STYLE), W.HTML(self._title()), self.layers, controls, calibration_box, run,
+        self.widget = W.VBox([W.HTML(_STYLE), W.HTML(self._title()), self.layers.widget, controls, calibration_box, run,
                               self.status, self.tabs])
         self._show_controls()
         self._refresh()
@@ -217,28 +212,24 @@ class Workbench:
         return fig
 
     def _show_controls(self) -> None:
-        t = self.technique.value
-        visible = {self.bits: t == "quantize", self.group: t == "quantize", self.method: t == "quantize",
-                   self.activations: t == "w8a8", self.kernel: t == "w8a8" and self.activations.value == "dynamic",
-                   self.observer: t == "w8a8" and self.activations.value == "static",
-                   self.sparsity: t == "prune", self.energy: t == "low-rank", self.rank: t == "low-rank",
-                   self.dtype: t == "cast"}
-        for widget, show in visible.items():
-            widget.layout.display = None if show else "none"
+        cls = self.technique.value
+        form = self.forms.get(cls)
+        self.form_box.children = [form.box] if form is not None else []
+        self.technique_help.value = (f"<div class='wb-help'>{html.escape(form.help)}</div>" if form is not None
+                                     else "<div class='wb-help'>the selected layers go back to the original</div>")
+
+    def choose(self, config: Config | None) -> None:
+        """Show ``config`` in the technique form (its type chosen, its fields filled): what a person would click."""
+        if config is not None and type(config) not in self.forms:
+            raise TypeError(f"{type(config).__name__} is not a registered technique config")
+        self.technique.value = None if config is None else type(config)
+        if config is not None:
+            self.forms[type(config)].show(config)
 
     # --- state -> widgets ----------------------------------------------------------------------
     def _refresh(self) -> None:
         s = self.session
-        rows = s.layer_rows()
-        selected = tuple(self.layers.value)
-        options = []
-        for _, r in rows.iterrows():
-            loss = "" if r["loss"] != r["loss"] else f" loss {r['loss']:+.4f}"
-            text = (f"{r['layer'][:44]:<44} {r['type']:<9} {r['shape']:<11} {r['params']:>9,} "
-                    f"{r['technique'][:34]:<34} {r['bytes']:>11,} B{loss}")
-            options.append((text, r["layer"]))
-        self.layers.options = options
-        self.layers.value = tuple(n for n in selected if n in s.layer_names)
+        self.layers.update(s.layer_rows())
         self.undo_button.disabled, self.redo_button.disabled = not s.can_undo, not s.can_redo
         pending = s.changed
         self.apply_button.description = f"Apply & measure ({len(pending)} changed)" if pending else "Apply & measure"
@@ -279,30 +270,14 @@ class Workbench:
 
     # --- callbacks -----------------------------------------------------------------------------
     def _config(self) -> Config | None:
-        from workbench import lowrank, precision, prune, quant
-
-        t = self.technique.value
-        if t == "none":
-            return None
-        if t == "quantize":
-            return quant.WeightOnly(bits=self.bits.value, group_size=self.group.value or None, method=self.method.value,
-                                    symmetric=self.method.value != "hqq")
-        if t == "w8a8":
-            if self.activations.value == "dynamic":
-                return quant.Dynamic(kernel=self.kernel.value)
-            return quant.Static(observer=self.observer.value)
-        if t == "prune":
-            return prune.Magnitude(round(self.sparsity.value, 4))
-        if t == "low-rank":
-            if self.rank.value > 0:
-                return lowrank.SVD(rank=int(self.rank.value))
-            return lowrank.SVD(energy=round(self.energy.value, 4))
-        return precision.Cast(getattr(torch, self.dtype.value))
+        """The config the technique form describes (None: back to the original layer)."""
+        cls = self.technique.value
+        return None if cls is None else self.forms[cls].config()
 
     def _on_select(self, _=None) -> None:
         hits = self.session.select(self.pattern.value.strip())
         self.layers.value = tuple(hits)
-        self._say(f"selected {len(hits)} layer(s)")
+        self._say(f"selected {_count(len(hits), 'layer')}: {', '.join(hits[:6])}{' ...' if len(hits) > 6 else ''}")
 
     def _on_set(self, _=None) -> None:
         layers = list(self.layers.value)
@@ -312,8 +287,12 @@ class Workbench:
         self.session.set(layers, config)
         self._refresh()
         self._show_estimate()
-        what = "no change" if config is None else repr(config)
-        self._say(f"{len(layers)} layer(s) set to {what}; {len(self.session.changed)} to apply")
+        from workbench.ui.forms import describe
+
+        what = "the original layer (no technique)" if config is None else describe(config)
+        pending = len(self.session.changed)
+        self._say(f"{_count(len(layers), 'layer')} set to {what}; "
+                  + (f"{_count(pending, 'layer')} to apply: press Apply & measure" if pending else "nothing to apply"))
 
     def _on_samples(self, change) -> None:
         self.session.calibration = int(change["new"])
@@ -327,7 +306,7 @@ class Workbench:
     def _on_import(self, _=None) -> None:
         self.session.load_plan(self.plan_text.value)
         self._refresh()
-        self._say(f"plan imported: {len(self.session.assigned)} layer(s) assigned; click Apply & measure")
+        self._say(f"plan imported: {_count(len(self.session.assigned), 'layer')} assigned; press Apply & measure")
 
     def report(self, out_dir: str | None = None, quick: bool | None = None):
         """Run the plan-report notebook with the current plan into ``out_dir`` (default: the reports folder
@@ -427,13 +406,17 @@ class Workbench:
         self._update_views()
         pace = entry.speedup.verdict if entry.speedup is not None else f"{m.latency_ms:.3g} ms"
         why = _slowdown_reason(m) if entry.speedup is not None and entry.speedup.slower else ""
-        self._say(f"{entry.label}: {m.primary}={m.primary_value:.4f}, {m.size_bytes / 2**20:.3f} MiB, "
-                  f"{pace} (batch {m.batch_size}, {m.threads} threads){why}")
+        self._say(f"measured {entry.label}: {m.primary} {m.primary_value:.4f}, {m.size_bytes / 2**20:.3f} MiB, "
+                  f"{pace} (batch {m.batch_size}, {_count(m.threads, 'thread')}){why}")
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until a background apply finishes (for scripts and tests)."""
         if self._worker is not None:
             self._worker.join(timeout)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _speedup(entry) -> float:

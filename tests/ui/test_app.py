@@ -43,7 +43,17 @@ def test_edit_apply_and_charts(app):
     sizes = list(app.size_chart.data[0].x)
     assert len(sizes) == 2 and sizes[1] < 0.5 * sizes[0]           # the new point is smaller
     assert len(app.latency_chart.data[0].x) == 2
-    assert list(app.size_chart.data[2].x) == [sizes[1]]             # "latest" marker
+    assert list(app.size_chart.data[2].x) == [sizes[1]]             # "current plan" marker
+    for fig in (app.size_chart, app.latency_chart):                 # axes fitted to the data, not 0-1.5
+        t = fig.data[0]
+        plus, minus = t.error_x.array or [0] * len(t.x), t.error_x.arrayminus or [0] * len(t.x)
+        xs = [*t.x, *(x + e for x, e in zip(t.x, plus)), *(x - e for x, e in zip(t.x, minus))]
+        for values, axis in ((xs, fig.layout.xaxis), (t.y, fig.layout.yaxis)):
+            lo, hi = min(values), max(values)
+            assert axis.range[0] <= lo and axis.range[1] >= hi, (axis.range, values)
+            assert axis.range[1] - axis.range[0] <= 1.3 * (hi - lo) + 0.05 * abs(hi), (axis.range, values)
+    assert "MiB" in app.size_chart.data[0].hovertemplate and "×" in app.latency_chart.data[0].hovertemplate
+    assert app.size_chart.data[0].text[1].startswith("plan 1: WeightOnly · 4 bits · group 32 · rtn on fc1, fc2")
     assert len(app.size_chart.data[1].x) >= 1                       # Pareto front drawn
     assert app.roofline_chart.data and app.size_figure.data         # the other views updated
     rows = app.session.layer_rows()

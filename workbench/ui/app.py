@@ -169,7 +169,8 @@ class Workbench:
 
         h = self.session.history
         if not h:
-            return {"x": [], "y": [], "text": [], "fx": [], "fy": [], "lx": [], "ly": [], "hi": [], "lo": []}
+            return {"x": [], "y": [], "text": [], "fx": [], "fy": [], "lx": [], "ly": [], "hi": [], "lo": [],
+                    "xrange": None, "yrange": None}
         df = pd.DataFrame({"x": [e.metrics.size_bytes / 2**20 if kind == "size" else _speedup(e) for e in h],
                            "y": [e.quality for e in h]})
         if kind == "size":
@@ -180,10 +181,13 @@ class Workbench:
         front = front.sort_values("x")
         hi = [e.speedup.high - e.speedup.ratio if kind != "size" and e.speedup is not None else 0.0 for e in h]
         lo = [e.speedup.ratio - e.speedup.low if kind != "size" and e.speedup is not None else 0.0 for e in h]
-        return {"x": list(df["x"]), "y": list(df["y"]), "hi": hi, "lo": lo,
-                "text": [f"{i}: {e.label}" + (f" | {e.speedup.verdict}" if e.speedup is not None else "")
-                         for i, e in enumerate(h)],
-                "fx": list(front["x"]), "fy": list(front["y"]), "lx": [df["x"].iloc[-1]], "ly": [df["y"].iloc[-1]]}
+        # hover: the plan in words, one line per technique (a long single line would be clipped)
+        text = [f"plan {i}: " + e.label.replace("; ", "<br>") +
+                (f"<br>speedup: {e.speedup.verdict}" if e.speedup is not None else "") for i, e in enumerate(h)]
+        xs = [*df["x"], *(df["x"] + pd.Series(hi)), *(df["x"] - pd.Series(lo))]
+        return {"x": list(df["x"]), "y": list(df["y"]), "hi": hi, "lo": lo, "text": text,
+                "fx": list(front["x"]), "fy": list(front["y"]), "lx": [df["x"].iloc[-1]], "ly": [df["y"].iloc[-1]],
+                "xrange": _fit(xs, floor=0.0), "yrange": _fit(list(df["y"]))}
 
     def _tradeoff_figure(self, kind: str):
         import plotly.graph_objects as go
@@ -191,7 +195,8 @@ class Workbench:
         task = self.session.task
         better = "higher" if task.primary.higher_is_better else "lower"
         x_title = ("size (MiB, lower is better)" if kind == "size"
-                   else "speedup over the unchanged model, side by side (x, higher is better)")
+                   else "speedup over the unchanged model (×, 95% interval; higher is better)")
+        x_hover = "size %{x:.4g} MiB" if kind == "size" else "speedup %{x:.3g}×"
         d = self._series(kind)
         # Data and layout go into the constructor: a dashboard (Voila) renders the widget's initial state,
         # and changes made before its page connects would not reach it.
@@ -200,14 +205,19 @@ class Workbench:
                              marker=dict(size=10),
                              error_x=dict(type="data", symmetric=False, array=d["hi"], arrayminus=d["lo"],
                                           visible=kind != "size"),
-                             hovertemplate="%{text}<br>%{x:.4g}<br>%{y:.4g}<extra>click to restore</extra>"),
-                  go.Scatter(x=d["fx"], y=d["fy"], mode="lines", name="Pareto front",
+                             hovertemplate=f"%{{text}}<br>{x_hover}<br>{task.primary.name} %{{y:.4f}}"
+                                           "<extra>click to restore</extra>"),
+                  go.Scatter(x=d["fx"], y=d["fy"], mode="lines", name="Pareto front (best trade-offs)",
                              line=dict(dash="dot", color="black"), hoverinfo="skip"),
-                  go.Scatter(x=d["lx"], y=d["ly"], mode="markers", name="latest",
-                             marker=dict(size=16, symbol="star", color="red"), hoverinfo="skip")],
-            layout=go.Layout(template="plotly_white", height=380, width=520, xaxis_title=x_title,
+                  go.Scatter(x=d["lx"], y=d["ly"], mode="markers", name="current plan",
+                             marker=dict(size=18, symbol="star", color="rgba(0,0,0,0)",
+                                         line=dict(color="red", width=2)), hoverinfo="skip")],
+            layout=go.Layout(template="plotly_white", height=400, autosize=True, xaxis_title=x_title,
+                             xaxis_range=d["xrange"], yaxis_range=d["yrange"],
                              yaxis_title=f"{task.primary.name} ({better} is better)",
-                             title=f"{task.primary.name} vs {'size' if kind == 'size' else 'speedup'}", legend=dict(orientation="h", y=-0.25)))
+                             hoverlabel=dict(align="left"), margin=dict(l=70, r=20, t=50, b=40),
+                             title=f"{task.primary.name} vs {'size' if kind == 'size' else 'speedup'}",
+                             legend=dict(orientation="h", y=-0.22)))
         fig.data[0].on_click(self._guard(self._on_point_click))
         return fig
 
@@ -245,6 +255,7 @@ class Workbench:
                 fig.data[0].error_x.array, fig.data[0].error_x.arrayminus = d["hi"], d["lo"]
                 fig.data[1].x, fig.data[1].y = d["fx"], d["fy"]
                 fig.data[2].x, fig.data[2].y = d["lx"], d["ly"]
+                fig.layout.xaxis.range, fig.layout.yaxis.range = d["xrange"], d["yrange"]
 
     def _update_views(self) -> None:
         from workbench.plots import roofline, size_breakdown
@@ -257,7 +268,8 @@ class Workbench:
                                 "size_bytes": e.metrics.size_bytes, "threads": e.metrics.threads,
                                 "device": e.metrics.device,
                                 **(e.speedup.to_dict() if e.speedup is not None else {})} for i, e in enumerate(h)])
-            self._replace(self.roofline_chart, roofline(df))
+            self._replace(self.roofline_chart, roofline(df, title="measured speedup of each plan over the unchanged "
+                                                        "model, beside its byte-ratio ceiling"))
         self._replace(self.size_figure, size_breakdown(self.session.work, top=30))
 
     @staticmethod
@@ -413,6 +425,20 @@ class Workbench:
         """Block until a background apply finishes (for scripts and tests)."""
         if self._worker is not None:
             self._worker.join(timeout)
+
+
+def _fit(values: list[float], floor: float | None = None) -> list[float] | None:
+    """An axis range around the data with a small margin (plotly's autorange pads a single point to +-50%);
+    ``floor``: a bound the range does not cross unless the data do (sizes and speedups are positive)."""
+    import math
+
+    finite = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    if not finite:
+        return None
+    lo, hi = min(finite), max(finite)
+    pad = (hi - lo) * 0.08 if hi > lo else max(abs(hi) * 0.02, 1e-3)
+    low = lo - pad if floor is None or lo - pad >= floor or lo < floor else floor
+    return [low, hi + pad]
 
 
 def _count(n: int, noun: str) -> str:

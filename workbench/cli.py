@@ -112,7 +112,7 @@ def _app(args: argparse.Namespace) -> int:
     os.environ.update(WORKBENCH_FILES_ROOT=str(out.resolve()), WORKBENCH_FILES_URL="/voila/files/",
                       WORKBENCH_REPORTS=str(out.resolve()))
     cmd = [sys.executable, "-m", "voila", str(path), "--no-browser", f"--port={args.port}", f"--Voila.ip={args.ip}",
-           "--VoilaConfiguration.file_allowlist=['.*\\.(png|jpg|gif|svg|html)']"]
+           r"--VoilaConfiguration.file_allowlist=.*\.(png|jpg|gif|svg|html)"]
     if os.name == "posix":   # become the server: a SIGTERM to this process then stops Voila and its kernels,
         sys.stdout.flush()   # instead of orphaning them behind a dead parent
         os.execv(sys.executable, cmd)

@@ -126,3 +126,21 @@ def test_one_reports_folder_and_browser_urls(tmp_path, monkeypatch):
     monkeypatch.setenv("WORKBENCH_FILES_URL", "/voila/files/")
     assert browser_url(page) == "/voila/files/sub%20dir/r.html"
     assert browser_url("/elsewhere/r.html") == "file:///elsewhere/r.html"   # outside what the server serves
+
+
+def test_browser_url_under_the_jupyter_server_that_started_the_kernel(tmp_path, monkeypatch):
+    """In JupyterLab the Report link is the server's /files/ URL (the page itself, scripts running), found from
+    the runtime file of the server whose process started this kernel."""
+    import json
+    import os
+
+    from workbench.reports import browser_url
+
+    monkeypatch.delenv("WORKBENCH_FILES_ROOT", raising=False)
+    monkeypatch.delenv("WORKBENCH_FILES_URL", raising=False)
+    runtime = tmp_path / "runtime"
+    runtime.mkdir()
+    (runtime / "jpserver-1.json").write_text(json.dumps({"pid": os.getppid(), "root_dir": str(tmp_path),
+                                                         "base_url": "/user/me/"}))
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(runtime))
+    assert browser_url(tmp_path / "reports" / "r.html") == "/user/me/files/reports/r.html"

@@ -90,10 +90,13 @@ def _edit_and_apply(page, shots: Path, name: str, points: int) -> None:
     _field(page, "widget-text", "group size").press("Tab")
     page.get_by_role("button", name="Set for selected").click()
     page.get_by_role("button", name=re.compile(r"Apply & measure \(1 changed\)")).click()
-    page.wait_for_function(f"({SIZES})().length > {len(before)}")
-    page.wait_for_timeout(800)
     shots.mkdir(exist_ok=True)
+    # the new point, or an error in the status line (red): either ends the wait, an error fails with its text
+    page.wait_for_function(f"({SIZES})().length > {len(before)} || !!document.querySelector(\"div[style*='#b00020']\")")
+    page.wait_for_timeout(800)
     page.screenshot(path=str(shots / f"{name}.png"), full_page=True)
+    errors = page.locator("div[style*='#b00020']")
+    assert errors.count() == 0, errors.first.inner_text()
     after = _sizes(page)
     assert len(after) == len(before) + 1, (before, after)
     assert after[-1] < before[-1], f"the measured size did not drop: {before} -> {after}"

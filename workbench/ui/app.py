@@ -76,11 +76,13 @@ class Workbench:
         self.estimate_box = W.HTML()
         self.progress = W.FloatProgress(value=0.0, min=0.0, max=1.0, description="", layout=W.Layout(width="300px"))
         self.progress_label = W.Label()
-        self.apply_button = W.Button(description="Apply & measure", button_style="primary")
+        self.apply_button = W.Button(description="Apply & measure", button_style="primary",
+                                     layout=W.Layout(width="auto", min_width="180px"))   # "(N changed)" fits
         self.cancel_button = W.Button(description="Cancel", disabled=True, button_style="warning")
         self.undo_button = W.Button(description="Undo", icon="undo")
         self.redo_button = W.Button(description="Redo", icon="repeat")
-        self.sens_button = W.Button(description="Run sensitivity (selected layers, or all)")
+        self.sens_button = W.Button(description="Run sensitivity (selected layers, or all)",
+                                    layout=W.Layout(width="auto"))
         self.plan_text = W.Textarea(layout=W.Layout(width="100%", height="220px"))
         self.export_button = W.Button(description="Export current plan")
         self.import_button = W.Button(description="Import plan")

@@ -30,8 +30,8 @@ TEMPLATES = Path(__file__).resolve().parent / "templates"
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 # code spans and fences are kept as they are; the math patterns only look outside them
-_CODE = re.compile(r"```.*?```|`[^`\n]*`", re.S)
-_MATH = re.compile(r"\$\$(.+?)\$\$|(?<![\\$\w])\$(?!\s)([^$\n]+?)(?<!\s)\$(?![\w$])", re.S)
+_CODE = re.compile(r"```.*?```|`[^`\n]*`", re.DOTALL)
+_MATH = re.compile(r"\$\$(.+?)\$\$|(?<![\\$\w])\$(?!\s)([^$\n]+?)(?<!\s)\$(?![\w$])", re.DOTALL)
 
 
 def _math_to_placeholders(text: str, store: list[str]) -> str:
@@ -42,7 +42,7 @@ def _math_to_placeholders(text: str, store: list[str]) -> str:
         block, inline = m.group(1), m.group(2)
         try:
             store.append(convert(block or inline, display="block" if block is not None else "inline"))
-        except Exception as e:  # noqa: BLE001 - latex2mathml raises many types; the formula is named below
+        except Exception as e:  # latex2mathml raises many types; the formula is named below
             raise ValueError(f"the formula {m.group(0)!r} cannot be rendered to MathML: {e}") from e
         return f"wbmath{len(store) - 1}x"
 

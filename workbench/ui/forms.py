@@ -105,7 +105,7 @@ class TechniqueForm:
                 names = [n for n in DTYPES if hasattr(torch, n)]
                 w = W.Dropdown(options=names, value=_words(default) if default is not None else names[0],
                                description=label)
-                parse = lambda text: getattr(torch, text)  # noqa: E731
+                parse = lambda text: getattr(torch, text)
             elif kind is bool and not optional:
                 w = W.Checkbox(value=bool(default), description=label, indent=False)
                 parse = None

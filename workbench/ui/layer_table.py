@@ -6,7 +6,7 @@ the grid reports selected rows by their position in the table the session gave, 
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import pandas as pd
 
@@ -30,7 +30,7 @@ class LayerTable:
     @staticmethod
     def _frame(rows: pd.DataFrame) -> pd.DataFrame:
         out = rows.rename(columns={"bytes_before": "bytes before", "bytes_after": "bytes after"})
-        out["loss"] = [f"{v:+.4f}" if v == v else "" for v in out["loss"]]   # NaN: no sensitivity measured yet
+        out["loss"] = [f"{v:+.4f}" if pd.notna(v) else "" for v in out["loss"]]   # NaN: no sensitivity measured yet
         return out[COLUMNS]
 
     def update(self, rows: pd.DataFrame) -> None:

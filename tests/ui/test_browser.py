@@ -76,7 +76,12 @@ def _check_axes(page) -> None:
 
 
 def _edit_and_apply(page, shots: Path, name: str, points: int) -> None:
-    page.wait_for_function(f"({SIZES})().length >= {points}")      # what the notebook measured
+    try:
+        page.wait_for_function(f"({SIZES})().length >= {points}")  # what the notebook measured
+    except Exception:
+        shots.mkdir(exist_ok=True)   # what the page showed instead, for the reviewer
+        page.screenshot(path=str(shots / f"{name}_timeout.png"), full_page=True)
+        raise
     page.wait_for_selector(".wb-layers tbody tr")
     before = _sizes(page)
     assert page.evaluate(HEADERS)[:8] == ["layer", "type", "shape", "params", "technique", "bytes before",

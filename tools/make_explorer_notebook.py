@@ -7,8 +7,9 @@ cells = [
     new_markdown_cell("""# The explorer: edit a model layer by layer and watch the measured trade-offs move
 
 1. Run all cells. The workbench below measures the unchanged model first (the reference point).
-2. Pick layers in the list (click, shift/ctrl-click, or type a pattern such as `encoder.*.dense` and press
-   *Select matching*), choose a technique and its settings, press **Set for selected**.
+2. Pick layers in the table (click, shift/ctrl-click, click a header to sort, or type a pattern such as
+   `encoder.*.dense` and press *Select matching*), choose a technique - every technique of the registry, with
+   its settings - and press **Set for selected**. The table shows each layer's bytes before and after.
 3. Press **Apply & measure**: only the layers you changed are rebuilt, the model is measured on the task's quick
    subset, and a point joins the two charts (quality vs size, quality vs latency; the dotted line is the Pareto
    front). Click any point to bring its plan back; *Undo* / *Redo* walk your edits.
@@ -23,7 +24,7 @@ model_name = "digits-cnn"        # any of wb.models.names()
 task_name = "digits"             # any of wb.tasks.names()
 pattern = "fc*"                  # the example edit: these layers ...
 bits = 4                         # ... quantized to this many bits
-group_size = 32                  # ... in groups of this size (0: one scale per output channel)
+group_size = 32                  # ... in groups of this size (None: one scale per output channel)
 calibration = 32                 # calibration samples for GPTQ / AWQ
 threads = 2                      # CPU threads for every measurement""", metadata={"tags": ["parameters"]}),
     new_code_cell("""import torch
@@ -40,13 +41,10 @@ app"""),
 The same operations as the controls above: select by pattern, choose the technique, set, apply and measure."""),
     new_code_cell("""app.pattern.value = pattern
 app.select_button.click()
-app.technique.value = "quantize"
-app.bits.value = bits
-app.group.value = group_size
+app.choose(wb.quant.WeightOnly(bits=bits, group_size=group_size))   # fills the technique form, as clicks would
 app.set_button.click()
 app.apply_button.click()
 app.wait()
-print(app.status.value)
 app.session.layer_rows()"""),
     new_markdown_cell("""The trade-off charts as static figures (what a saved report shows; the live ones above need a kernel)."""),
     new_code_cell("""import plotly.graph_objects as go

@@ -108,12 +108,19 @@ def _app(args: argparse.Namespace) -> int:
         tasks.load(task)
     nb = parameterize_notebook(load_notebook_node(str(source)),
                                {"model_name": args.model, "task_name": task, "threads": args.threads})
-    out = Path(args.out)
+    from workbench.reports import reports_dir
+
+    out = reports_dir() if args.out is None else Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"app_{args.model.replace(':', '_').replace('/', '_')}.ipynb"
     nbformat.write(nb, str(path))
     print(f"serving {path} at http://{args.ip}:{args.port}/ (Ctrl-C stops)", flush=True)
-    cmd = [sys.executable, "-m", "voila", str(path), "--no-browser", f"--port={args.port}", f"--Voila.ip={args.ip}"]
+    # Voila serves the notebook's folder (also where the Report button writes) and, allowed here, its .html
+    # reports under /voila/files/; the kernel learns that URL from the environment (wb.reports.browser_url)
+    os.environ.update(WORKBENCH_FILES_ROOT=str(out.resolve()), WORKBENCH_FILES_URL="/voila/files/",
+                      WORKBENCH_REPORTS=str(out.resolve()))
+    cmd = [sys.executable, "-m", "voila", str(path), "--no-browser", f"--port={args.port}", f"--Voila.ip={args.ip}",
+           r"--VoilaConfiguration.file_allowlist=.*\.(png|jpg|gif|svg|html)"]
     if os.name == "posix":   # become the server: a SIGTERM to this process then stops Voila and its kernels,
         sys.stdout.flush()   # instead of orphaning them behind a dead parent
         os.execv(sys.executable, cmd)
@@ -181,11 +188,13 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--batch-size", type=int, default=None, help="batch size for latency and memory")
     m.set_defaults(func=_measure)
 
-    r = sub.add_parser("report", help="run a notebook with papermill into reports/ as .ipynb and .html")
+    r = sub.add_parser("report", help="run a notebook with papermill into the reports folder as .ipynb and a "
+                       "standalone .html")
     r.add_argument("notebook")
     r.add_argument("-p", "--parameter", nargs=2, action="append", metavar=("NAME", "VALUE"),
                    help="notebook parameter (repeatable); values are Python literals or strings")
-    r.add_argument("--out", default="reports", help="output folder (default: reports)")
+    r.add_argument("--out", default=None, help="output folder (default: $WORKBENCH_REPORTS, else reports/ at the "
+                   "repository root - the folder the workbench's Report button writes to)")
     r.add_argument("--name", default=None, help="output file stem (default: the notebook's)")
     r.set_defaults(func=_report)
 
@@ -196,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--port", type=int, default=8866)
     a.add_argument("--ip", default="127.0.0.1")
     a.add_argument("--threads", type=int, default=2, help="CPU threads for measurements")
-    a.add_argument("--out", default="reports", help="where the parameterised app notebook is written")
+    a.add_argument("--out", default=None, help="where the parameterised app notebook and its reports are written "
+                   "(default: the reports folder, as for `workbench report`)")
     a.set_defaults(func=_app)
 
     g = sub.add_parser("goldens", help="run notebooks and compare their metrics with data/golden (regression suite)")

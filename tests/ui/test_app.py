@@ -1,4 +1,5 @@
 """wb.ui.Workbench driven in-process (set .value, .click()) - every control, without a browser."""
+import html
 import json
 
 import pytest
@@ -21,7 +22,10 @@ def _click_point(fig, i):
 
 
 def test_edit_apply_and_charts(app):
-    assert [o[1] for o in app.layers.options] == ["fc1", "fc2", "fc3"]
+    assert app.layers.names == ["fc1", "fc2", "fc3"]
+    table = app.layers.widget._dt_args["table_html"]
+    for header in ("layer", "type", "shape", "params", "technique", "bytes before", "bytes after", "state"):
+        assert f"<th>{header}</th>" in table
     assert len(app.size_chart.data[0].x) == 1       # the reference, measured when the workbench is built
     assert app.size_chart.layout.xaxis.title.text == "size (MiB, lower is better)"
     app.apply_button.click()
@@ -29,20 +33,40 @@ def test_edit_apply_and_charts(app):
     app.pattern.value = "fc[12]"
     app.select_button.click()
     assert app.layers.value == ("fc1", "fc2")
-    app.technique.value = "quantize"
-    app.bits.value, app.group.value, app.method.value = 4, 32, "rtn"
+    app.choose(wb.quant.WeightOnly(bits=4, group_size=32))
+    assert app.forms[wb.quant.WeightOnly]["bits"].value == 4 and app.forms[wb.quant.WeightOnly]["method"].value.value == "rtn"
     app.set_button.click()
-    assert "2 layer(s) set" in app.status.value and "(2 changed)" in app.apply_button.description
+    assert "2 layers set to WeightOnly · 4 bits · group 32 · rtn" in app.status.value, app.status.value
+    assert "(2 changed)" in app.apply_button.description and "&lt;" not in app.status.value   # words, not reprs
     app.apply_button.click()
     assert "error" not in app.status.value.lower(), app.status.value
     sizes = list(app.size_chart.data[0].x)
     assert len(sizes) == 2 and sizes[1] < 0.5 * sizes[0]           # the new point is smaller
     assert len(app.latency_chart.data[0].x) == 2
-    assert list(app.size_chart.data[2].x) == [sizes[1]]             # "latest" marker
+    assert list(app.size_chart.data[2].x) == [sizes[1]]             # "current plan" marker
+    for fig in (app.size_chart, app.latency_chart):                 # axes fitted to the data, not 0-1.5
+        t = fig.data[0]
+        plus, minus = t.error_x.array or [0] * len(t.x), t.error_x.arrayminus or [0] * len(t.x)
+        xs = [*t.x, *(x + e for x, e in zip(t.x, plus)), *(x - e for x, e in zip(t.x, minus))]
+        for values, axis in ((xs, fig.layout.xaxis), (t.y, fig.layout.yaxis)):
+            lo, hi = min(values), max(values)
+            assert axis.range[0] <= lo and axis.range[1] >= hi, (axis.range, values)
+            assert axis.range[1] - axis.range[0] <= 1.3 * (hi - lo) + 0.05 * abs(hi), (axis.range, values)
+    assert "MiB" in app.size_chart.data[0].hovertemplate and "×" in app.latency_chart.data[0].hovertemplate
+    assert app.size_chart.data[0].text[1].startswith("plan 1: WeightOnly · 4 bits · group 32 · rtn on fc1, fc2")
     assert len(app.size_chart.data[1].x) >= 1                       # Pareto front drawn
     assert app.roofline_chart.data and app.size_figure.data         # the other views updated
     rows = app.session.layer_rows()
-    assert rows.loc[0, "technique"] == "WeightOnly(group_size=32)"
+    assert rows.loc[0, "technique"] == "WeightOnly · 4 bits · group 32 · rtn" and rows.loc[0, "state"] == "applied"
+    assert rows.loc[0, "bytes_after"] < 0.2 * rows.loc[0, "bytes_before"]
+    # Undo restores the technique and the bytes column (what the layer would hold), the model is re-applied later
+    app.undo_button.click()
+    rows = app.session.layer_rows()
+    assert rows.loc[0, "technique"] == "none" and rows.loc[0, "bytes_after"] == rows.loc[0, "bytes_before"]
+    assert rows.loc[0, "state"] == "to apply"
+    shown = json.loads(app.layers.widget._dt_args["data_json"])
+    assert shown[0][4] == "none" and shown[0][5] == shown[0][6]     # the grid shows the same
+    app.redo_button.click()
     # clicking the reference point restores its (empty) plan; apply brings the full-size model back
     _click_point(app.size_chart, 0)
     assert app.session.assigned == {} and "restored plan 0" in app.status.value
@@ -50,43 +74,49 @@ def test_edit_apply_and_charts(app):
     assert app.size_chart.data[0].x[2] == pytest.approx(sizes[0])
 
 
-def test_every_technique_control(app):
+def test_every_registered_technique_has_a_form(app):
+    """The technique list is the registry: each config type gets a generated form that builds that config."""
+    from workbench.plans.registry import registered_configs
+
+    assert [v for _, v in app.technique.options][1:] == registered_configs()
     app.layers.value = ("fc3",)
-    expected = {"quantize": "WeightOnly", "w8a8": "Static", "prune": "Magnitude", "low-rank": "SVD", "cast": "Cast"}
-    for technique, cls in expected.items():
-        app.technique.value = technique
-        controls = (app.bits, app.group, app.method, app.activations, app.kernel, app.observer, app.sparsity,
-                    app.energy, app.rank, app.dtype)
-        visible = {w.description for w in controls if w.layout.display != "none"}
-        assert visible, technique
-        if technique == "w8a8":
-            assert app.kernel.layout.display != "none" and app.observer.layout.display == "none"
-            app.activations.value = "static"
-            assert app.observer.layout.display != "none" and app.kernel.layout.display == "none"
-            app.observer.value = "percentile"
-        if technique == "quantize":
-            app.method.value = "hqq"
-        if technique == "prune":
-            app.sparsity.value = 0.7
-        if technique == "low-rank":
-            app.energy.value = 0.8
-            app.rank.value = 5
-        if technique == "cast":
-            app.dtype.value = "float16"
+    settable = {wb.quant.WeightOnly: {"bits": 2, "method": wb.quant.Method.GPTQ},
+                wb.quant.Static: {"observer": "percentile"}, wb.prune.NM: {"n": 1, "m": 4},
+                wb.lowrank.SVD: {"rank": "5"}, wb.precision.Cast: {"dtype": "float16"}, wb.prune.Random: {"seed": 3}}
+    set_ok = []
+    for cls in registered_configs():
+        app.technique.value = cls
+        form = app.forms[cls]
+        assert app.form_box.children == (form.box,) and html.escape(form.help) in app.technique_help.value
+        for field, value in settable.get(cls, {}).items():
+            form[field].value = value
         app.set_button.click()
+        if "#b00020" in app.status.value:   # a config that cannot take this layer (or needs a value) says so
+            assert "ValueError" in app.status.value, app.status.value
+            continue
         config = app.session.assigned["fc3"]
-        assert type(config).__name__ == cls, app.status.value
-        if technique == "w8a8":
-            assert config.observer == "percentile"
-        if technique == "low-rank":
-            assert config.rank == 5
-    assert str(app.session.assigned["fc3"].dtype) == "torch.float16"
-    app.technique.value = "none"
+        assert type(config) is cls and app.session.layer_rows().loc[2, "technique"].startswith(cls.__name__)
+        for field, value in settable.get(cls, {}).items():
+            got = getattr(config, field)
+            assert got == value or str(got).removeprefix("torch.") == str(value), (cls, field, got)
+        set_ok.append(cls.__name__)
+    # NF4, FP8, N:M and random pruning are reachable from the UI (issue 19)
+    assert {"WeightOnly", "NF4", "FP8", "Dynamic", "Static", "SVD", "Magnitude", "Random", "NM", "Cast"} <= set(set_ok)
+    app.technique.value = None
     app.set_button.click()
-    assert "fc3" not in app.session.assigned
+    assert "fc3" not in app.session.assigned and "the original layer" in app.status.value
     app.undo_button.click()
-    assert type(app.session.assigned["fc3"]).__name__ == "Cast"
+    assert app.session.assigned["fc3"] is not None
     app.redo_button.click()
+    assert "fc3" not in app.session.assigned
+
+
+def test_form_errors_name_the_field(app):
+    app.layers.value = ("fc3",)
+    app.technique.value = wb.lowrank.SVD
+    app.forms[wb.lowrank.SVD]["rank"].value = "five"
+    app.set_button.click()
+    assert "SVD.rank takes an integer or none, got &#x27;five&#x27;" in app.status.value
     assert "fc3" not in app.session.assigned
 
 
@@ -95,14 +125,13 @@ def test_errors_are_shown_not_raised(app):
     app.set_button.click()
     assert "select one or more layers" in app.status.value and "#b00020" in app.status.value
     app.layers.value = ("fc2",)
-    app.technique.value = "quantize"
-    app.bits.value, app.group.value = 4, 128
+    app.choose(wb.quant.WeightOnly(bits=4, group_size=128))
     app.set_button.click()
     app.session.assigned["fc2"] = wb.quant.WeightOnly(bits=4, group_size=7, symmetric=False, method="hqq")  # bypass the check: fails on apply
     app.apply_button.click()
     assert "ApplyError" in app.status.value and "fc2" in app.status.value
     assert len(app.session.history) == 1 and not app.apply_button.disabled and app.progress_label.value == "failed"
-    app.group.value = 32
+    app.forms[wb.quant.WeightOnly]["group_size"].value = "32"
     app.layers.value = ("fc3",)   # fc3 has 128 inputs: fine; a conv with 9 would be refused when set
     app.set_button.click()
     assert "#b00020" not in app.status.value
@@ -113,12 +142,12 @@ def test_errors_are_shown_not_raised(app):
 
 def test_plan_json_export_import_and_sensitivity(app):
     app.layers.value = ("fc1",)
-    app.technique.value = "prune"
+    app.technique.value = wb.prune.Magnitude
     app.set_button.click()
     app.export_button.click()
     exported = json.loads(app.plan_text.value)
     assert exported["entries"][0]["pattern"] == "fc1"
-    app.technique.value = "none"
+    app.technique.value = None
     app.set_button.click()
     app.import_button.click()
     assert type(app.session.assigned["fc1"]).__name__ == "Magnitude"
@@ -135,21 +164,21 @@ def test_plan_json_export_import_and_sensitivity(app):
 
 @pytest.mark.slow
 def test_report_button_runs_the_plan_report(app, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # reports/ is written under the current directory
+    monkeypatch.setenv("WORKBENCH_REPORTS", str(tmp_path / "reports"))   # the one reports folder
     app.report_button.click()
     assert "plan is empty" in app.status.value
     app.session.set("fc*", wb.quant.WeightOnly(bits=4, group_size=32))
     app.report_button.click()
     assert "report written" in app.status.value, app.status.value
     page = tmp_path / "reports" / "plan_report_digits-mlp.html"
-    assert page.exists() and str(page.name) in app.report_link.value
+    assert page.exists() and page.as_uri() in app.report_link.value   # no Jupyter server here: a file URL
     rec = wb.reports.recorded(tmp_path / "reports" / "plan_report_digits-mlp.ipynb")
     assert rec["layers"] == 3 and 0.1 < rec["size_ratio"] < 0.25
 
 
 def test_cancel_button_stops_an_apply_and_changes_nothing(app):
     app.layers.value = ("fc1",)
-    app.technique.value = "quantize"
+    app.technique.value = wb.quant.WeightOnly
     app.set_button.click()
     before = app.session.work.fc1
     # the user presses Cancel while the apply is under way (here: as soon as its progress bar moves)

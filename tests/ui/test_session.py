@@ -109,4 +109,4 @@ def test_plan_json_round_trip(session):
     other.load_plan(text)
     assert other.assigned == session.assigned
     rows = other.layer_rows()
-    assert list(rows["technique"]) == ["WeightOnly(group_size=16)"] * 3
+    assert list(rows["technique"]) == ["WeightOnly · 4 bits · group 16 · rtn"] * 3

@@ -68,8 +68,12 @@ def sensitivity_heatmap(table, value: str = "loss", title: str | None = None):
     metric = table.attrs.get("metric", "metric")
     names = {"loss": f"{metric} loss (lower is better)", "size_after": "bytes after (lower is better)",
              "latency_after_ms": "layer latency, ms (lower is better)"}
+    # good is light: a loss of zero is white, a loss red, a gain (negative loss) green; sizes and latencies
+    # are light when small
+    colours = (dict(colorscale=[[0.0, "#1a9850"], [0.5, "#ffffff"], [1.0, "#d73027"]], zmid=0.0)
+               if value == "loss" else dict(colorscale="Blues"))
     fig = go.Figure(go.Heatmap(
-        z=grid.to_numpy(), x=list(grid.columns), y=list(grid.index), colorscale="Reds",
+        z=grid.to_numpy(), x=list(grid.columns), y=list(grid.index), **colours,
         colorbar=dict(title=names.get(value, value)),
         hovertemplate="%{y}<br>%{x}<br>" + value + "=%{z:.4g}<extra></extra>"))
     fig.update_layout(title=title or f"per-layer sensitivity: {names.get(value, value)}", template="plotly_white",

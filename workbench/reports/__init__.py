@@ -2,19 +2,23 @@
 
 - `record(**values)` (in a notebook) displays the values under the ``application/vnd.workbench.metrics+json``
   mime type, so tests and the golden-metric suite read them back from the executed notebook.
+  It shows them as a small table; `record_hidden(**values)` records without showing anything (a dashboard).
 - `recorded(path)` reads them back.
-- `run_notebook(path, parameters, out_dir)` executes a notebook with papermill into ``out_dir`` as .ipynb
-  and renders a standalone .html whose plotly charts carry plotly.js inline (no CDN needed).
+- `run_notebook(path, parameters, out_dir)` executes a notebook with papermill into ``out_dir`` (default:
+  `reports_dir()`, the one folder the CLI and the UI share) as .ipynb and renders it with `to_html` into a
+  standalone .html that makes no network request (see `workbench.reports.html`).
+- `browser_url(path)` is the link a Jupyter / Voila page uses to open such a file with its scripts running.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["record", "recorded", "run_notebook", "to_html", "METRICS_MIME"]
+from workbench.reports.html import browser_url, to_html
+
+__all__ = ["record", "record_hidden", "recorded", "run_notebook", "to_html", "browser_url", "reports_dir", "METRICS_MIME"]
 
 METRICS_MIME = "application/vnd.workbench.metrics+json"
 
@@ -30,12 +34,25 @@ def _jsonable(value: Any) -> Any:
 
 
 def record(**values: Any) -> None:
-    """Record named values as an output of the current notebook cell."""
+    """Record named values as an output of the current notebook cell, shown as a table of the values."""
+    import html
+
     from IPython.display import display
 
     data = {k: _jsonable(v) for k, v in values.items()}
     text = "\n".join(f"{k} = {v}" for k, v in data.items())
-    display({METRICS_MIME: data, "text/plain": text}, raw=True)
+    rows = "".join(f"<tr><th style='text-align:left'>{html.escape(k)}</th><td style='text-align:left'>"
+                   f"{html.escape(f'{v:.6g}' if isinstance(v, float) else str(v))}</td></tr>"
+                   for k, v in data.items())
+    display({METRICS_MIME: data, "text/plain": text,
+             "text/html": f"<table class='wb-recorded'><caption>recorded values</caption>{rows}</table>"}, raw=True)
+
+
+def record_hidden(**values: Any) -> None:
+    """`record` with nothing shown (an empty HTML output): for dashboards, where a dump would be noise."""
+    from IPython.display import display
+
+    display({METRICS_MIME: {k: _jsonable(v) for k, v in values.items()}, "text/html": ""}, raw=True)
 
 
 def recorded(path: str | os.PathLike) -> dict[str, Any]:
@@ -52,32 +69,20 @@ def recorded(path: str | os.PathLike) -> dict[str, Any]:
     return out
 
 
-def to_html(notebook_path: str | os.PathLike, html_path: str | os.PathLike) -> Path:
-    """Render an executed notebook to standalone HTML; plotly figures become inline, offline charts."""
-    import nbformat
-    import plotly.io as pio
-    from nbconvert import HTMLExporter
+def reports_dir() -> Path:
+    """The one folder reports go to: ``$WORKBENCH_REPORTS``, else ``reports/`` at the repository root.
 
-    nb = nbformat.read(str(notebook_path), as_version=4)
-    first = True
-    for cell in nb.cells:
-        for output in cell.get("outputs", []):
-            data = output.get("data", {})
-            if "application/vnd.plotly.v1+json" in data:
-                fig = pio.from_json(json.dumps(data["application/vnd.plotly.v1+json"]))
-                data["text/html"] = pio.to_html(fig, include_plotlyjs=first, full_html=False)
-                del data["application/vnd.plotly.v1+json"]
-                first = False
-    body, _ = HTMLExporter(template_name="lab").from_notebook_node(nb)
-    html_path = Path(html_path)
-    html_path.write_text(body, encoding="utf-8")
-    return html_path
+    The same for ``workbench report`` run from anywhere and for the workbench's Report button (whose kernel
+    runs in ``notebooks/``), so a report is never split between two folders.
+    """
+    override = os.environ.get("WORKBENCH_REPORTS")
+    return Path(override) if override else Path(__file__).resolve().parents[2] / "reports"
 
 
 def run_notebook(notebook: str | os.PathLike, parameters: dict[str, Any] | None = None,
-                 out_dir: str | os.PathLike = "reports", name: str | None = None,
+                 out_dir: str | os.PathLike | None = None, name: str | None = None,
                  html: bool = True, timeout: int = 1800) -> tuple[Path, Path | None]:
-    """Execute ``notebook`` with papermill into ``out_dir``; returns (executed .ipynb, .html or None).
+    """Execute ``notebook`` with papermill into ``out_dir`` (default `reports_dir()`); returns (.ipynb, .html or None).
 
     Raises papermill's ``PapermillExecutionError`` (naming the failing cell) if a cell fails; the
     executed notebook with the error is still written.
@@ -87,7 +92,7 @@ def run_notebook(notebook: str | os.PathLike, parameters: dict[str, Any] | None 
     notebook = Path(notebook)
     if not notebook.is_file():
         raise FileNotFoundError(f"notebook {notebook} does not exist")
-    out_dir = Path(out_dir)
+    out_dir = reports_dir() if out_dir is None else Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = name or notebook.stem
     out_nb = out_dir / f"{stem}.ipynb"

@@ -2,8 +2,9 @@
 
     wb.ui.Workbench(model, task)        # displays itself in a notebook cell
 
-Pick layers (click, shift/ctrl-click, or a name pattern), choose a technique and its settings, "Set for
-selected", then "Apply & measure": only the changed layers are rebuilt, the model is measured on the task's
+Pick layers in the layer table (click, shift/ctrl-click, sort by any column, or a name pattern), choose a
+technique - the list is every config type in the technique registry, its form generated from the config's
+fields (`workbench.ui.forms`) - and "Set for selected", then "Apply & measure": only the changed layers are rebuilt, the model is measured on the task's
 quick subset and a point joins the trade-off charts (quality vs size and vs latency, Pareto front dashed,
 every plan tried kept; click a point to bring its plan back). Undo / redo walk the edits. Tabs hold the
 sensitivity heatmap (computed from the UI), the roofline view of every plan tried, the size breakdown of
@@ -23,10 +24,11 @@ import torch
 from workbench.plans.registry import Config
 from workbench.ui.session import Cancelled, Session
 
-__all__ = ["Workbench", "TECHNIQUES"]
+__all__ = ["Workbench"]
 
-TECHNIQUES = ("none", "quantize", "w8a8", "prune", "low-rank", "cast")
-_STYLE = "<style>.wb-layers select{font-family:monospace;font-size:12px}</style>"
+# the charts share the width of a 1280-1920 px page: two side by side at 1280, growing with the window
+_STYLE = ("<style>.wb-chart{flex:1 1 560px;min-width:520px}.wb-help{color:#555;font-size:12px;margin:2px 0 6px}"
+          ".wb-layers table.dataTable td,.wb-layers table.dataTable th{font-size:12px}</style>")
 
 
 def _default_candidates() -> dict[str, Config]:
@@ -52,39 +54,35 @@ class Workbench:
         self._cancel = threading.Event()
         self._worker: threading.Thread | None = None
 
+        from workbench.ui.forms import technique_forms
+        from workbench.ui.layer_table import LayerTable
+
         self.status = W.HTML()
-        self.layers = W.SelectMultiple(options=[], rows=min(14, len(self.session.layer_names)),
-                                       layout=W.Layout(width="100%"))
-        self.layers.add_class("wb-layers")
+        self.layers = LayerTable(self.session.layer_rows())
         self.pattern = W.Text(placeholder="pattern, e.g. encoder.*.dense or re:.*fc[12]", layout=W.Layout(width="340px"))
         self.select_button = W.Button(description="Select matching")
-        self.technique = W.Dropdown(options=TECHNIQUES, value="quantize", description="technique")
-        self.bits = W.Dropdown(options=[8, 4, 3, 2], value=8, description="bits")
-        # 0 stands for "one group per output channel" (a Dropdown value of None would show as no selection)
-        self.group = W.Dropdown(options=[("per channel", 0), ("32", 32), ("64", 64), ("128", 128)], value=0,
-                                description="group size")
-        self.method = W.Dropdown(options=["rtn", "gptq", "awq", "hqq"], value="rtn", description="method")
-        self.sparsity = W.FloatSlider(value=0.5, min=0.05, max=0.95, step=0.05, description="sparsity")
-        self.energy = W.FloatSlider(value=0.9, min=0.5, max=1.0, step=0.01, description="SVD energy")
-        self.rank = W.BoundedIntText(value=0, min=0, max=1_000_000, description="SVD rank",
-                                     tooltip="0: choose the rank by the energy kept")
-        self.activations = W.Dropdown(options=["dynamic", "static"], value="dynamic", description="activations")
-        self.kernel = W.Dropdown(options=["cpu", "reference"], value="cpu", description="kernel")
-        self.dtype = W.Dropdown(options=["bfloat16", "float16"], value="bfloat16", description="dtype")
-        self.set_button = W.Button(description="Set for selected", button_style="info")
-        self.samples = W.BoundedIntText(value=calibration, min=1, max=100_000, description="calib. samples")
-        from workbench.quantization.observers import OBSERVERS
+        self.forms = technique_forms()   # config type -> its generated form, for every registered technique
+        self.technique = W.Dropdown(options=[("none (undo the technique)", None)]
+                                    + [(f.label, cls) for cls, f in self.forms.items()], description="technique",
+                                    style={"description_width": "initial"})
+        from workbench import quant
 
-        self.observer = W.Dropdown(options=list(OBSERVERS), value="minmax", description="observer",
-                                   tooltip="activation range observer of static W8A8")
+        self.technique.value = quant.WeightOnly   # the common first choice
+        self.technique_help = W.HTML()
+        self.form_box = W.Box()
+        self.set_button = W.Button(description="Set for selected", button_style="info")
+        self.samples = W.BoundedIntText(value=calibration, min=1, max=100_000, description="calibration samples",
+                                        style={"description_width": "initial"})
         self.estimate_box = W.HTML()
         self.progress = W.FloatProgress(value=0.0, min=0.0, max=1.0, description="", layout=W.Layout(width="300px"))
         self.progress_label = W.Label()
-        self.apply_button = W.Button(description="Apply & measure", button_style="primary")
+        self.apply_button = W.Button(description="Apply & measure", button_style="primary",
+                                     layout=W.Layout(width="auto", min_width="180px"))   # "(N changed)" fits
         self.cancel_button = W.Button(description="Cancel", disabled=True, button_style="warning")
         self.undo_button = W.Button(description="Undo", icon="undo")
         self.redo_button = W.Button(description="Redo", icon="repeat")
-        self.sens_button = W.Button(description="Run sensitivity (selected layers, or all)")
+        self.sens_button = W.Button(description="Run sensitivity (selected layers, or all)",
+                                    layout=W.Layout(width="auto"))
         self.plan_text = W.Textarea(layout=W.Layout(width="100%", height="220px"))
         self.export_button = W.Button(description="Export current plan")
         self.import_button = W.Button(description="Import plan")
@@ -112,24 +110,23 @@ class Workbench:
         self.report_button.on_click(self._guard(self._on_report))
         self.samples.observe(self._guard(self._on_samples), names="value")
         self.technique.observe(lambda _: self._show_controls(), names="value")
-        self.method.observe(lambda _: self._show_controls(), names="value")
-        self.activations.observe(lambda _: self._show_controls(), names="value")
 
         controls = W.VBox([W.HBox([self.pattern, self.select_button]),
-                           W.HBox([self.technique, self.bits, self.group]),
-                           W.HBox([self.method, self.activations, self.kernel, self.sparsity, self.energy,
-                                   self.rank, self.dtype]),
+                           W.HBox([self.technique, self.technique_help]), self.form_box,
                            W.HBox([self.set_button, self.undo_button, self.redo_button])])
         calibration_box = W.VBox([W.HTML("<b>Calibration</b> (GPTQ / AWQ / static W8A8)"),
-                                  W.HBox([self.samples, self.observer]), self.estimate_box])
+                                  W.HBox([self.samples]), self.estimate_box])
         run = W.HBox([self.apply_button, self.cancel_button, self.progress, self.progress_label])
-        self.tabs = W.Tab(children=[W.HBox([self.size_chart, self.latency_chart]),
+        self.size_chart.add_class("wb-chart")
+        self.latency_chart.add_class("wb-chart")
+        self.tabs = W.Tab(children=[W.HBox([self.size_chart, self.latency_chart],
+                                           layout=W.Layout(flex_flow="row wrap", width="100%")),
                                     W.VBox([self.sens_button, self.heatmap]), self.roofline_chart, self.size_figure,
                                     W.VBox([W.HBox([self.export_button, self.import_button, self.report_button]),
                                             self.report_link, self.plan_text])])
         for i, title in enumerate(["Trade-offs", "Sensitivity", "Roofline", "Size", "Plan JSON"]):
             self.tabs.set_title(i, title)
-        self.widget = W.VBox([W.HTML(_STYLE), W.HTML(self._title()), self.layers, controls, calibration_box, run,
+        self.widget = W.VBox([W.HTML(_STYLE), W.HTML(self._title()), self.layers.widget, controls, calibration_box, run,
                               self.status, self.tabs])
         self._show_controls()
         self._refresh()
@@ -174,7 +171,8 @@ class Workbench:
 
         h = self.session.history
         if not h:
-            return {"x": [], "y": [], "text": [], "fx": [], "fy": [], "lx": [], "ly": [], "hi": [], "lo": []}
+            return {"x": [], "y": [], "text": [], "fx": [], "fy": [], "lx": [], "ly": [], "hi": [], "lo": [],
+                    "xrange": None, "yrange": None}
         df = pd.DataFrame({"x": [e.metrics.size_bytes / 2**20 if kind == "size" else _speedup(e) for e in h],
                            "y": [e.quality for e in h]})
         if kind == "size":
@@ -185,10 +183,13 @@ class Workbench:
         front = front.sort_values("x")
         hi = [e.speedup.high - e.speedup.ratio if kind != "size" and e.speedup is not None else 0.0 for e in h]
         lo = [e.speedup.ratio - e.speedup.low if kind != "size" and e.speedup is not None else 0.0 for e in h]
-        return {"x": list(df["x"]), "y": list(df["y"]), "hi": hi, "lo": lo,
-                "text": [f"{i}: {e.label}" + (f" | {e.speedup.verdict}" if e.speedup is not None else "")
-                         for i, e in enumerate(h)],
-                "fx": list(front["x"]), "fy": list(front["y"]), "lx": [df["x"].iloc[-1]], "ly": [df["y"].iloc[-1]]}
+        # hover: the plan in words, one line per technique (a long single line would be clipped)
+        text = [f"plan {i}: " + e.label.replace("; ", "<br>") +
+                (f"<br>speedup: {e.speedup.verdict}" if e.speedup is not None else "") for i, e in enumerate(h)]
+        xs = [*df["x"], *(df["x"] + pd.Series(hi)), *(df["x"] - pd.Series(lo))]
+        return {"x": list(df["x"]), "y": list(df["y"]), "hi": hi, "lo": lo, "text": text,
+                "fx": list(front["x"]), "fy": list(front["y"]), "lx": [df["x"].iloc[-1]], "ly": [df["y"].iloc[-1]],
+                "xrange": _fit(xs, floor=0.0), "yrange": _fit(list(df["y"]))}
 
     def _tradeoff_figure(self, kind: str):
         import plotly.graph_objects as go
@@ -196,7 +197,8 @@ class Workbench:
         task = self.session.task
         better = "higher" if task.primary.higher_is_better else "lower"
         x_title = ("size (MiB, lower is better)" if kind == "size"
-                   else "speedup over the unchanged model, side by side (x, higher is better)")
+                   else "speedup over the unchanged model (×, 95% interval; higher is better)")
+        x_hover = "size %{x:.4g} MiB" if kind == "size" else "speedup %{x:.3g}×"
         d = self._series(kind)
         # Data and layout go into the constructor: a dashboard (Voila) renders the widget's initial state,
         # and changes made before its page connects would not reach it.
@@ -205,40 +207,41 @@ class Workbench:
                              marker=dict(size=10),
                              error_x=dict(type="data", symmetric=False, array=d["hi"], arrayminus=d["lo"],
                                           visible=kind != "size"),
-                             hovertemplate="%{text}<br>%{x:.4g}<br>%{y:.4g}<extra>click to restore</extra>"),
-                  go.Scatter(x=d["fx"], y=d["fy"], mode="lines", name="Pareto front",
+                             hovertemplate=f"%{{text}}<br>{x_hover}<br>{task.primary.name} %{{y:.4f}}"
+                                           "<extra>click to restore</extra>"),
+                  go.Scatter(x=d["fx"], y=d["fy"], mode="lines", name="Pareto front (best trade-offs)",
                              line=dict(dash="dot", color="black"), hoverinfo="skip"),
-                  go.Scatter(x=d["lx"], y=d["ly"], mode="markers", name="latest",
-                             marker=dict(size=16, symbol="star", color="red"), hoverinfo="skip")],
-            layout=go.Layout(template="plotly_white", height=380, width=520, xaxis_title=x_title,
+                  go.Scatter(x=d["lx"], y=d["ly"], mode="markers", name="current plan",
+                             marker=dict(size=18, symbol="star", color="rgba(0,0,0,0)",
+                                         line=dict(color="red", width=2)), hoverinfo="skip")],
+            layout=go.Layout(template="plotly_white", height=400, autosize=True, xaxis_title=x_title,
+                             xaxis_range=d["xrange"], yaxis_range=d["yrange"],
                              yaxis_title=f"{task.primary.name} ({better} is better)",
-                             title=f"{task.primary.name} vs {'size' if kind == 'size' else 'speedup'}", legend=dict(orientation="h", y=-0.25)))
+                             hoverlabel=dict(align="left"), margin=dict(l=70, r=20, t=50, b=40),
+                             title=f"{task.primary.name} vs {'size' if kind == 'size' else 'speedup'}",
+                             legend=dict(orientation="h", y=-0.22)))
         fig.data[0].on_click(self._guard(self._on_point_click))
         return fig
 
     def _show_controls(self) -> None:
-        t = self.technique.value
-        visible = {self.bits: t == "quantize", self.group: t == "quantize", self.method: t == "quantize",
-                   self.activations: t == "w8a8", self.kernel: t == "w8a8" and self.activations.value == "dynamic",
-                   self.observer: t == "w8a8" and self.activations.value == "static",
-                   self.sparsity: t == "prune", self.energy: t == "low-rank", self.rank: t == "low-rank",
-                   self.dtype: t == "cast"}
-        for widget, show in visible.items():
-            widget.layout.display = None if show else "none"
+        cls = self.technique.value
+        form = self.forms.get(cls)
+        self.form_box.children = [form.box] if form is not None else []
+        self.technique_help.value = (f"<div class='wb-help'>{html.escape(form.help)}</div>" if form is not None
+                                     else "<div class='wb-help'>the selected layers go back to the original</div>")
+
+    def choose(self, config: Config | None) -> None:
+        """Show ``config`` in the technique form (its type chosen, its fields filled): what a person would click."""
+        if config is not None and type(config) not in self.forms:
+            raise TypeError(f"{type(config).__name__} is not a registered technique config")
+        self.technique.value = None if config is None else type(config)
+        if config is not None:
+            self.forms[type(config)].show(config)
 
     # --- state -> widgets ----------------------------------------------------------------------
     def _refresh(self) -> None:
         s = self.session
-        rows = s.layer_rows()
-        selected = tuple(self.layers.value)
-        options = []
-        for _, r in rows.iterrows():
-            loss = "" if r["loss"] != r["loss"] else f" loss {r['loss']:+.4f}"
-            text = (f"{r['layer'][:44]:<44} {r['type']:<9} {r['shape']:<11} {r['params']:>9,} "
-                    f"{r['technique'][:34]:<34} {r['bytes']:>11,} B{loss}")
-            options.append((text, r["layer"]))
-        self.layers.options = options
-        self.layers.value = tuple(n for n in selected if n in s.layer_names)
+        self.layers.update(s.layer_rows())
         self.undo_button.disabled, self.redo_button.disabled = not s.can_undo, not s.can_redo
         pending = s.changed
         self.apply_button.description = f"Apply & measure ({len(pending)} changed)" if pending else "Apply & measure"
@@ -254,6 +257,7 @@ class Workbench:
                 fig.data[0].error_x.array, fig.data[0].error_x.arrayminus = d["hi"], d["lo"]
                 fig.data[1].x, fig.data[1].y = d["fx"], d["fy"]
                 fig.data[2].x, fig.data[2].y = d["lx"], d["ly"]
+                fig.layout.xaxis.range, fig.layout.yaxis.range = d["xrange"], d["yrange"]
 
     def _update_views(self) -> None:
         from workbench.plots import roofline, size_breakdown
@@ -266,7 +270,8 @@ class Workbench:
                                 "size_bytes": e.metrics.size_bytes, "threads": e.metrics.threads,
                                 "device": e.metrics.device,
                                 **(e.speedup.to_dict() if e.speedup is not None else {})} for i, e in enumerate(h)])
-            self._replace(self.roofline_chart, roofline(df))
+            self._replace(self.roofline_chart, roofline(df, title="measured speedup of each plan over the unchanged "
+                                                        "model, beside its byte-ratio ceiling"))
         self._replace(self.size_figure, size_breakdown(self.session.work, top=30))
 
     @staticmethod
@@ -279,30 +284,14 @@ class Workbench:
 
     # --- callbacks -----------------------------------------------------------------------------
     def _config(self) -> Config | None:
-        from workbench import lowrank, precision, prune, quant
-
-        t = self.technique.value
-        if t == "none":
-            return None
-        if t == "quantize":
-            return quant.WeightOnly(bits=self.bits.value, group_size=self.group.value or None, method=self.method.value,
-                                    symmetric=self.method.value != "hqq")
-        if t == "w8a8":
-            if self.activations.value == "dynamic":
-                return quant.Dynamic(kernel=self.kernel.value)
-            return quant.Static(observer=self.observer.value)
-        if t == "prune":
-            return prune.Magnitude(round(self.sparsity.value, 4))
-        if t == "low-rank":
-            if self.rank.value > 0:
-                return lowrank.SVD(rank=int(self.rank.value))
-            return lowrank.SVD(energy=round(self.energy.value, 4))
-        return precision.Cast(getattr(torch, self.dtype.value))
+        """The config the technique form describes (None: back to the original layer)."""
+        cls = self.technique.value
+        return None if cls is None else self.forms[cls].config()
 
     def _on_select(self, _=None) -> None:
         hits = self.session.select(self.pattern.value.strip())
         self.layers.value = tuple(hits)
-        self._say(f"selected {len(hits)} layer(s)")
+        self._say(f"selected {_count(len(hits), 'layer')}: {', '.join(hits[:6])}{' ...' if len(hits) > 6 else ''}")
 
     def _on_set(self, _=None) -> None:
         layers = list(self.layers.value)
@@ -312,8 +301,12 @@ class Workbench:
         self.session.set(layers, config)
         self._refresh()
         self._show_estimate()
-        what = "no change" if config is None else repr(config)
-        self._say(f"{len(layers)} layer(s) set to {what}; {len(self.session.changed)} to apply")
+        from workbench.ui.forms import describe
+
+        what = "the original layer (no technique)" if config is None else describe(config)
+        pending = len(self.session.changed)
+        self._say(f"{_count(len(layers), 'layer')} set to {what}; "
+                  + (f"{_count(pending, 'layer')} to apply: press Apply & measure" if pending else "nothing to apply"))
 
     def _on_samples(self, change) -> None:
         self.session.calibration = int(change["new"])
@@ -327,21 +320,23 @@ class Workbench:
     def _on_import(self, _=None) -> None:
         self.session.load_plan(self.plan_text.value)
         self._refresh()
-        self._say(f"plan imported: {len(self.session.assigned)} layer(s) assigned; click Apply & measure")
+        self._say(f"plan imported: {_count(len(self.session.assigned), 'layer')} assigned; press Apply & measure")
 
-    def report(self, out_dir: str = "reports", quick: bool | None = None):
-        """Run the plan-report notebook with the current plan; returns (executed notebook, HTML) paths."""
+    def report(self, out_dir: str | None = None, quick: bool | None = None):
+        """Run the plan-report notebook with the current plan into ``out_dir`` (default: the reports folder
+        `wb.reports.reports_dir()`, shared with ``workbench report``); returns (executed notebook, HTML) paths."""
         from pathlib import Path
 
         from workbench import models
-        from workbench.reports import run_notebook
+        from workbench.reports import reports_dir, run_notebook
 
         name = models.source_of(self.session.original)
         if name is None:
             raise ValueError("Report reloads the model by its zoo name, and this model is not from wb.models; "
                              "export the plan and use wb.sweep / wb.measure on your model instead")
         notebook = Path(__file__).resolve().parents[2] / "notebooks" / "90_report.ipynb"
-        plan_file = Path(out_dir) / f"plan_report_{name}.plan.json"
+        out_dir = reports_dir() if out_dir is None else Path(out_dir)
+        plan_file = out_dir / f"plan_report_{name}.plan.json"
         plan_file.parent.mkdir(parents=True, exist_ok=True)
         self.session.plan.save(plan_file)
         params = {"model_name": name, "task_name": self.session.task.name, "plan": str(plan_file.resolve()),
@@ -355,10 +350,14 @@ class Workbench:
         self._say("running the report notebook ...")
 
         def run():
+            from workbench.reports import browser_url
+
             nb, page = self.report()
-            self.report_link.value = (f"<a href='{html.escape(str(page))}' target='_blank'>{html.escape(str(page))}"
-                                      f"</a> (executed notebook: {html.escape(str(nb))})")
-            self._say(f"report written: {page}")
+            # served as a plain file (not JupyterLab's untrusted HTML viewer), so its charts draw at once
+            self.report_link.value = (f"<a href='{html.escape(browser_url(page))}' target='_blank' rel='noopener'>"
+                                      f"open the report</a> <span style='color:#666'>({html.escape(str(page))}; "
+                                      f"executed notebook: {html.escape(nb.name)})</span>")
+            self._say(f"report written to {page}")
 
         if self.background:
             threading.Thread(target=self._guard(run), daemon=True).start()
@@ -424,6 +423,24 @@ class Workbench:
         """Block until a background apply finishes (for scripts and tests)."""
         if self._worker is not None:
             self._worker.join(timeout)
+
+
+def _fit(values: list[float], floor: float | None = None) -> list[float] | None:
+    """An axis range around the data with a small margin (plotly's autorange pads a single point to +-50%);
+    ``floor``: a bound the range does not cross unless the data do (sizes and speedups are positive)."""
+    import math
+
+    finite = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    if not finite:
+        return None
+    lo, hi = min(finite), max(finite)
+    pad = (hi - lo) * 0.08 if hi > lo else max(abs(hi) * 0.02, 1e-3)
+    low = lo - pad if floor is None or lo - pad >= floor or lo < floor else floor
+    return [low, hi + pad]
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _speedup(entry) -> float:

@@ -108,6 +108,7 @@ class Session:
         self._undo: list[dict[str, Config]] = []
         self._redo: list[dict[str, Config]] = []
         self.sensitivity = None  # a wb.sensitivity table, when computed
+        self._skeleton_bytes: dict[tuple[str, Config], int | None] = {}
 
     # --- editing ---------------------------------------------------------------------------------
     def select(self, pattern: str) -> list[str]:
@@ -334,25 +335,49 @@ class Session:
         return Plan([(n, self._concrete.get(n, assignment[n])) for n in self.layer_names if n in assignment])
 
     def describe(self, assignment: Mapping[str, Config] | None = None) -> str:
-        """A short label of an assignment, e.g. ``"fc1: WeightOnly(bits=8); 2 more"``."""
-        from workbench.analysis.candidates import label
+        """The assignment in words, layers grouped by config, e.g. ``"WeightOnly · 4 bits · group 32 · rtn on
+        fc1, fc2; Magnitude · 50% sparse on conv1"`` (``"reference"`` when empty)."""
+        from workbench.ui.forms import describe
 
         assignment = self.assigned if assignment is None else assignment
         if not assignment:
             return "reference"
-        items = [f"{n}: {label(c)}" for n, c in assignment.items()]
-        return items[0] + (f"; {len(items) - 1} more" if len(items) > 1 else "")
+        groups: dict[Config, list[str]] = {}
+        for name, config in assignment.items():
+            groups.setdefault(config, []).append(name)
+        return "; ".join(f"{describe(c)} on {', '.join(names[:3])}"
+                         + (f" and {len(names) - 3} more" if len(names) > 3 else "") for c, names in groups.items())
+
+    def _planned_bytes(self, name: str) -> int | None:
+        """Bytes layer ``name`` holds under its assigned config: measured when applied, else from the
+        technique's skeleton (its compressed structure, no values computed); None when only applying tells
+        (e.g. SVD by energy, whose rank depends on the weights)."""
+        from workbench.measurement.footprint import size_bytes
+
+        config = self.assigned.get(name)
+        if config is None:
+            return size_bytes(self._modules[name])
+        if self.applied.get(name) == config:
+            return size_bytes(self.work.get_submodule(name))
+        key = (name, config)
+        if key not in self._skeleton_bytes:
+            try:
+                self._skeleton_bytes[key] = size_bytes(skeleton_layer(name, self._modules[name], config))
+            except ApplyError:
+                self._skeleton_bytes[key] = None
+        return self._skeleton_bytes[key]
 
     def layer_rows(self):
-        """A DataFrame of the editable layers: type, shape, parameters, current assignment, bytes now,
-        and the sensitivity loss of the assigned config when a table has been computed."""
+        """A DataFrame of the editable layers: type, shape, parameters, the assigned technique in words, the
+        bytes of the unchanged layer and under the assignment, whether it is applied, and the sensitivity
+        loss of the assigned config when a table has been computed. Undo and redo move every column."""
         import json
 
         import pandas as pd
 
-        from workbench.analysis.candidates import label
         from workbench.measurement.footprint import size_bytes
         from workbench.plans.registry import config_to_dict
+        from workbench.ui.forms import describe
 
         losses = {}
         if self.sensitivity is not None and len(self.sensitivity):
@@ -364,10 +389,14 @@ class Session:
             weight = getattr(m, "weight", None)
             config = self.assigned.get(n)
             key = (n, json.dumps(config_to_dict(config))) if config is not None else None
+            after = self._planned_bytes(n)
             rows.append({"layer": n, "type": type(m).__name__,
-                         "shape": "x".join(map(str, weight.shape)) if isinstance(weight, torch.Tensor) else "",
+                         "shape": "×".join(map(str, weight.shape)) if isinstance(weight, torch.Tensor) else "",
                          "params": sum(p.numel() for p in m.parameters()),
-                         "technique": label(config) if config is not None else "none",
-                         "bytes": size_bytes(self.work.get_submodule(n)),
+                         "technique": describe(config),
+                         "bytes_before": size_bytes(m),
+                         "bytes_after": after if after is not None else "after apply",
+                         "state": ("to apply" if config != self.applied.get(n) else
+                                   "applied" if config is not None else ""),
                          "loss": losses.get(key, float("nan")) if key else float("nan")})
         return pd.DataFrame(rows)

@@ -385,11 +385,11 @@ class WeightOnlyLinear(_PackedWeight):
         again only when the stored tensors change (loading a state dict, ``copy_``, moving the module)."""
         from kernels import weight_only_cpu
 
-        t = self._tensors()
-        key = tuple((name, v.data_ptr(), v._version, v.dtype) for name, v in sorted(t.items()))
+        zero = getattr(self, "zero", None)
+        key = tuple((t.data_ptr(), t._version, t.dtype) for t in (self.qweight, self.scale, zero) if t is not None)
         cached = self.__dict__.get("_cpu_packed")
         if cached is None or cached[0] != key:
-            cached = (key, weight_only_cpu.pack(t, self.fmt, self.K))
+            cached = (key, weight_only_cpu.pack(self._tensors(), self.fmt, self.K))
             self.__dict__["_cpu_packed"] = cached
         return cached[1]
 

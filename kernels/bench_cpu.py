@@ -8,8 +8,9 @@
    fastest and slowest round (spread), the speedup over fp32 and bf16, and the roofline ceiling of each path
    against fp32 at small M: fp32 weight bytes / the path's weight bytes.
 2. `decode_tokens_per_s`: greedy generation of ``new_tokens`` tokens at batch 1 from a causal LM of the zoo (any
-   name: ``wb.models.load(name)``) or a model given as is: Hugging Face models run ``generate`` with their KV
-   cache; the zoo's own TinyLM (no KV cache) runs its forward over the whole context for each new token. Paths:
+   name: ``wb.models.load(name)``) or a model given as is (`workbench.measurement.decode.greedy`): Hugging Face
+   models run ``generate`` with their KV cache; the zoo's own TinyLM (no KV cache) runs its forward over the
+   whole context for each new token. Paths:
    fp32, bf16 (every Linear cast), int8 weight-only, int4 g64 weight-only, W8A8 (``Dynamic()``), each with the
    default ``kernel="auto"`` (the kernels that ran are in the table). Interleaved rounds, medians and spread.
 
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["weight_only_table", "decode_tokens_per_s", "interleaved", "main"]
+__all__ = ["decode_tokens_per_s", "interleaved", "main", "weight_only_table"]
 
 
 def interleaved(calls: dict, rounds: int, warmup: int = 1) -> dict[str, list[float]]:
@@ -101,21 +102,6 @@ def weight_only_table(K: int = 4096, N: int = 4096, ms=(1, 16, 256), threads: in
     return pd.DataFrame(rows)
 
 
-def _greedy(model: nn.Module, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    """``new_tokens`` greedy tokens after ``prompt`` (1, T): ``generate`` with the KV cache for a Hugging Face
-    model; otherwise the model's forward over the context (cut to its ``block_size`` if it has one) per token."""
-    if hasattr(model, "generate") and hasattr(model, "config"):
-        return model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                              use_cache=True, pad_token_id=0)
-    block = getattr(getattr(model, "cfg", None), "block_size", None)
-    ids = prompt
-    for _ in range(new_tokens):
-        ctx = ids if block is None else ids[:, -block:]
-        logits = model(ctx)                                               # (1, T, vocab)
-        ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return ids
-
-
 def decode_tokens_per_s(model: nn.Module | str = "tiny-lm", new_tokens: int = 64, prompt_tokens: int = 8,
                         threads: int = 1, rounds: int = 3, paths: tuple[str, ...] | None = None):
     """Tokens per second of greedy batch-1 generation for each path (see the module docstring): median, min and
@@ -125,13 +111,15 @@ def decode_tokens_per_s(model: nn.Module | str = "tiny-lm", new_tokens: int = 64
 
     import workbench as wb
     from workbench.measurement import num_threads
+    from workbench.measurement.decode import greedy as _greedy
+    from workbench.measurement.decode import vocab_size
 
     name = model if isinstance(model, str) else type(model).__name__
     base = wb.models.load(model) if isinstance(model, str) else model
     base = base.eval()
     Q = wb.quant
     linears = [n for n, m in base.named_modules() if isinstance(m, nn.Linear)]
-    plan = lambda cfg: wb.Plan({n: cfg for n in linears})                    # noqa: E731 (every Linear)
+    plan = lambda cfg: wb.Plan({n: cfg for n in linears})
     variants = {"fp32": lambda: base,
                 "bf16": lambda: wb.apply(base, plan(wb.precision.Cast(torch.bfloat16)), progress=False),
                 "int8 WO": lambda: wb.apply(base, plan(Q.WeightOnly(8, None)), progress=False),
@@ -140,9 +128,7 @@ def decode_tokens_per_s(model: nn.Module | str = "tiny-lm", new_tokens: int = 64
     variants = {p: v for p, v in variants.items() if paths is None or p in paths}
     models = {p: v() for p, v in variants.items()}
     torch.manual_seed(0)
-    vocab = getattr(getattr(base, "config", None), "vocab_size", None) or next(
-        m.num_embeddings for m in base.modules() if isinstance(m, nn.Embedding))
-    prompt = torch.randint(1, vocab, (1, prompt_tokens))
+    prompt = torch.randint(1, vocab_size(base), (1, prompt_tokens))
     rows = []
     with num_threads(threads), torch.inference_mode():
         out = {p: _greedy(m, prompt, new_tokens) for p, m in models.items()}
@@ -181,7 +167,7 @@ def main(argv=None) -> None:
     p.add_argument("--skip-decode", action="store_true")
     a = p.parse_args(argv)
     print(environment())
-    fmt = lambda v: f"{v:.3g}"                                                 # noqa: E731
+    fmt = lambda v: f"{v:.3g}"
     if not a.skip_layer:
         df = weight_only_table(*a.size, threads=a.threads, rounds=a.rounds)
         print(df.drop(columns=["K", "N", "threads", "rounds"]).to_string(index=False, float_format=fmt))

@@ -43,8 +43,18 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-__all__ = ["CpuWeight", "pack", "supports", "weight_only_linear_cpu", "linear_unchecked", "reference", "cpu_isa",
-           "load_extension", "PREFILL_ROWS", "ISAS"]
+__all__ = [
+    "ISAS",
+    "PREFILL_ROWS",
+    "CpuWeight",
+    "cpu_isa",
+    "linear_unchecked",
+    "load_extension",
+    "pack",
+    "reference",
+    "supports",
+    "weight_only_linear_cpu",
+]
 
 SOURCE = Path(__file__).with_name("weight_only_cpu.cpp")
 ISAS = ("auto", "avx2", "scalar")

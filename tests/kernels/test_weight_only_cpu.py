@@ -112,3 +112,12 @@ def test_decode_benchmark_smoke_on_a_hugging_face_llama():
     assert (df["tokens_per_s"] > 0).all() and df["kv_cache"].all()
     assert df.set_index("path").loc["fp32", "same_tokens_as_fp32"]
     assert "WeightOnlyLinear:cpu x15" in df.set_index("path").loc["int4 g64 WO", "kernels"]
+
+
+def test_measure_reports_tokens_per_s_for_causal_lms_only():
+    import workbench as wb
+
+    m = wb.measure(wb.models.load("tiny-lm"), "tiny-lm", quick=True, progress=False, generate_tokens=2)
+    assert m.tokens_per_s > 0 and m.to_dict()["tokens_per_s"] == m.tokens_per_s
+    with pytest.raises(ValueError, match="not a causal language model"):
+        wb.measure(wb.models.load("digits-mlp"), "digits", quick=True, progress=False, generate_tokens=2)

@@ -44,6 +44,7 @@ class Metrics:
     timestamp: str = ""
     host: str = ""
     speedup: Speedup | None = None   # against the ``baseline`` given to `measure`, measured side by side
+    tokens_per_s: float | None = None   # greedy batch-1 generation (causal LMs, ``generate_tokens=``), else None
 
     @property
     def primary_value(self) -> float:
@@ -99,7 +100,7 @@ def kernel_paths(model: nn.Module) -> dict[str, int]:
 
 def measure(model: nn.Module, task: Task | str, *, batch_size: int | None = None, quick: bool = False,
             threads: int | None = None, name: str | None = None, progress: bool = True,
-            baseline: nn.Module | None = None) -> Metrics:
+            baseline: nn.Module | None = None, generate_tokens: int = 0) -> Metrics:
     """Measure quality, latency, size and peak memory of ``model`` on ``task``.
 
     ``quick``: evaluate the primary metric on the task's fixed quick subset and time fewer runs.
@@ -108,6 +109,8 @@ def measure(model: nn.Module, task: Task | str, *, batch_size: int | None = None
     ``progress``: show a progress bar over the three stages (quality, latency, memory).
     ``baseline``: also measure the speedup over this model side by side (`wb.speedup`: paired rounds on the
     same inputs, with an interval) - the only latency comparison that survives a noisy machine.
+    ``generate_tokens``: for a causal LM, also time greedy batch-1 generation of this many tokens
+    (`workbench.measurement.decode`: Hugging Face ``generate`` with its KV cache) into ``tokens_per_s``.
     """
     from tqdm.auto import tqdm
 
@@ -123,6 +126,14 @@ def measure(model: nn.Module, task: Task | str, *, batch_size: int | None = None
     if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     check_fit(model, task)  # a model that cannot run the task fails here, in one line
+    if generate_tokens:
+        from workbench.measurement.decode import is_causal_lm
+
+        if not isinstance(generate_tokens, int) or isinstance(generate_tokens, bool) or generate_tokens < 0:
+            raise ValueError(f"generate_tokens must be an int >= 0, got {generate_tokens!r}")
+        if not is_causal_lm(model):
+            raise ValueError(f"generate_tokens={generate_tokens}: {type(model).__name__} is not a causal language "
+                             f"model (token ids in, (batch, tokens, vocab) logits out)")
     device = model_device(model)
     was_training = model.training
     model.eval()
@@ -140,7 +151,12 @@ def measure(model: nn.Module, task: Task | str, *, batch_size: int | None = None
             bar.set_postfix_str("memory")
             mem = peak_memory(model, inputs)
             bar.update()
-            fast = None
+            fast = tps = None
+            if generate_tokens:
+                from workbench.measurement.decode import tokens_per_s
+
+                bar.set_postfix_str("generate")
+                tps = tokens_per_s(model, generate_tokens, runs=1 if quick else 3)
             if baseline is not None:
                 bar.set_postfix_str("speedup")
                 fast = speedup(model, baseline, inputs, threads=used, budget_s=1.0 if quick else 3.0)
@@ -173,6 +189,7 @@ def measure(model: nn.Module, task: Task | str, *, batch_size: int | None = None
         timestamp=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         host=platform.node(),
         speedup=fast,
+        tokens_per_s=tps,
     )
 
 

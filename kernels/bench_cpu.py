@@ -12,7 +12,8 @@
    models run ``generate`` with their KV cache; the zoo's own TinyLM (no KV cache) runs its forward over the
    whole context for each new token. Paths:
    fp32, bf16 (every Linear cast), int8 weight-only, int4 g64 weight-only, W8A8 (``Dynamic()``), each with the
-   default ``kernel="auto"`` (the kernels that ran are in the table). Interleaved rounds, medians and spread.
+   default ``kernel="auto"`` (the kernels that ran are in the table), and the two weight-only formats on
+   ``kernel="reference"`` (auto must never be slower than those). Interleaved rounds, medians and spread.
 
 Both are importable and have smoke tests on tiny sizes (tests/kernels/test_weight_only_cpu.py).
 """
@@ -124,7 +125,11 @@ def decode_tokens_per_s(model: nn.Module | str = "tiny-lm", new_tokens: int = 64
                 "bf16": lambda: wb.apply(base, plan(wb.precision.Cast(torch.bfloat16)), progress=False),
                 "int8 WO": lambda: wb.apply(base, plan(Q.WeightOnly(8, None)), progress=False),
                 "int4 g64 WO": lambda: wb.apply(base, plan(Q.WeightOnly(4, 64)), progress=False),
-                "W8A8 dynamic": lambda: wb.apply(base, plan(Q.Dynamic()), progress=False)}
+                "W8A8 dynamic": lambda: wb.apply(base, plan(Q.Dynamic()), progress=False),
+                "int8 WO reference": lambda: wb.apply(base, plan(Q.WeightOnly(8, None, kernel="reference")),
+                                                      progress=False),
+                "int4 g64 WO reference": lambda: wb.apply(base, plan(Q.WeightOnly(4, 64, kernel="reference")),
+                                                          progress=False)}
     variants = {p: v for p, v in variants.items() if paths is None or p in paths}
     models = {p: v() for p, v in variants.items()}
     torch.manual_seed(0)

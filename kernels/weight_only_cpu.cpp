@@ -370,7 +370,8 @@ torch::Tensor prefill(const torch::Tensor& x, const torch::Tensor& q, const torc
   const Kernels kern = kernels_for(parse_isa(isa));
   auto out = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
-  const int64_t nb = block_rows > 0 ? block_rows : std::clamp<int64_t>((int64_t{2} << 20) / (4 * K) / 16 * 16, 16, N);
+  const int64_t nb = std::min(N, block_rows > 0 ? block_rows
+                                                : std::max<int64_t>((int64_t{2} << 20) / (4 * K) / 16 * 16, 16));
   thread_local std::vector<float> scratch;
   if (static_cast<int64_t>(scratch.size()) < nb * K) scratch.resize(nb * K);
   for (int64_t n0 = 0; n0 < N; n0 += nb) {

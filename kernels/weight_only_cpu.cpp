@@ -157,7 +157,8 @@ WB_TARGET("avx2,fma") void dot_avx2(const float* w, const float* x, int64_t ldx,
 // Decode path for 4- and 8-bit integer codes in whole 32-value chunks (group_size a multiple of 32): the codes
 // are widened in registers, never written out. With u the codes, per output row and row m of x:
 //   y[m] = sum_g s[g] * sum_{k in g} u[k] x[m, k]  -  sum_g s[g] z[g] xsum[m, g]
-// (xsum: x's per-group sums, once per call) - the reference's sum of (u - z) s x, regrouped.
+// (xsum: x's per-group sums, once per call) - the reference's sum of (u - z) s x, regrouped. One row of x
+// (decode) scales each group's sums once; several rows scale the widened codes once for all of them.
 template <int ROWS, int BITS>
 WB_TARGET("avx2,fma") void gemv_row_avx2(const uint8_t* q, const float* s, const float* z, const float* x,
                                          int64_t K, int64_t group, int64_t G, const float* xsum, float* out) {
@@ -166,6 +167,8 @@ WB_TARGET("avx2,fma") void gemv_row_avx2(const uint8_t* q, const float* s, const
   for (int i = 0; i < ROWS; ++i)
     for (int a = 0; a < A; ++a) acc[i][a] = _mm256_setzero_ps();
   const __m128i m4 = _mm_set1_epi8(0x0F);
+  __m256 gacc[4];  // one row of x: the current group's unscaled sums
+  for (int j = 0; j < 4; ++j) gacc[j] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     const __m256 vs = _mm256_set1_ps(s[g]);
     const int64_t k1 = std::min(K, (g + 1) * group);
@@ -181,13 +184,24 @@ WB_TARGET("avx2,fma") void gemv_row_avx2(const uint8_t* q, const float* s, const
         c1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k + 16));
       }
       __m256 w[4];
-      w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c0)), vs);
-      w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(c0, 8))), vs);
-      w[2] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c1)), vs);
-      w[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(c1, 8))), vs);
+      w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c0));
+      w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(c0, 8)));
+      w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c1));
+      w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(c1, 8)));
+      if (ROWS == 1) {  // the group's scale is applied once, when the group is done (below)
+        for (int j = 0; j < 4; ++j) gacc[j] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(x + k + 8 * j), gacc[j]);
+        continue;
+      }
+      for (int j = 0; j < 4; ++j) w[j] = _mm256_mul_ps(w[j], vs);
       for (int i = 0; i < ROWS; ++i)
         for (int j = 0; j < 4; ++j)
           acc[i][j % A] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(x + i * K + k + 8 * j), acc[i][j % A]);
+    }
+    if (ROWS == 1) {
+      for (int j = 0; j < 4; ++j) {
+        acc[0][j % A] = _mm256_fmadd_ps(gacc[j], vs, acc[0][j % A]);
+        gacc[j] = _mm256_setzero_ps();
+      }
     }
   }
   for (int i = 0; i < ROWS; ++i) {

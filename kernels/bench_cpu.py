@@ -168,13 +168,14 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--size", type=int, nargs=2, default=(4096, 4096), metavar=("K", "N"))
+    p.add_argument("--ms", type=int, nargs="+", default=[1, 16, 256], help="rows of x for the layer table")
     p.add_argument("--skip-layer", action="store_true")
     p.add_argument("--skip-decode", action="store_true")
     a = p.parse_args(argv)
     print(environment())
     fmt = lambda v: f"{v:.3g}"
     if not a.skip_layer:
-        df = weight_only_table(*a.size, threads=a.threads, rounds=a.rounds)
+        df = weight_only_table(*a.size, ms=a.ms, threads=a.threads, rounds=a.rounds)
         print(df.drop(columns=["K", "N", "threads", "rounds"]).to_string(index=False, float_format=fmt))
     if not a.skip_decode:
         df = decode_tokens_per_s(a.model, threads=a.threads, rounds=max(3, a.rounds // 2))

@@ -382,12 +382,12 @@ torch::Tensor prefill(const torch::Tensor& x, const torch::Tensor& q, const torc
   TORCH_CHECK(!has_bias || (bias->scalar_type() == torch::kFloat && bias->numel() == N),
               "weight_only_linear_cpu: bias must be float32 (N,)");
   const Kernels kern = kernels_for(parse_isa(isa));
-  auto out = torch::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return out;
+  if (M == 0 || N == 0) return torch::empty({M, N}, x.options());
   const int64_t nb = std::min(N, block_rows > 0 ? block_rows
                                                 : std::max<int64_t>((int64_t{2} << 20) / (4 * K) / 16 * 16, 16));
   thread_local std::vector<float> scratch;
   if (static_cast<int64_t>(scratch.size()) < nb * K) scratch.resize(nb * K);
+  auto out = nb == N ? torch::Tensor() : torch::empty({M, N}, x.options());
   for (int64_t n0 = 0; n0 < N; n0 += nb) {
     const int64_t rows = std::min(nb, N - n0);
     float* buf = scratch.data();
@@ -396,6 +396,7 @@ torch::Tensor prefill(const torch::Tensor& x, const torch::Tensor& q, const torc
       for (int64_t r = r0; r < r1; ++r) decode_row(W, kern, n0 + r, c.data(), buf + r * K);
     });
     auto wb = torch::from_blob(buf, {rows, K}, x.options());
+    if (rows == N) return has_bias ? at::addmm(*bias, x, wb.t()) : at::mm(x, wb.t());  // one block: no copy
     auto ob = out.narrow(1, n0, rows);
     if (has_bias) {
       ob.copy_(at::addmm(bias->narrow(0, n0, rows), x, wb.t()));

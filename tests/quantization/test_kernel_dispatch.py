@@ -97,6 +97,15 @@ def test_weight_only_cpu_follows_new_tensors():
         torch.testing.assert_close(a(x), b(x), rtol=0, atol=0)
 
 
+def test_weight_only_cpu_runs_on_a_layer_built_under_inference_mode():
+    """Buffers made under torch.inference_mode have no version counter: the kernel's cache must not need one."""
+    lin = linear(64, 32)
+    with torch.inference_mode():
+        q = wb.apply(lin, {"0": Q.WeightOnly(4, 32)}, progress=False)
+        x = torch.randn(3, 64)
+        torch.testing.assert_close(q(x), q[0].set_kernel("reference")(x), rtol=1e-5, atol=1e-5)
+
+
 def test_fp8_weights_have_no_cpu_kernel():
     q = wb.apply(linear(64, 32), {"0": Q.FP8()})
     assert q[0].kernel == "reference"                    # "auto": nothing faster here

@@ -386,12 +386,19 @@ class WeightOnlyLinear(_PackedWeight):
         from kernels import weight_only_cpu
 
         zero = getattr(self, "zero", None)
-        key = tuple((t.data_ptr(), t._version, t.dtype) for t in (self.qweight, self.scale, zero) if t is not None)
+        # (inference tensors - a module built under torch.inference_mode - have no version counter; loading a
+        # state dict drops the cache in any case, see _load_from_state_dict)
+        key = tuple((t.data_ptr(), None if t.is_inference() else t._version, t.dtype)
+                    for t in (self.qweight, self.scale, zero) if t is not None)
         cached = self.__dict__.get("_cpu_packed")
         if cached is None or cached[0] != key:
             cached = (key, weight_only_cpu.pack(self._tensors(), self.fmt, self.K))
             self.__dict__["_cpu_packed"] = cached
         return cached[1]
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self.__dict__.pop("_cpu_packed", None)   # new stored tensors: the CPU kernel's view is made again
+        super()._load_from_state_dict(*args, **kwargs)
 
     @classmethod
     def from_float(cls, linear: nn.Linear, fmt: fm.WeightFormat, name: str = "linear",

@@ -35,7 +35,10 @@ from torch import nn
 SHAPES = {"minilm.ffn_in": (384, 1536), "minilm.ffn_out": (1536, 384), "llama.qkvo": (4096, 4096),
           "llama.up": (4096, 14336), "llama.down": (14336, 4096)}
 MS = (1, 4, 16, 64, 256, 2048)
-KERNELS = ("int8_weight_only", "int4_g128", "w8a8", "fp8")
+KERNELS = ("int8_weight_only", "int4_g128", "w8a8", "w8a8_kmajor", "fp8")
+"""``w8a8``: the weight as `W8A8Linear` stores ``qweight_t`` ((K, N) row-major, N contiguous);
+``w8a8_kmajor``: the same codes K-major (the transposed view of an (N, K) tensor), the layout Hopper's int8
+wgmma reads without a transpose -- the kernel accepts both."""
 
 
 def _median_ms(fn, device: torch.device, runs: int = 20, warmup: int = 3, eager: bool = False) -> float:
@@ -113,6 +116,7 @@ def _weights(K: int, N: int, device: torch.device) -> dict:
     return {"linear": lin.to(device), "int8": {k: v.to(device) for k, v in int8.items()},
             "int4": {k: v.to(device) for k, v in int4.items()}, "int4_g": K // int4["scale"].shape[1],
             "w8a8": (w8a8.qweight_t.to(device), w8a8.scale.to(device)),
+            "w8a8_kmajor": (w8a8.qweight_t.t().contiguous().t().to(device), w8a8.scale.to(device)),
             "fp8": {k: v.to(device) for k, v in fp8.items()}}
 
 
@@ -131,10 +135,10 @@ def _kernel_call(name: str, x: torch.Tensor, W: dict):
         t, g = W["int4"], W["int4_g"]
         return ((lambda: int4_weight_only_mm(x, t["qweight"], t["scale"], None, g)), N * K // 2 + 2 * N * K // g,
                 16 / (4 + 16 / g))
-    if name == "w8a8":
+    if name in ("w8a8", "w8a8_kmajor"):
         from kernels.w8a8 import w8a8_mm
 
-        qw, s = W["w8a8"]
+        qw, s = W[name]
         return (lambda: w8a8_mm(x, qw, s)), N * K + 4 * N, 2.0
     if name == "fp8":
         from kernels.fp8 import fp8_linear
@@ -150,6 +154,7 @@ TORCHAO_CONFIGS = {
     "int4_g128": lambda tq, g: tq.Int4WeightOnlyConfig(group_size=g, int4_packing_format="tile_packed_to_4d"),
     "int8_weight_only": lambda tq, g: tq.Int8WeightOnlyConfig(),
     "w8a8": lambda tq, g: tq.Int8DynamicActivationInt8WeightConfig(),
+    "w8a8_kmajor": lambda tq, g: tq.Int8DynamicActivationInt8WeightConfig(),
     "fp8": lambda tq, g: tq.Float8DynamicActivationFloat8WeightConfig(granularity=tq.PerRow()),
 }
 TORCHAO_COMPILE = ("int8_weight_only",)

@@ -21,7 +21,12 @@ the mantissa of a power of two, and a subtraction finishes) rather than by int-t
 run at a quarter of the ALU rate: about 1 (fp16) or 2.5 (bf16) instructions a weight instead of 8, as counted
 in the sm_90 machine code, which keeps decode memory-bound.
 
-Two families of autotune configs (`_autotune_configs`), keyed on (M bucket, N, K):
+One row of x (``M = GEMV_M = 1``, decode) runs `_int8_gemv_kernel` instead: no ``tl.dot`` (whose tiles pad M
+to 16 rows), each program streams BLOCK_N weight rows along K, decodes the codes to fp32 by bit operations
+(`_codes_f32`), accumulates ``w * x`` elementwise and reduces along K once at the end, writing x's dtype
+directly (no split-K buffer). On an H100 it took the 4096 x 14336 layer from 37 to 34 us (1.61x bf16).
+
+Otherwise two families of autotune configs (`_autotune_configs`), keyed on (M bucket, N, K):
 
 - ``M <= 64`` (decode): the weight read dominates and there are few output tiles (``N / BLOCK_N``, often
   fewer than an H100's 132 SMs), so the K loop is split ``SPLIT_K`` ways (1/2/4/8) over more programs. The
@@ -44,8 +49,8 @@ import triton
 import triton.language as tl
 
 from kernels._common import (
-    INTERPRET, SMALL_M, check, check_same_device, fit_m_bucket, graph_bench, launch_split_k, m_bucket,
-    split_k_configs,
+    GEMV_M, INTERPRET, SMALL_M, check, check_same_device, fit_m_bucket, gemv_configs, graph_bench, launch_split_k,
+    m_bucket, split_k_configs,
 )
 
 __all__ = ["int8_weight_only_mm", "launch", "reference", "SMALL_M"]
@@ -58,6 +63,10 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # ----------------------------------------------------------------------------------------------- configs
 _DECODE_TILES = [(64, 128, 4, 4), (128, 128, 4, 4), (128, 64, 4, 5), (64, 256, 4, 3), (256, 64, 8, 4),
                  (128, 256, 8, 3)]                                      # (BLOCK_N, BLOCK_K, warps, stages)
+
+
+_GEMV_TILES = [(8, 256, 4, 3), (16, 256, 4, 3), (8, 512, 4, 2), (16, 512, 8, 2), (32, 128, 4, 4),
+               (32, 256, 8, 3), (4, 512, 4, 3), (16, 128, 4, 4)]      # (BLOCK_N, BLOCK_K, warps, stages)
 
 
 def _autotune_configs(small_m: bool) -> list:
@@ -168,6 +177,45 @@ def _int8_weight_only_mm_kernel(
         tl.atomic_add(c_ptrs, acc, mask=c_mask, sem="relaxed")
 
 
+@triton.jit
+def _codes_f32(u):
+    """uint8 codes -> exact fp32 ``u - 128``: the byte ORed into the mantissa of 2^23 (giving 2^23 + u), then
+    one subtraction -- integer ops at full rate instead of a quarter-rate int-to-float conversion."""
+    f = (u.to(tl.uint32) | 0x4B000000).to(tl.float32, bitcast=True)
+    return f - 8388736.0                                                  # 2^23 + 128
+
+
+@triton.jit
+def _int8_gemv_kernel(
+        # pointers: x (1, K), qweight (N, K) uint8, scale (N, 1), bias (N,), c (1, N) in x's dtype
+        x_ptr, w_ptr, scale_ptr, bias_ptr, c_ptr,
+        N, K,
+        stride_xk, stride_wn, stride_wk, stride_sn, stride_cn,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,     # one program owns BLOCK_N weight rows
+):
+    """GEMV for one row of x (decode): each program streams BLOCK_N rows of the weight along K (contiguous,
+    coalesced), converts the codes in fp32 registers and accumulates ``w * x`` elementwise in a
+    (BLOCK_N, BLOCK_K) fp32 tile -- one decode and one FMA per weight, no cross-thread work in the loop --
+    reduced along K once at the end. No tl.dot (which pads M to 16 rows) and no split-K buffer."""
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :] * stride_wk  # (BLOCK_N, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = k0 + offs_k < K
+        w = _codes_f32(tl.load(w_ptrs + k0 * stride_wk, mask=n_mask[:, None] & k_mask[None, :], other=128))
+        a = tl.load(x_ptr + (k0 + offs_k) * stride_xk, mask=k_mask, other=0.0).to(tl.float32)    # (BLOCK_K,)
+        acc += w * a[None, :]
+    y = tl.sum(acc, axis=1)                                                                     # (BLOCK_N,)
+    y = y * tl.load(scale_ptr + offs_n * stride_sn, mask=n_mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(c_ptr + offs_n * stride_cn, y.to(c_ptr.dtype.element_ty), mask=n_mask)
+
+
 _KEY = ["M_BUCKET", "N", "K", "HAS_BIAS"]
 _kernel_small_m = triton.autotune(configs=_autotune_configs(small_m=True), key=_KEY, reset_to_zero=["c_ptr"],
                                   do_bench=graph_bench,
@@ -175,6 +223,8 @@ _kernel_small_m = triton.autotune(configs=_autotune_configs(small_m=True), key=_
 _kernel_large_m = triton.autotune(configs=_autotune_configs(small_m=False), key=_KEY,
                                   do_bench=graph_bench,
                                   prune_configs_by={"early_config_prune": _prune})(_int8_weight_only_mm_kernel)
+_kernel_gemv = triton.autotune(configs=gemv_configs(_GEMV_TILES), key=["N", "K", "HAS_BIAS"],
+                               do_bench=graph_bench)(_int8_gemv_kernel)
 
 
 # ---------------------------------------------------------------------------------------------- launcher
@@ -214,8 +264,13 @@ def launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                DOT_FP32=x.dtype == torch.float32 or (INTERPRET and x.dtype == torch.bfloat16),
                FAST_UNPACK=not INTERPRET and x.dtype != torch.float32, GROUP_M=8)
 
+    def call_gemv(kernel, x2, c, M):
+        kernel(x2, qweight, scale, scale if bias is None else bias, c, N, K,
+               x2.stride(1), qweight.stride(0), qweight.stride(1), scale.stride(0), c.stride(1),
+               HAS_BIAS=bias is not None)
+
     return launch_split_k(OP, x, N, K, bias, config, (_kernel_small_m, _kernel_large_m),
-                          _int8_weight_only_mm_kernel, min_block_k=16, call=call)
+                          _int8_weight_only_mm_kernel, min_block_k=16, call=call, gemv=(_kernel_gemv, call_gemv))
 
 
 # --------------------------------------------------------------------------------------------- reference

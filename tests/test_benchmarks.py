@@ -32,3 +32,12 @@ def test_bench_ui_smoke():
 
     df = bench_ui(cases=(("digits-mlp", "digits"),), threads=1, edits=2)
     assert df.loc[0, "points"] == 3 and df.loc[0, "one_layer_median_s"] > 0
+
+
+def test_bench_honest_smoke():
+    from benchmarks.honest import bench_honest
+
+    df = bench_honest(models=("digits-mlp",), threads=1, repeats=1)
+    assert len(df) == 4 and (df["median_s"] > 0).all() and (df["budget_s"] == 2.0).all()
+    unchanged = df[df["point"] == "unchanged copy"]
+    assert ((unchanged["low"] <= 1.0) & (unchanged["high"] >= 1.0)).all(), unchanged[["low", "high"]]

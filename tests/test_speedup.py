@@ -84,3 +84,14 @@ def test_session_entries_carry_a_side_by_side_speedup(digits_mlp, digits_task):
     for _ in range(2):   # nothing edited: the unchanged model against itself
         entry = s.apply_and_measure()
         assert entry.speedup is not None and not entry.speedup.changed, str(entry.speedup)
+
+
+def test_quick_measure_with_baseline_stays_honest(digits_mlp, digits_task):
+    """Quick mode takes fewer rounds (one warm-up, at least 6) and reports the model's latency from the same
+    paired rounds: an unchanged copy still reads an interval containing 1.0."""
+    m = wb.measure(copy.deepcopy(digits_mlp), digits_task, quick=True, threads=1, progress=False,
+                   baseline=digits_mlp)
+    s = m.speedup
+    assert s.low <= 1.0 <= s.high and not s.changed, str(s)
+    assert s.rounds >= 6 and m.latency_runs == s.rounds == len(s.model_times_ms)
+    assert m.latency_ms == pytest.approx(s.model_ms)

@@ -18,7 +18,7 @@ memory. Render it with
     new_code_cell("""# Parameters (papermill replaces these values)
 model_name = "digits-cnn"                      # any of wb.models.names()
 task_name = "digits"                           # any of wb.tasks.names()
-plan = "../data/plans/digits-cnn-mixed.json"   # the plan's JSON file (relative paths: from notebooks/)
+plan = "../data/plans/digits-cnn-mixed.json"   # the plan's JSON file (relative to notebooks/; `workbench report`: to where it runs)
 calibration = 64                               # calibration samples, for plans that need them (GPTQ, AWQ, static W8A8)
 quick = False                                  # True: the primary metric on the quick subset, fewer timing runs
 sensitivity = True                             # per-layer sensitivity of the plan's layers to the plan's configs
@@ -32,9 +32,15 @@ the_plan = wb.Plan.read(plan)
 assignments = the_plan.resolve(model)
 the_plan.describe(model)"""),
     new_markdown_cell("## Baseline against the plan"),
+    new_markdown_cell("""The speedup is measured side by side with the unchanged model (paired rounds, 95 % interval); a plan
+that runs slower says why (`slowdown_reason`). `quality_change` reads the primary metric with its sampling
+error: a difference inside it is not a loss."""),
     new_code_cell("""compressed = wb.apply(model, the_plan, calibration=task.calibration(calibration))
 reference = wb.measure(model, task, quick=quick, threads=threads)
-result = wb.measure(compressed, task, quick=quick, threads=threads)
+result = wb.measure(compressed, task, quick=quick, threads=threads, baseline=model)
+print(f"speed: {result.speedup}")
+print(wb.measurement.slowdown_note(result) or "not slower than the unchanged model")
+print(f"{task.primary.name}: {wb.measurement.quality_change(result, reference)}")
 wb.compare(reference, result, labels=["reference", "plan"]).T"""),
     new_code_cell("""wb.plots.comparison_bars([reference, result], labels=["reference", "plan"]).show()"""),
     new_markdown_cell("""## Per layer
@@ -67,7 +73,7 @@ trade[["label", task.primary.name, "size_bytes", "latency_ms", "pareto_size", "p
     reference_primary=reference.primary_value,
     plan_primary=result.primary_value,
     size_ratio=result.size_bytes / reference.size_bytes,
-    speedup=reference.latency_ms / result.latency_ms,
+    speedup=result.speedup.ratio,
     layers=len(assignments),
     plan_on_size_front=bool(trade.loc[trade["label"] == "plan", "pareto_size"].iloc[0]),
 )"""),

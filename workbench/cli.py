@@ -64,10 +64,18 @@ def _measure(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report_parameter(value):
+    """A -p value that names an existing file relative to where the command runs becomes an absolute path: the
+    notebook runs in its own folder, where ``-p plan my_plan.json`` would name nothing."""
+    if isinstance(value, str) and value and not os.path.isabs(value) and Path(value).is_file():
+        return str(Path(value).resolve())
+    return value
+
+
 def _report(args: argparse.Namespace) -> int:
     from workbench.reports import run_notebook
 
-    params = {k: _parse_value(v) for k, v in (args.parameter or [])}
+    params = {k: _report_parameter(_parse_value(v)) for k, v in (args.parameter or [])}
     nb, html = run_notebook(args.notebook, params, out_dir=args.out, name=args.name)
     print(f"notebook: {nb}\nhtml:     {html}")
     return 0

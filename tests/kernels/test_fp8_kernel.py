@@ -128,3 +128,28 @@ def test_below_sm90_raises_clearly():
     a, b, scale_a, scale_b, _ = _operands(4, 16, 32)
     with pytest.raises(RuntimeError, match="sm_90"):
         fp8.fp8_scaled_mm(a, b, scale_a, scale_b)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M, K", [(1, 80), (7, 130), (5, 3)])
+def test_quantize_rowwise_kernel_is_bit_identical(M, K, x_dtype, dtype):
+    """The Triton quantizer against the PyTorch one: same fp8 bits and scales, ragged K (not a multiple of
+    its K-tile), a zero row, values past the fp8 range after scaling never (the row max maps to fmax)."""
+    torch.manual_seed(0)
+    x = (torch.randn(M, K, device=DEVICE) * 7).to(x_dtype)
+    x[M // 2] = 0.0
+    q, s = fp8.quantize_rowwise_kernel(x, dtype)
+    q_ref, s_ref = fp8.quantize_rowwise(x, dtype)
+    assert q.dtype == dtype and q.shape == (M, K) and s.shape == (M, 1)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@needs_kernel
+def test_quantize_rowwise_kernel_refuses_bad_input():
+    with pytest.raises(ValueError, match="dtype"):
+        fp8.quantize_rowwise_kernel(torch.zeros(2, 4, device=DEVICE), torch.int8)
+    with pytest.raises(TypeError, match="x must have dtype"):
+        fp8.quantize_rowwise_kernel(torch.zeros(2, 4, device=DEVICE, dtype=torch.int32))

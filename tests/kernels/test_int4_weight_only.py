@@ -224,7 +224,7 @@ def test_compiles_for_sm90_with_pipelined_tiles(compile_sm90):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("M", [1, 16, 100])
+@pytest.mark.parametrize("M", [1, 3, 16, 100])
 def test_gpu_bf16_llama_shape(M):
     """bf16 on the GPU at a Llama MLP shape (autotuned; the first call per M bucket compiles every config)."""
     (x, q, s, z, g, b), _, _ = make(M, 4096, 4096, 128, "uint8-zero", torch.bfloat16, bias=False)

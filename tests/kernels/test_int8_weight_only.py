@@ -71,10 +71,37 @@ def test_kernel_matches_reference(M, N, K, dtype, bias, config):
 
 
 @needs_triton
-@pytest.mark.parametrize("M", [3, 70])  # the decode (split-K) and the prefill autotune families
+@pytest.mark.parametrize("M", [3, 17, 70])  # the GEMV, decode (split-K) and prefill autotune families
 def test_custom_op_with_autotuned_config(M):
     args, _ = make(M, 40, 96, torch.float16)
     assert rel_err(k8.int8_weight_only_mm(*args), k8.reference(*args)) <= TOL[torch.float16]
+
+
+class _Spy:
+    """Wraps an autotuned kernel and counts its launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+@needs_triton
+@pytest.mark.parametrize("M, N, K, dtype, bias", [
+    (1, 20, 100, torch.float32, True), (1, 37, 64, torch.float16, False), (1, 16, 130, torch.bfloat16, True),
+    (2, 33, 96, torch.float16, True)], ids=["M1-fp32-bias", "M1-fp16", "M1-bf16-bias", "M2-fp16-bias"])
+def test_gemv_path_for_few_rows(monkeypatch, M, N, K, dtype, bias):
+    """M <= GEMV_M runs the GEMV kernel (N and K not multiples of its tiles), more rows the tl.dot kernel."""
+    spy = _Spy(k8._kernel_gemv)
+    monkeypatch.setattr(k8, "_kernel_gemv", spy)
+    args, _ = make(M, N, K, dtype, bias)
+    y = k8.launch(*args)
+    assert spy.launches == (M <= k8.GEMV_M) and y.shape == (M, N) and y.dtype == dtype
+    assert rel_err(y, k8.reference(*args)) <= TOL[dtype]
+    k8.launch(*make(k8.GEMV_M + 1, N, K, dtype, bias)[0])          # one row more: the tl.dot kernel
+    assert spy.launches == (M <= k8.GEMV_M)
 
 
 @needs_triton
@@ -206,7 +233,7 @@ def test_compiles_for_sm90_with_pipelined_tiles(compile_sm90):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("M", [1, 16, 100])
+@pytest.mark.parametrize("M", [1, 3, 16, 100])
 def test_gpu_bf16_llama_shape(M):
     """bf16 on the GPU at a Llama MLP shape (autotuned; the first call per M bucket compiles every config)."""
     (x, q, s, _), _ = make(M, 4096, 4096, torch.bfloat16, bias=False)

@@ -2,20 +2,22 @@
 from __future__ import annotations
 
 import datetime as _dt
+import math
 import platform
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from workbench.measurement.footprint import bytes_by_dtype, peak_memory, size_bytes
-from workbench.measurement.latency import num_threads, time_forward
+from workbench.measurement.latency import Latency, num_threads, time_forward
 from workbench.measurement.speedup import Speedup, speedup
 from workbench.tasks.base import Task, check_fit, check_model, model_device
 from workbench.tasks.inputs import to_device
 
-__all__ = ["Metrics", "measure", "compare", "kernel_paths", "slowdown_reasons"]
+__all__ = ["Metrics", "measure", "compare", "kernel_paths", "slowdown_reasons", "slowdown_note", "quality_change"]
 
 
 @dataclass(frozen=True)
@@ -44,11 +46,23 @@ class Metrics:
     timestamp: str = ""
     host: str = ""
     speedup: Speedup | None = None   # against the ``baseline`` given to `measure`, measured side by side
+    # 95 % half-width of each quality metric's sampling error, where the task states one (quick subsets above
+    # all: 256 digits images give accuracy +-0.02); `workbench.measurement.sampling`
+    quality_error: dict[str, float] = field(default_factory=dict)
     tokens_per_s: float | None = None   # greedy batch-1 generation (causal LMs, ``generate_tokens=``), else None
 
     @property
     def primary_value(self) -> float:
         return self.quality[self.primary]
+
+    @property
+    def primary_error(self) -> float | None:
+        """The 95 % half-width of the primary metric's sampling error (None: the task states none)."""
+        return self.quality_error.get(self.primary)
+
+    def _error_text(self, name: str) -> str:
+        err = self.quality_error.get(name)
+        return f" +- {err:.2g}" if err is not None and not math.isnan(err) else ""
 
     def to_dict(self) -> dict[str, Any]:
         """A flat dict: one key per quality metric, plus the measurement fields."""
@@ -56,9 +70,10 @@ class Metrics:
         quality = d.pop("quality")
         d.pop("higher_is_better")
         d.pop("speedup")
+        errors = {f"{k}_error": v for k, v in d.pop("quality_error").items()}
         d["plans"] = self.plans
         d.update(self.speedup.to_dict() if self.speedup is not None else {})
-        return {"model": d.pop("model"), "task": d.pop("task"), **quality, "primary": self.primary,
+        return {"model": d.pop("model"), "task": d.pop("task"), **quality, **errors, "primary": self.primary,
                 "primary_value": self.primary_value, **d}
 
     def to_series(self):
@@ -78,7 +93,7 @@ class Metrics:
         return a > b if self.higher_is_better[name] else a < b
 
     def __str__(self) -> str:
-        q = ", ".join(f"{k}={v:.4g}{'' if self.higher_is_better[k] else ' (lower is better)'}"
+        q = ", ".join(f"{k}={v:.4g}{self._error_text(k)}{'' if self.higher_is_better[k] else ' (lower is better)'}"
                       for k, v in self.quality.items())
         return (f"{self.model} on {self.task}: {q}; latency {self.latency_ms:.3g} ms (p90 {self.latency_p90_ms:.3g}, "
                 f"batch {self.batch_size}, {self.threads} threads, {self.device}); size {self.size_bytes / 2**20:.3f} MiB; "
@@ -108,7 +123,9 @@ def measure(model: nn.Module, task: Task | str, *, batch_size: int | None = None
     ``batch_size``: latency/memory batch (default: the task's).
     ``progress``: show a progress bar over the three stages (quality, latency, memory).
     ``baseline``: also measure the speedup over this model side by side (`wb.speedup`: paired rounds on the
-    same inputs, with an interval) - the only latency comparison that survives a noisy machine.
+    same inputs, with an interval) - the only latency comparison that survives a noisy machine. The model's
+    latency is then read from those same rounds.
+    Quality comes with its sampling error where the task states one (`Metrics.quality_error`).
     ``generate_tokens``: for a causal LM, also time greedy batch-1 generation of this many tokens
     (`workbench.measurement.decode`: Hugging Face ``generate`` with its KV cache) into ``tokens_per_s``.
     """
@@ -138,29 +155,35 @@ def measure(model: nn.Module, task: Task | str, *, batch_size: int | None = None
     was_training = model.training
     model.eval()
     try:
-        with num_threads(threads) as used, tqdm(total=3 + (baseline is not None), desc=f"measure {task.name}",
+        with num_threads(threads) as used, tqdm(total=3, desc=f"measure {task.name}",
                                                 leave=False, disable=not progress) as bar:
             bar.set_postfix_str("quality")
-            quality = task.evaluate(model, quick=quick)
+            quality, quality_error = task.evaluate_with_error(model, quick=quick)
             bar.update()
-            bar.set_postfix_str("latency")
             inputs = to_device(task.example_inputs(bs), device)
-            lat = time_forward(model, inputs, warmup=2 if quick else 3, min_runs=5 if quick else 10,
-                               max_runs=20 if quick else 100, budget_s=0.5 if quick else 2.0)
+            fast = None
+            if baseline is not None:
+                # the model's latency comes from the same paired rounds as its speedup: timing it again
+                # apart would cost as much and be worth less (quick: one warm-up, at least 6 rounds, 0.6 s)
+                bar.set_postfix_str("speedup + latency")
+                fast = speedup(model, baseline, inputs, threads=used, warmup=1 if quick else 2,
+                               min_rounds=6 if quick else 8, budget_s=0.6 if quick else 3.0)
+                times = np.asarray(fast.model_times_ms)
+                lat = Latency(float(np.median(times)), float(np.percentile(times, 90)), len(times), used)
+            else:
+                bar.set_postfix_str("latency")
+                lat = time_forward(model, inputs, warmup=2 if quick else 3, min_runs=5 if quick else 10,
+                                   max_runs=20 if quick else 100, budget_s=0.5 if quick else 2.0)
             bar.update()
             bar.set_postfix_str("memory")
             mem = peak_memory(model, inputs)
             bar.update()
-            fast = tps = None
+            tps = None
             if generate_tokens:
                 from workbench.measurement.decode import tokens_per_s
 
                 bar.set_postfix_str("generate")
                 tps = tokens_per_s(model, generate_tokens, runs=1 if quick else 3)
-            if baseline is not None:
-                bar.set_postfix_str("speedup")
-                fast = speedup(model, baseline, inputs, threads=used, budget_s=1.0 if quick else 3.0)
-                bar.update()
     finally:
         model.train(was_training)
     missing = [m.name for m in task.metrics if m.name not in quality and (not quick or m is task.primary)]
@@ -189,6 +212,7 @@ def measure(model: nn.Module, task: Task | str, *, batch_size: int | None = None
         timestamp=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         host=platform.node(),
         speedup=fast,
+        quality_error={k: float(v) for k, v in quality_error.items() if k in quality},
         tokens_per_s=tps,
     )
 
@@ -198,7 +222,10 @@ def compare(*metrics: Metrics, labels: list[str] | None = None):
 
     ``speedup`` comes from each row's side-by-side measurement (``wb.measure(..., baseline=first_model)``) with
     its interval and verdict; a row without one shows the ratio of latencies measured separately, and its
-    verdict says so (such a ratio can be noise)."""
+    verdict says so (such a ratio can be noise). ``slowdown_reason`` says why a slower row is slower
+    (`slowdown_note`). ``<metric>_error`` is the 95 % sampling error of a quality metric where the task states
+    one, and ``quality_change`` reads the primary metric against the first row: a difference inside the
+    combined error is "within sampling error", never a loss or a gain."""
     import pandas as pd
 
     if not metrics:
@@ -221,9 +248,51 @@ def compare(*metrics: Metrics, labels: list[str] | None = None):
                 df.loc[idx, "speedup"] = separate.iloc[i]
                 df.loc[idx, "speedup_verdict"] = ("latencies measured separately, not side by side: may be noise "
                                                   "(measure with baseline= for an interval)")
-    cols = ["model", *base.quality.keys(), "latency_ms", "latency_p90_ms", "speedup", "speedup_low", "speedup_high",
-            "speedup_verdict", "size_bytes", "size_ratio", "peak_memory_bytes", "batch_size", "threads", "device"]
+    df["slowdown_reason"] = [slowdown_note(m, separate.iloc[i] if i else None) for i, m in enumerate(metrics)]
+    df["quality_change"] = ["reference" if i == 0 else quality_change(m, base) for i, m in enumerate(metrics)]
+    errors = [f"{k}_error" for k in base.quality if f"{k}_error" in df.columns]
+    cols = ["model", *base.quality.keys(), *errors, "quality_change", "latency_ms", "latency_p90_ms", "speedup",
+            "speedup_low", "speedup_high", "speedup_verdict", "slowdown_reason", "size_bytes", "size_ratio",
+            "peak_memory_bytes", "batch_size", "threads", "device"]
     return df[[c for c in cols if c in df.columns]]
+
+
+def quality_change(metrics: Metrics, reference: Metrics) -> str:
+    """The primary metric of ``metrics`` against ``reference``'s, read with both sampling errors: "within
+    sampling error (-0.0039, +-0.024)", "worse by 0.052 (+-0.021)", "better by ...", or the bare difference
+    when a task states no error."""
+    from workbench.measurement.sampling import combined_halfwidth
+
+    name = metrics.primary
+    if name not in reference.quality:
+        return f"{name} not measured on the reference"
+    diff = metrics.quality[name] - reference.quality[name]
+    h = combined_halfwidth(metrics.quality_error.get(name), reference.quality_error.get(name))
+    if h is None:
+        return f"{diff:+.4g} (the task states no sampling error)"
+    if abs(diff) <= h:
+        return f"within sampling error ({diff:+.2g}, +-{h:.2g})"
+    better = (diff > 0) == metrics.higher_is_better[name]
+    return f"{'better' if better else 'worse'} by {abs(diff):.2g} (+-{h:.2g})"
+
+
+def slowdown_note(metrics: Metrics, separate_ratio: float | None = None) -> str:
+    """"" unless ``metrics`` was measured slower than its baseline; then "slower: " and its known reasons
+    (`slowdown_reasons`), or a statement that none is known. Without a side-by-side `Speedup`, a
+    ``separate_ratio`` (baseline latency / this latency, measured apart) below 1 / 1.03 counts, said as such."""
+    if metrics.speedup is not None:
+        if not metrics.speedup.slower:
+            return ""
+        head = f"slower ({metrics.speedup.ratio:.2f}x)"
+    elif separate_ratio is not None and separate_ratio < 1 / 1.03:
+        head = f"slower ({separate_ratio:.2f}x, latencies measured separately)"
+    else:
+        return ""
+    reasons = slowdown_reasons(metrics)
+    if not reasons:
+        return (f"{head}: no known cause (no reference kernel, bf16 or fp16 layer ran); compare the layers' own "
+                f"latency with wb.sensitivity(..., latency=True)")
+    return f"{head}: " + "; ".join(reasons)
 
 
 def slowdown_reasons(metrics: Metrics) -> list[str]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -55,6 +55,8 @@ class Speedup:
     threads: int
     confidence: float = 0.95
     min_effect: float = 0.03
+    # the model's time in each round (ms), for callers that report its latency from the same rounds
+    model_times_ms: tuple[float, ...] = field(default=(), repr=False, compare=False)
 
     @property
     def changed(self) -> bool:
@@ -153,7 +155,8 @@ def speedup(model: nn.Module, baseline: nn.Module, task_or_inputs, *, batch_size
         model.train(was[0])
         baseline.train(was[1])
     lo, hi = median_interval(ratios, confidence)
-    return Speedup(_median(ratios), lo, hi, _median(tm), _median(tb), len(ratios), used, confidence, min_effect)
+    return Speedup(_median(ratios), lo, hi, _median(tm), _median(tb), len(ratios), used, confidence, min_effect,
+                   tuple(tm))
 
 
 def _median(v: list[float]) -> float:

@@ -3,6 +3,7 @@
 A task never trains anything. It answers four questions about a model:
 
 - ``evaluate(model, quick=False) -> dict``: quality metrics (the primary one first);
+  ``evaluate_with_error`` adds the 95 % half-width of each metric's sampling error where the task knows it;
 - ``calibration(n)``: ``n`` samples from a split disjoint from the evaluation data, as a list of
   input batches (each a tuple of tensors to call ``model(*batch)`` with);
 - ``example_inputs(batch_size)``: a realistic input batch for latency and memory measurement;
@@ -76,6 +77,12 @@ class Task(ABC):
     @abstractmethod
     def evaluate(self, model: nn.Module, quick: bool = False) -> dict[str, float]:
         """Quality metrics of ``model`` on the evaluation split (``quick``: a fixed subset)."""
+
+    def evaluate_with_error(self, model: nn.Module, quick: bool = False) -> tuple[dict[str, float], dict[str, float]]:
+        """The metrics of `evaluate` and, for those whose sampling error the task can state, the half-width of
+        its 95 % interval (`workbench.measurement.sampling`). Tasks that see per-sample scores override this and
+        derive `evaluate` from it; the default states no error."""
+        return self.evaluate(model, quick), {}
 
     @abstractmethod
     def calibration(self, n: int, batch_size: int | None = None) -> list[Batch]:

@@ -81,11 +81,18 @@ class CausalLM(Task):
         return torch.from_numpy(x), torch.from_numpy(y)
 
     def evaluate(self, model: nn.Module, quick: bool = False, batch_size: int = 8) -> dict[str, float]:
+        return self.evaluate_with_error(model, quick, batch_size)[0]
+
+    def evaluate_with_error(self, model: nn.Module, quick: bool = False,
+                            batch_size: int = 8) -> tuple[dict[str, float], dict[str, float]]:
+        """Perplexity and its 95 % half-width from the spread of the windows' mean losses."""
+        from workbench.measurement.sampling import perplexity_halfwidth
+
         check_model(model)
         n = min(self.eval_windows, self.quick_windows) if quick else self.eval_windows
         starts = np.arange(n) * self.block_size
         device = model_device(model)
-        total, count = 0.0, 0
+        losses = []
         with eval_mode(model), torch.inference_mode():
             for i in range(0, n, batch_size):
                 x, y = self.windows(self.test_ids, starts[i:i + batch_size])              # (B, T) each
@@ -93,10 +100,10 @@ class CausalLM(Task):
                 if int(y.max()) >= logits.shape[-1]:
                     raise ValueError(f"task {self.name!r}: token id {int(y.max())} is outside the model's "
                                      f"vocabulary of {logits.shape[-1]}")
-                total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.to(device).reshape(-1),
-                                               reduction="sum"))
-                count += y.numel()
-        return {"perplexity": math.exp(total / count)}
+                loss = F.cross_entropy(logits.transpose(1, 2), y.to(device), reduction="none")  # (B, T)
+                losses.append(loss.double().mean(1).cpu().numpy())
+        losses = np.concatenate(losses)
+        return {"perplexity": math.exp(float(losses.mean()))}, {"perplexity": perplexity_halfwidth(losses)}
 
     def _logits(self, out: Any, shape: tuple[int, int]) -> torch.Tensor:
         logits = I.output_tensor(out, f"task {self.name!r}", prefer=("logits",))

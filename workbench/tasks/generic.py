@@ -161,10 +161,16 @@ class Classification(_BatchedTask):
         return sum(len(y) for y in self.eval_labels)
 
     def evaluate(self, model: nn.Module, quick: bool = False) -> dict[str, float]:
+        return self.evaluate_with_error(model, quick)[0]
+
+    def evaluate_with_error(self, model: nn.Module, quick: bool = False) -> tuple[dict[str, float], dict[str, float]]:
+        """Accuracy (Wilson 95 % half-width) and mean cross-entropy (t interval over samples)."""
+        from workbench.measurement.sampling import mean_halfwidth, wilson_halfwidth
+
         check_model(model)
         limit = min(self.quick_samples, self.num_samples) if quick else self.num_samples
         device = model_device(model)
-        correct, loss, seen = 0, 0.0, 0
+        correct, seen, losses = 0, 0, []
         with eval_mode(model), torch.inference_mode():
             for b, y in zip(self.eval_batches, self.eval_labels):
                 if seen >= limit:
@@ -176,9 +182,11 @@ class Classification(_BatchedTask):
                     raise ValueError(f"task {self.name!r}: label {int(y.max())} is outside the model's "
                                      f"{logits.shape[1]} logits")
                 correct += int((logits.argmax(-1) == y).sum())
-                loss += float(F.cross_entropy(logits, y, reduction="sum"))
+                losses.append(F.cross_entropy(logits.double(), y, reduction="none").cpu())           # (k,)
                 seen += k
-        return {"accuracy": correct / seen, "cross_entropy": loss / seen}
+        loss = torch.cat(losses)
+        return ({"accuracy": correct / seen, "cross_entropy": float(loss.mean())},
+                {"accuracy": wilson_halfwidth(correct, seen), "cross_entropy": mean_halfwidth(loss.numpy())})
 
     def calibration_labels(self, n: int) -> torch.Tensor:
         """Labels of the first ``n`` calibration samples (same order as ``calibration(n)``)."""

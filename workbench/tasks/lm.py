@@ -15,7 +15,7 @@ from torch import nn
 from workbench.tasks import data
 from workbench.tasks.base import MetricSpec, Task, check_count, check_model, eval_mode, model_device
 
-__all__ = ["CharLMTask", "perplexity"]
+__all__ = ["CharLMTask", "perplexity", "window_losses"]
 
 
 def _windows(ids: np.ndarray, block: int) -> torch.Tensor:
@@ -23,24 +23,30 @@ def _windows(ids: np.ndarray, block: int) -> torch.Tensor:
     return torch.from_numpy(ids[: n * block + 1])
 
 
-def perplexity(model: nn.Module, ids: np.ndarray, block: int, max_windows: int | None = None,
-               batch_size: int = 32) -> float:
-    """exp(mean next-character cross-entropy) over non-overlapping windows of ``block`` characters."""
+def window_losses(model: nn.Module, ids: np.ndarray, block: int, max_windows: int | None = None,
+                  batch_size: int = 32) -> np.ndarray:
+    """Mean next-character cross-entropy of each non-overlapping window of ``block`` characters, (windows,)."""
     stream = _windows(ids, block)
     n = (len(stream) - 1) // block
     if max_windows is not None:
         n = min(n, max_windows)
     device = model_device(model)
-    total, count = 0.0, 0
+    out = []
     with torch.inference_mode():
         for i in range(0, n, batch_size):
             rows = range(i, min(n, i + batch_size))
             x = torch.stack([stream[r * block:(r + 1) * block] for r in rows]).to(device)          # (B, T)
             y = torch.stack([stream[r * block + 1:(r + 1) * block + 1] for r in rows]).to(device)  # (B, T)
             logits = model(x).float()                                                            # (B, T, V)
-            total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum").item()
-            count += y.numel()
-    return math.exp(total / count)
+            loss = F.cross_entropy(logits.transpose(1, 2), y, reduction="none")                  # (B, T)
+            out.append(loss.double().mean(1).cpu().numpy())
+    return np.concatenate(out)
+
+
+def perplexity(model: nn.Module, ids: np.ndarray, block: int, max_windows: int | None = None,
+               batch_size: int = 32) -> float:
+    """exp(mean next-character cross-entropy) over non-overlapping windows of ``block`` characters."""
+    return math.exp(float(window_losses(model, ids, block, max_windows, batch_size).mean()))
 
 
 class CharLMTask(Task):
@@ -54,10 +60,17 @@ class CharLMTask(Task):
         self.corpus = data.char_corpus()
 
     def evaluate(self, model: nn.Module, quick: bool = False) -> dict[str, float]:
+        return self.evaluate_with_error(model, quick)[0]
+
+    def evaluate_with_error(self, model: nn.Module, quick: bool = False) -> tuple[dict[str, float], dict[str, float]]:
+        """Perplexity and its 95 % half-width from the spread of the windows' losses."""
+        from workbench.measurement.sampling import perplexity_halfwidth
+
         check_model(model)
         with eval_mode(model):
-            return {"perplexity": perplexity(model, self.corpus.test, self.block_size,
-                                             max_windows=self.quick_windows if quick else None)}
+            losses = window_losses(model, self.corpus.test, self.block_size,
+                                   max_windows=self.quick_windows if quick else None)
+        return {"perplexity": math.exp(float(losses.mean()))}, {"perplexity": perplexity_halfwidth(losses)}
 
     def calibration(self, n: int, batch_size: int | None = None) -> list[tuple[torch.Tensor, ...]]:
         train = self.corpus.train

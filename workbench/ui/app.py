@@ -416,13 +416,9 @@ class Workbench:
             raise
         finally:
             self.apply_button.disabled, self.cancel_button.disabled = False, True
-        m = entry.metrics
         self._refresh()
         self._update_views()
-        pace = entry.speedup.verdict if entry.speedup is not None else f"{m.latency_ms:.3g} ms"
-        why = _slowdown_reason(m) if entry.speedup is not None and entry.speedup.slower else ""
-        self._say(f"{entry.label}: {m.primary}={m.primary_value:.4f}, {m.size_bytes / 2**20:.3f} MiB, "
-                  f"{pace} (batch {m.batch_size}, {m.threads} threads){why}")
+        self._say(entry.status)   # quality +- its sampling error, size, speed verdict and why it is slower
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until a background apply finishes (for scripts and tests)."""
@@ -432,11 +428,3 @@ class Workbench:
 
 def _speedup(entry) -> float:
     return entry.speedup.ratio if entry.speedup is not None else float("nan")
-
-
-def _slowdown_reason(metrics) -> str:
-    """Why a compressed model can be slower than the original, from the kernel paths that ran."""
-    from workbench.measurement.metrics import slowdown_reasons
-
-    reasons = slowdown_reasons(metrics)
-    return f" - slower: {'; '.join(reasons)}" if reasons else ""

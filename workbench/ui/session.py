@@ -10,6 +10,7 @@ tried stays in the history; `restore` brings one back; `undo` / `redo` walk the 
 from __future__ import annotations
 
 import copy
+import math
 import threading
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
@@ -49,6 +50,22 @@ class Entry:
     def speedup(self):
         """The `wb.Speedup` of this point over the unchanged model, measured side by side with it."""
         return self.metrics.speedup
+
+    @property
+    def status(self) -> str:
+        """The workbench's status line for this point: quality with its sampling error, size, the side-by-side
+        speed verdict and, when the point is slower than the unchanged model, why
+        (`wb.measurement.slowdown_note`)."""
+        from workbench.measurement.metrics import slowdown_note
+
+        m = self.metrics
+        err = m.primary_error
+        known = err is not None and not math.isnan(err)
+        quality = f"{m.primary}={m.primary_value:.4f}" + (f" +- {err:.2g}" if known else "")
+        pace = self.speedup.verdict if self.speedup is not None else f"{m.latency_ms:.3g} ms"
+        why = slowdown_note(m)
+        return (f"{self.label}: {quality}, {m.size_bytes / 2**20:.3f} MiB, {pace} (batch {m.batch_size}, "
+                f"{m.threads} threads)" + (f" - {why}" if why else ""))
 
 
 class Session:

@@ -244,7 +244,7 @@ def gpu_table(shapes: dict | None = None, ms=MS, kernels=KERNELS, device: str | 
 
 def cpu_minilm(batch_sizes=(1, 32), threads: int = 1, rounds: int = 7, layers: str = "encoder.*"):
     """W8A8 on MiniLM on the CPU: fp32, ours (``Dynamic(kernel="cpu")``), the reference path,
-    ``quantize_dynamic`` on the same Linears, and weight-only int8 on the bf16 path; one row per (batch, path)."""
+    ``quantize_dynamic`` on the same Linears, and weight-only int8 (`kernels.weight_only_cpu`); one row per (batch, path)."""
     import warnings
 
     import pandas as pd
@@ -258,7 +258,7 @@ def cpu_minilm(batch_sizes=(1, 32), threads: int = 1, rounds: int = 7, layers: s
     paths = {"fp32": model,
              "w8a8 cpu (ours)": wb.apply(model, {layers: Q.Dynamic(kernel="cpu")}, progress=False),
              "w8a8 reference": wb.apply(model, {layers: Q.Dynamic(kernel="reference")}, progress=False),
-             "int8 weight-only cpu (bf16)": wb.apply(model, {layers: Q.WeightOnly(8, None, kernel="cpu")},
+             "int8 weight-only cpu": wb.apply(model, {layers: Q.WeightOnly(8, None, kernel="cpu")},
                                                      progress=False)}
     names = [a.name for a in wb.Plan({layers: Q.Dynamic()}).resolve(model)]
     with warnings.catch_warnings():
@@ -291,8 +291,8 @@ def cpu_layer_table(shapes: dict | None = None, ms=(1, 32, 512), threads: int = 
     """One Linear layer per (shape, M, path) on the CPU, timed in interleaved rounds (medians): time, speedup
     over fp32, the bytes of the stored weight, the byte-ratio ceiling (fp32 weight bytes / the path's), the
     arithmetic intensity (FLOPs per byte moved: weight + input + output) and achieved GFLOP/s and GB/s.
-    Paths: fp32 and bf16 ``F.linear``; ``Dynamic(kernel="cpu")``; weight-only int8 per channel on the bf16
-    path; int4 g64 weight-only on the reference path (decode, then fp32 matmul)."""
+    Paths: fp32 and bf16 ``F.linear``; ``Dynamic(kernel="cpu")``; weight-only int8 per channel on the CPU
+    kernel (`kernels.weight_only_cpu`); int4 g64 weight-only on the reference path (decode, then fp32 matmul)."""
     import pandas as pd
 
     import workbench as wb
@@ -308,7 +308,8 @@ def cpu_layer_table(shapes: dict | None = None, ms=(1, 32, 512), threads: int = 
             layers = {"fp32": lin, "bf16": wb.apply(lin, {"0": wb.precision.Cast(torch.bfloat16)}, progress=False),
                       "w8a8 cpu": wb.apply(lin, {"0": Q.Dynamic(kernel="cpu")}, progress=False),
                       "int8 weight-only cpu": wb.apply(lin, {"0": Q.WeightOnly(8, None, kernel="cpu")}, progress=False),
-                      "int4 g64 weight-only": wb.apply(lin, {"0": Q.WeightOnly(4, 64)}, progress=False)}
+                      "int4 g64 weight-only": wb.apply(lin, {"0": Q.WeightOnly(4, 64, kernel="reference")},
+                                                       progress=False)}
             layers = {p: layers[p] for p in paths}
             for M in ms:
                 x = torch.randn(M, K)

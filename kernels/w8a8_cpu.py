@@ -72,6 +72,9 @@ def _ninja_on_path() -> None:
     os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
 
+ensure_ninja_on_path = _ninja_on_path   # shared with the other C++ kernels (kernels.weight_only_cpu)
+
+
 def _looks_built() -> bool:
     """Whether a compiled library is already in the extension's build directory (then loading takes ~0.1 s,
     else ~30 s: worth a line of notice). A guess: a changed source is rebuilt under a new name."""

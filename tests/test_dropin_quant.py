@@ -330,7 +330,7 @@ def test_the_drop_in_weight_costs_no_extra_decode(monkeypatch):
     calls = []
     decode = fm.decode
     monkeypatch.setattr(fm, "decode", lambda *a, **k: calls.append(1) or decode(*a, **k))
-    small = wb.apply(_encoder(True), {"*": Q.WeightOnly(8)}, progress=False).eval()
+    small = wb.apply(_encoder(True), {"*": Q.WeightOnly(8, kernel="reference")}, progress=False).eval()
     layers = [m for m in small.modules() if hasattr(m, "qweight")]
     w = small.layers[0].linear1.weight
     _ = (w.dtype, w.shape, w.device, w.requires_grad, w.ndim, w.size(0), w.dim())
@@ -338,3 +338,9 @@ def test_the_drop_in_weight_costs_no_extra_decode(monkeypatch):
     with torch.inference_mode():
         small(torch.randn(3, 7, 32))
     assert len(layers) == 12 and len(calls) == 12    # linear1, linear2, q/k/v/out projections: x 2 layers
+    calls.clear()                                    # the CPU kernel ("auto") reads the codes as stored: no decode
+    fast = wb.apply(_encoder(True), {"*": Q.WeightOnly(8)}, progress=False).eval()
+    assert {m.kernel for m in fast.modules() if hasattr(m, "qweight")} == {"cpu"}
+    with torch.inference_mode():
+        assert fast(torch.randn(3, 7, 32)).shape == (3, 7, 32)
+    assert not calls

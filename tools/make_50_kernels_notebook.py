@@ -55,8 +55,9 @@ MiniLM's two FFN shapes (384→1536 and 1536→384) at several batch sizes, each
 - `fp32`, `bf16`: plain `F.linear`;
 - `w8a8 cpu`: `wb.quant.Dynamic(kernel="cpu")` - per-token int8 activations, `torch._int_mm` (oneDNN), fp32
   rescale, fused block by block in C++ (`kernels/w8a8_cpu.cpp`);
-- `int8 weight-only cpu`: int8 weights decoded to bf16 for a bf16 GEMM on every call;
-- `int4 g64 weight-only`: the reference path (decode to fp32, then an fp32 GEMM).
+- `int8 weight-only cpu`: int8 weights read as stored by `kernels/weight_only_cpu.cpp` (decoded in registers at
+  small M; blocks of decoded rows and an fp32 GEMM at large M);
+- `int4 g64 weight-only`: the reference path (`kernel="reference"`: decode to fp32, then an fp32 GEMM).
 
 `ceiling` is the byte ratio of the stored weights (fp32 bytes / the path's bytes)."""),
     new_code_cell("""layers = bench.cpu_layer_table(ms=batches, threads=threads, rounds=rounds)
@@ -68,7 +69,7 @@ layers.round(3)"""),
 - At **M = 1** every path sits on the memory slope, far left. Decoding the weight *in PyTorch* reads the packed
   bytes and then writes and re-reads a full float copy, so the weight-only paths move **more** bytes than fp32
   and are slower: the byte-ratio ceiling is only reachable by a kernel that dequantizes in registers (the Triton
-  kernels in `kernels/`, on a GPU).
+  kernels in `kernels/` on a GPU, `kernels/weight_only_cpu.cpp` here - the `int8 weight-only cpu` row).
 - At **M = 512** the layer is compute-bound: `w8a8 cpu` beats fp32 because int8 dot products (VNNI) do more
   work per cycle - a speedup the byte ratio does not predict - while weight-only formats still compute in float.
 

@@ -27,7 +27,7 @@ def test_gpu_table_plumbing():
 @pytest.mark.slow
 def test_cpu_minilm_table():
     df = bench.cpu_minilm(batch_sizes=(1,), rounds=1)
-    assert set(df["path"]) == {"fp32", "w8a8 cpu (ours)", "w8a8 reference", "int8 weight-only cpu (bf16)",
+    assert set(df["path"]) == {"fp32", "w8a8 cpu (ours)", "w8a8 reference", "int8 weight-only cpu",
                                "torch quantize_dynamic"}
     assert (df["ms"] > 0).all() and df["threads"].eq(1).all()
     fp32 = df.set_index("path").loc["fp32"]

@@ -54,17 +54,63 @@ def test_w8a8_cpu_is_inference_only_but_works_with_grad_enabled():
 
 
 @pytest.mark.parametrize("config", [Q.WeightOnly(8, None), Q.WeightOnly(4, 32), Q.WeightOnly(4, 32, symmetric=False),
-                                    Q.NF4(32), Q.FP8()])
-def test_weight_only_cpu_bf16_path(config):
+                                    Q.WeightOnly(4, 32, symmetric=False, method="hqq"), Q.WeightOnly(3, 24),
+                                    Q.WeightOnly(2, 16, symmetric=False), Q.NF4(32)])
+@pytest.mark.parametrize("shape", [(4, 7, 128), (1, 128), (33, 128)])
+def test_weight_only_cpu_path_matches_the_reference(config, shape):
+    """kernels.weight_only_cpu computes in fp32 from the stored codes: the reference's numbers up to the order of
+    the sums (decode-sized inputs), exactly (prefill-sized inputs: the same decoded weight, the same GEMM)."""
     lin = linear(128, 96)
-    x = torch.randn(4, 7, 128)
-    ref = wb.apply(lin, {"0": config})
-    cpu = wb.apply(lin, {"0": config}).apply(lambda m: m.set_kernel("cpu") if isinstance(m, WeightOnlyLinear) else None)
-    assert cpu[0].kernel == "cpu"
+    x = torch.randn(*shape)
+    ref = wb.apply(lin, {"0": config}).apply(
+        lambda m: m.set_kernel("reference") if isinstance(m, WeightOnlyLinear) else None)
+    cpu = wb.apply(lin, {"0": config})
+    assert (ref[0].kernel, cpu[0].kernel) == ("reference", "cpu")   # "auto" (the default) picks the CPU kernel
     with torch.no_grad():
         a, b = ref(x), cpu(x)
-    assert b.dtype == x.dtype
-    assert (a - b).norm() / a.norm() < 1e-2              # bf16 operands: ~3 significant digits
+        assert b.dtype == x.dtype
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        xb = x.bfloat16()                                # bf16 inputs: fp32 math here, bf16 GEMM in the reference
+        assert cpu(xb).dtype == torch.bfloat16
+        assert (cpu(xb).float() - a).norm() / a.norm() < 1e-2
+
+
+def test_weight_only_cpu_keeps_the_input_gradient():
+    """Training through a quantized layer (grad of the input needed) runs the reference's differentiable math."""
+    q = wb.apply(linear(64, 32), {"0": Q.WeightOnly(4, 32)})
+    assert q[0].kernel == "cpu"
+    x = torch.randn(3, 64, requires_grad=True)
+    q(x).sum().backward()
+    expected = q[0].effective_weight().sum(0).expand(3, -1)
+    torch.testing.assert_close(x.grad, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_weight_only_cpu_follows_new_tensors():
+    """The kernel's fp32 copy of scales / zeros is rebuilt when the stored tensors change (e.g. load_state_dict)."""
+    a = wb.apply(linear(64, 32, seed=0), {"0": Q.WeightOnly(4, 32, symmetric=False)})
+    b = wb.apply(linear(64, 32, seed=1), {"0": Q.WeightOnly(4, 32, symmetric=False)})
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        before = a(x)
+        a.load_state_dict(b.state_dict())
+        assert not torch.equal(a(x), before)
+        torch.testing.assert_close(a(x), b(x), rtol=0, atol=0)
+
+
+def test_weight_only_cpu_runs_on_a_layer_built_under_inference_mode():
+    """Buffers made under torch.inference_mode have no version counter: the kernel's cache must not need one."""
+    lin = linear(64, 32)
+    with torch.inference_mode():
+        q = wb.apply(lin, {"0": Q.WeightOnly(4, 32)}, progress=False)
+        x = torch.randn(3, 64)
+        torch.testing.assert_close(q(x), q[0].set_kernel("reference")(x), rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_weights_have_no_cpu_kernel():
+    q = wb.apply(linear(64, 32), {"0": Q.FP8()})
+    assert q[0].kernel == "reference"                    # "auto": nothing faster here
+    with pytest.raises(ValueError, match="FP8Format.*has no 'cpu' kernel"):
+        q[0].set_kernel("cpu")
 
 
 def test_kernel_choice_is_part_of_the_config_and_survives_save_load(tmp_path):

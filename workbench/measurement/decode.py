@@ -7,6 +7,12 @@ prefill alone is timed separately (``generate`` of one token), so the decode rat
 The prompt is a string (tokenised with ``tokenizer``, by default the task's or tiny-llama's), a (1, T) tensor of
 ids, or a task with ``prompt`` and ``tokenizer`` attributes (`workbench.tasks.llama.TinyLlamaTask`).
 A model that cannot ``generate`` (not a Hugging Face ``GenerationMixin``) gets a TypeError.
+
+Two entry points: `tokens_per_second` (Hugging Face models, prefill and decode rates separately, used by the
+tiny-llama task and its tests) and `tokens_per_s` (any causal LM, one number: Hugging Face models through
+``generate``; other causal LMs - the zoo's TinyLM: ``model(ids) -> (B, T, vocab)`` logits - run their forward over
+the whole context, cut to ``model.cfg.block_size``, for each new token). `wb.measure(..., generate_tokens=n)`
+records `tokens_per_s` as ``Metrics.tokens_per_s``; `kernels.bench_cpu` compares paths with it.
 """
 from __future__ import annotations
 
@@ -20,7 +26,7 @@ from torch import nn
 
 from workbench.measurement.latency import num_threads
 
-__all__ = ["DecodeSpeed", "tokens_per_second", "prompt_ids"]
+__all__ = ["DecodeSpeed", "greedy", "is_causal_lm", "prompt_ids", "tokens_per_s", "tokens_per_second", "vocab_size"]
 
 
 @dataclass(frozen=True)
@@ -100,3 +106,64 @@ def tokens_per_second(model: nn.Module, task_or_prompt: Any, new_tokens: int = 6
                        decode_tokens_per_s=(new_tokens - 1) / max(total - prefill, 1e-9),
                        prefill_ms=prefill * 1e3, new_tokens=new_tokens, prompt_tokens=int(ids.shape[1]),
                        runs=repeats, threads=int(used))
+
+
+def vocab_size(model: nn.Module) -> int:
+    """The vocabulary of a causal LM: ``config.vocab_size`` (Hugging Face) or its first embedding's rows."""
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    if size:
+        return int(size)
+    emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if emb is None:
+        raise ValueError(f"{type(model).__name__} has no config.vocab_size and no nn.Embedding: not a causal LM")
+    return emb.num_embeddings
+
+
+def is_causal_lm(model: nn.Module) -> bool:
+    """A Hugging Face model with ``generate``, or a module with an embedding whose output for (1, T) token ids is
+    (1, T, vocab) logits (checked on two tokens)."""
+    if hasattr(model, "generate") and hasattr(model, "config"):
+        return True
+    try:
+        vocab = vocab_size(model)
+        device = next(model.parameters()).device
+        with torch.inference_mode():
+            out = model(torch.ones(1, 2, dtype=torch.long, device=device))
+    except Exception:  # noqa: BLE001 - not callable on token ids: not a causal LM (the answer, not an error)
+        return False
+    return isinstance(out, torch.Tensor) and tuple(out.shape) == (1, 2, vocab)
+
+
+def greedy(model: nn.Module, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """``prompt`` (1, T) int64 followed by ``new_tokens`` greedily chosen tokens: (1, T + new_tokens)."""
+    if hasattr(model, "generate") and hasattr(model, "config"):
+        return model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                              use_cache=True, pad_token_id=0)
+    block = getattr(getattr(model, "cfg", None), "block_size", None)
+    ids = prompt
+    for _ in range(new_tokens):
+        logits = model(ids if block is None else ids[:, -block:])             # (1, T, vocab)
+        ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids
+
+
+def tokens_per_s(model: nn.Module, new_tokens: int = 16, prompt_tokens: int = 8, runs: int = 3,
+                 seed: int = 0) -> float:
+    """Median tokens per second of `greedy` generation over ``runs`` timed runs (after one warm-up run), batch 1,
+    from a random prompt of ``prompt_tokens`` tokens."""
+    if not isinstance(new_tokens, int) or isinstance(new_tokens, bool) or new_tokens < 1:
+        raise ValueError(f"new_tokens must be a positive int, got {new_tokens!r}")
+    device = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(1, vocab_size(model), (1, prompt_tokens), generator=gen).to(device)
+    times = []
+    with torch.inference_mode():
+        for i in range(runs + 1):
+            t0 = time.perf_counter()
+            out = greedy(model, prompt, new_tokens)
+            if i:
+                times.append(time.perf_counter() - t0)
+    if out.shape[1] != prompt_tokens + new_tokens:
+        raise RuntimeError(f"{type(model).__name__} generated {out.shape[1] - prompt_tokens} tokens, "
+                           f"{new_tokens} were asked for")
+    return new_tokens / statistics.median(times)

@@ -49,6 +49,7 @@ class Metrics:
     # 95 % half-width of each quality metric's sampling error, where the task states one (quick subsets above
     # all: 256 digits images give accuracy +-0.02); `workbench.measurement.sampling`
     quality_error: dict[str, float] = field(default_factory=dict)
+    tokens_per_s: float | None = None   # greedy batch-1 generation (causal LMs, ``generate_tokens=``), else None
 
     @property
     def primary_value(self) -> float:
@@ -114,7 +115,7 @@ def kernel_paths(model: nn.Module) -> dict[str, int]:
 
 def measure(model: nn.Module, task: Task | str, *, batch_size: int | None = None, quick: bool = False,
             threads: int | None = None, name: str | None = None, progress: bool = True,
-            baseline: nn.Module | None = None) -> Metrics:
+            baseline: nn.Module | None = None, generate_tokens: int = 0) -> Metrics:
     """Measure quality, latency, size and peak memory of ``model`` on ``task``.
 
     ``quick``: evaluate the primary metric on the task's fixed quick subset and time fewer runs.
@@ -125,6 +126,8 @@ def measure(model: nn.Module, task: Task | str, *, batch_size: int | None = None
     same inputs, with an interval) - the only latency comparison that survives a noisy machine. The model's
     latency is then read from those same rounds.
     Quality comes with its sampling error where the task states one (`Metrics.quality_error`).
+    ``generate_tokens``: for a causal LM, also time greedy batch-1 generation of this many tokens
+    (`workbench.measurement.decode`: Hugging Face ``generate`` with its KV cache) into ``tokens_per_s``.
     """
     from tqdm.auto import tqdm
 
@@ -140,6 +143,14 @@ def measure(model: nn.Module, task: Task | str, *, batch_size: int | None = None
     if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     check_fit(model, task)  # a model that cannot run the task fails here, in one line
+    if generate_tokens:
+        from workbench.measurement.decode import is_causal_lm
+
+        if not isinstance(generate_tokens, int) or isinstance(generate_tokens, bool) or generate_tokens < 0:
+            raise ValueError(f"generate_tokens must be an int >= 0, got {generate_tokens!r}")
+        if not is_causal_lm(model):
+            raise ValueError(f"generate_tokens={generate_tokens}: {type(model).__name__} is not a causal language "
+                             f"model (token ids in, (batch, tokens, vocab) logits out)")
     device = model_device(model)
     was_training = model.training
     model.eval()
@@ -167,6 +178,12 @@ def measure(model: nn.Module, task: Task | str, *, batch_size: int | None = None
             bar.set_postfix_str("memory")
             mem = peak_memory(model, inputs)
             bar.update()
+            tps = None
+            if generate_tokens:
+                from workbench.measurement.decode import tokens_per_s
+
+                bar.set_postfix_str("generate")
+                tps = tokens_per_s(model, generate_tokens, runs=1 if quick else 3)
     finally:
         model.train(was_training)
     missing = [m.name for m in task.metrics if m.name not in quality and (not quick or m is task.primary)]
@@ -196,6 +213,7 @@ def measure(model: nn.Module, task: Task | str, *, batch_size: int | None = None
         host=platform.node(),
         speedup=fast,
         quality_error={k: float(v) for k, v in quality_error.items() if k in quality},
+        tokens_per_s=tps,
     )
 
 

@@ -87,7 +87,7 @@ class _WeightHandler:
     def supports(self, module: nn.Module, config) -> bool:
         if getattr(config, "method", Method.RTN) is not Method.RTN:  # the algorithms are written for Linear
             return selectable(module, (nn.Linear,))
-        if getattr(config, "kernel", "reference") in ("cpu", "triton"):   # the fast paths are matmuls
+        if getattr(config, "kernel", "auto") in ("cpu", "triton"):   # the fast paths are matmuls
             return selectable(module, (nn.Linear,))
         return selectable(module)
 
@@ -136,7 +136,7 @@ class _WeightHandler:
 
             tensors = hqq_quantize(module.weight.detach(), fmt)
         return WeightOnlyLinear.from_float(module, fmt, name, tensors=tensors, smooth=smooth,
-                                           kernel=getattr(config, "kernel", "reference"))
+                                           kernel=getattr(config, "kernel", "auto"))
 
     def skeleton(self, name: str, module: nn.Module, config):
         kind, padding = self._check(name, module, config)
@@ -151,7 +151,7 @@ class _WeightHandler:
         return WeightOnlyLinear(module.in_features, module.out_features, fmt, module.bias is not None,
                                 device=module.weight.device, bias_dtype=module.weight.dtype,
                                 smooth=getattr(config, "method", Method.RTN) is Method.AWQ,
-                                kernel=getattr(config, "kernel", "reference"))
+                                kernel=getattr(config, "kernel", "auto"))
 
 
 class _DefaultGroupSize(int):
@@ -176,7 +176,7 @@ class WeightOnly(Config):
     method: Method = Method.RTN
     damp: float = 0.01        # GPTQ: fraction of the mean Hessian diagonal added for stability
     act_order: bool = False   # GPTQ: quantize columns in order of decreasing Hessian diagonal
-    kernel: str = "reference"  # Linear matmul: "reference", "cpu" (bf16), "triton" (int8 per-channel, int4) or "auto"
+    kernel: str = "auto"  # Linear matmul: "auto" (the device's fastest path), "reference", "cpu", "triton"
 
     def __post_init__(self):
         if isinstance(self.method, str) and not isinstance(self.method, Method):
@@ -340,7 +340,7 @@ class Dynamic(Config):
     ``smooth_alpha``: SmoothQuant migration strength (needs calibration), None for plain W8A8."""
 
     bits: int = 8
-    kernel: str = "reference"  # "reference" (fp32 math), "cpu" (torch._int_mm), "triton" (CUDA) or "auto"
+    kernel: str = "auto"  # "auto" (fastest here), "reference" (fp32 math), "cpu" (torch._int_mm), "triton" (CUDA)
     smooth_alpha: float | None = None
 
     def __post_init__(self):
@@ -355,7 +355,7 @@ class Static(Config):
 
     bits: int = 8
     observer: str = "minmax"
-    kernel: str = "reference"
+    kernel: str = "auto"
     smooth_alpha: float | None = None
 
     def __post_init__(self):

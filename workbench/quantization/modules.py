@@ -16,12 +16,13 @@ last weight group is short (``group_size`` not dividing its input size) says so 
 Each module has a pure-PyTorch ``reference`` path (dequantize, then a float matmul) that runs anywhere.
 Faster paths are chosen with ``kernel=`` (or `set_kernel`) and recorded in ``module.kernel``; `wb.measure`
 reports the kernels that ran. Asking for a path that cannot run here raises, naming the module and what it
-would need; ``kernel="auto"`` picks the device's fast path where the module has one (Triton on a CUDA GPU,
-"cpu" on the CPU) and the reference otherwise - and records which.
+would need; ``kernel="auto"`` (the default) picks the device's fast path where the module has one and it is
+faster than the reference on this machine (Triton on a CUDA GPU, "cpu" on the CPU - for W8A8 only on CPUs with
+an int8 dot-product instruction), the reference otherwise, once when the module is built - and records which.
 
 | module | ``"cpu"`` (CPU tensors) | ``"triton"`` (CUDA, or ``TRITON_INTERPRET=1``) |
 |---|---|---|
-| `WeightOnlyLinear` | weight decoded to bf16, bf16 GEMM | int8 per-channel (`kernels.int8_weight_only`), int4 any group / zero (`kernels.int4_weight_only`) |
+| `WeightOnlyLinear` | `kernels.weight_only_cpu` (integer formats, NF4): decode rows in registers for few rows of x, blocks of decoded rows + fp32 GEMM for many | int8 per-channel (`kernels.int8_weight_only`), int4 any group / zero (`kernels.int4_weight_only`) |
 | `W8A8Linear` | per block of rows: one fused quantization pass, ``torch._int_mm``, one fused rescale pass (``torch.compile``) | dynamic: fused per-token quantization + int8 GEMM + rescale (`kernels.w8a8`) |
 """
 from __future__ import annotations
@@ -357,7 +358,7 @@ class WeightOnlyLinear(_PackedWeight):
 
     def __init__(self, in_features: int, out_features: int, fmt: fm.WeightFormat, bias: bool = True,
                  tensors: dict[str, torch.Tensor] | None = None, device=None, bias_dtype=torch.float32,
-                 smooth: bool = False, kernel: str = "reference"):
+                 smooth: bool = False, kernel: str = "auto"):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight_shape, self.weight_dtype = (out_features, in_features), bias_dtype
@@ -371,15 +372,38 @@ class WeightOnlyLinear(_PackedWeight):
 
     def set_kernel(self, kernel: str) -> "WeightOnlyLinear":
         """Choose the matmul path (see the module docstring); raises if it cannot serve this format here."""
+        from kernels import weight_only_cpu
+
         whole_groups = self.K % fm.groups(self.fmt, self.K)[0] == 0   # the Triton kernels need whole groups
-        supported = ("reference", "cpu") + (("triton",) if triton_weight_kind(self.fmt) and whole_groups else ())
+        supported = ("reference",) + (("cpu",) if weight_only_cpu.supports(self.fmt) else ()) + (
+            ("triton",) if triton_weight_kind(self.fmt) and whole_groups else ())
         self.kernel = choose_kernel(f"WeightOnlyLinear({self.fmt})", kernel, supported, self.qweight.device)
         return self
+
+    def _cpu_weight(self):
+        """The stored weight as `kernels.weight_only_cpu` reads it (fp32 scales / zeros), made once and made
+        again only when the stored tensors change (loading a state dict, ``copy_``, moving the module)."""
+        from kernels import weight_only_cpu
+
+        zero = getattr(self, "zero", None)
+        # (inference tensors - a module built under torch.inference_mode - have no version counter; loading a
+        # state dict drops the cache in any case, see _load_from_state_dict)
+        key = tuple((t.data_ptr(), None if t.is_inference() else t._version, t.dtype)
+                    for t in (self.qweight, self.scale, zero) if t is not None)
+        cached = self.__dict__.get("_cpu_packed")
+        if cached is None or cached[0] != key:
+            cached = (key, weight_only_cpu.pack(self._tensors(), self.fmt, self.K))
+            self.__dict__["_cpu_packed"] = cached
+        return cached[1]
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self.__dict__.pop("_cpu_packed", None)   # new stored tensors: the CPU kernel's view is made again
+        super()._load_from_state_dict(*args, **kwargs)
 
     @classmethod
     def from_float(cls, linear: nn.Linear, fmt: fm.WeightFormat, name: str = "linear",
                    tensors: dict[str, torch.Tensor] | None = None,
-                   smooth: torch.Tensor | None = None, kernel: str = "reference") -> "WeightOnlyLinear":
+                   smooth: torch.Tensor | None = None, kernel: str = "auto") -> "WeightOnlyLinear":
         """Round-to-nearest unless ``tensors`` (from GPTQ, AWQ, HQQ) are given. ``smooth``: per-input-channel
         factors already multiplied into the weight that ``tensors`` encode."""
         w = linear.weight.detach()
@@ -395,9 +419,12 @@ class WeightOnlyLinear(_PackedWeight):
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if self.kernel == "triton":
             return self._triton(x, bias)
-        if self.kernel == "cpu":  # bf16 weight and GEMM (the CPU's fast float path), result in x's dtype
-            w = self.dequantized_weight(torch.bfloat16)
-            return F.linear(x.to(torch.bfloat16), w, None if bias is None else bias.to(torch.bfloat16)).to(x.dtype)
+        if self.kernel == "cpu" and not (x.requires_grad and torch.is_grad_enabled()):
+            # an inference kernel (fp32 math, result in x's dtype); when autograd needs the input's gradient
+            # (training through the layer) the reference's differentiable math below runs instead
+            from kernels import weight_only_cpu
+
+            return weight_only_cpu.linear_unchecked(x, self._cpu_weight(), None if bias is None else bias.detach())
         return F.linear(x, self.dequantized_weight(x.dtype), bias)
 
     def _triton(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -552,7 +579,7 @@ class W8A8Linear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, static: bool = False,
-                 smooth: bool = False, device=None, kernel: str = "reference"):
+                 smooth: bool = False, device=None, kernel: str = "auto"):
         super().__init__()
         self.in_features, self.out_features, self.static = in_features, out_features, static
         self.register_buffer("qweight_t", torch.empty(in_features, out_features, dtype=torch.int8, device=device))
@@ -572,7 +599,7 @@ class W8A8Linear(nn.Module):
         return self
 
     @classmethod
-    def from_float(cls, linear: nn.Linear, name: str = "linear", kernel: str = "reference",
+    def from_float(cls, linear: nn.Linear, name: str = "linear", kernel: str = "auto",
                    act_scale: torch.Tensor | None = None, smooth: torch.Tensor | None = None) -> "W8A8Linear":
         w = linear.weight.detach().float()
         fm.check_finite(name, w)

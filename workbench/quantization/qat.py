@@ -276,7 +276,8 @@ def _real_module(name: str, qat: nn.Module) -> nn.Module:
                     getattr(new, key).copy_(t)
             return new
         if isinstance(plain, nn.Linear):
-            return WeightOnlyLinear.from_float(plain, fmt, name, tensors=tensors)
+            return WeightOnlyLinear.from_float(plain, fmt, name, tensors=tensors,
+                                               kernel=getattr(config, "kernel", "auto"))
         padding = getattr(qat, "input_padding", None)
         return weight_only_conv(conv_args(plain, padding)["op"]).from_float(plain, fmt, name, tensors=tensors,
                                                                             input_padding=padding)

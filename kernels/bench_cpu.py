@@ -1,0 +1,186 @@
+"""CPU benchmarks of the weight-only paths: ``python -m kernels.bench_cpu [--model tiny-lm] [--threads 1]``
+
+1. `weight_only_table`: one Linear (default 4096 x 4096) at M = 1, 16, 256 rows of x: fp32 and bf16 ``F.linear``;
+   int8 per-channel and int4 g128 weight-only layers as the package builds them (``kernel="auto"``, the default:
+   `kernels.weight_only_cpu` on the CPU) and on ``kernel="reference"``; PyTorch's packed CPU kernels
+   ``aten._weight_int8pack_mm`` / ``aten._weight_int4pack_mm_for_cpu`` with bf16 activations (their fast path)
+   on weights of the same shape. Interleaved rounds after a warm-up, one thread by default: the median, the
+   fastest and slowest round (spread), the speedup over fp32 and bf16, and the roofline ceiling of each path
+   against fp32 at small M: fp32 weight bytes / the path's weight bytes.
+2. `decode_tokens_per_s`: greedy generation of ``new_tokens`` tokens at batch 1 from a causal LM of the zoo (any
+   name: ``wb.models.load(name)``) or a model given as is (`workbench.measurement.decode.greedy`): Hugging Face
+   models run ``generate`` with their KV cache; the zoo's own TinyLM (no KV cache) runs its forward over the
+   whole context for each new token. Paths:
+   fp32, bf16 (every Linear cast), int8 weight-only, int4 g64 weight-only, W8A8 (``Dynamic()``), each with the
+   default ``kernel="auto"`` (the kernels that ran are in the table), and the two weight-only formats on
+   ``kernel="reference"`` (auto must never be slower than those). Interleaved rounds, medians and spread.
+
+Both are importable and have smoke tests on tiny sizes (tests/kernels/test_weight_only_cpu.py).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["decode_tokens_per_s", "interleaved", "main", "weight_only_table"]
+
+
+def interleaved(calls: dict, rounds: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Milliseconds of each call in each of ``rounds`` interleaved rounds (after ``warmup`` calls each), so slow
+    drift of a shared machine hits every path alike."""
+    for fn in calls.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def _aten_int8(N: int, K: int):
+    """``aten._weight_int8pack_mm`` on an int8 (N, K) weight with bf16 per-channel scales."""
+    w = torch.randint(-128, 128, (N, K), dtype=torch.int8)
+    s = torch.rand(N, dtype=torch.bfloat16) + 0.5
+    return lambda x: torch.ops.aten._weight_int8pack_mm(x, w, s)
+
+
+def _aten_int4(N: int, K: int, group: int):
+    """``aten._weight_int4pack_mm_for_cpu`` on int4 codes packed once by ``_convert_weight_to_int4pack_for_cpu``,
+    bf16 (scale, zero) per group."""
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, (N, K), dtype=torch.int32), 1)
+    sz = torch.rand(K // group, N, 2, dtype=torch.bfloat16)
+    return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, sz)
+
+
+def weight_only_table(K: int = 4096, N: int = 4096, ms=(1, 16, 256), threads: int = 1, rounds: int = 7,
+                      group: int = 128, aten: bool = True):
+    """One row per (M, path): median / min / max ms over the rounds, speedups over fp32 and bf16 (medians), the
+    weight bytes and the byte-ratio ceiling over fp32, and the kernel the package's layer recorded."""
+    import pandas as pd
+
+    import workbench as wb
+    from workbench.measurement import num_threads
+
+    Q = wb.quant
+    torch.manual_seed(0)
+    lin = nn.Sequential(nn.Linear(K, N, bias=False))
+    w32, wbf = lin[0].weight.detach(), lin[0].weight.detach().bfloat16()
+    layers = {"int8 WO auto (ours)": wb.apply(lin, {"0": Q.WeightOnly(8, None)}, progress=False),
+              "int8 WO reference": wb.apply(lin, {"0": Q.WeightOnly(8, None, kernel="reference")}, progress=False),
+              f"int4 g{group} WO auto (ours)": wb.apply(lin, {"0": Q.WeightOnly(4, group)}, progress=False),
+              f"int4 g{group} WO reference": wb.apply(lin, {"0": Q.WeightOnly(4, group, kernel="reference")},
+                                                      progress=False)}
+    weight_bytes = {"fp32": 4 * N * K, "bf16": 2 * N * K, "aten int8 (bf16 x)": N * K + 2 * N,
+                    f"aten int4 g{group} (bf16 x)": N * K // 2 + 4 * N * (K // group)}
+    weight_bytes.update({p: wb.size_bytes(m) for p, m in layers.items()})
+    kernels = {p: m[0].kernel for p, m in layers.items()}
+    rows = []
+    with num_threads(threads), torch.inference_mode():
+        calls_of = {"fp32": lambda x: F.linear(x, w32), "bf16": lambda x: F.linear(x.bfloat16(), wbf)}
+        calls_of.update({p: m for p, m in layers.items()})
+        if aten:
+            int8, int4 = _aten_int8(N, K), _aten_int4(N, K, group)
+            calls_of["aten int8 (bf16 x)"] = lambda x: int8(x.bfloat16())
+            calls_of[f"aten int4 g{group} (bf16 x)"] = lambda x: int4(x.bfloat16())
+        for M in ms:
+            x = torch.randn(M, K)
+            times = interleaved({p: functools.partial(fn, x) for p, fn in calls_of.items()}, rounds)
+            med = {p: statistics.median(t) for p, t in times.items()}
+            for p, t in times.items():
+                rows.append({"K": K, "N": N, "M": M, "path": p, "kernel": kernels.get(p, "-"), "ms": med[p],
+                             "ms_min": min(t), "ms_max": max(t), "vs_fp32": med["fp32"] / med[p],
+                             "vs_bf16": med["bf16"] / med[p], "weight_bytes": weight_bytes[p],
+                             "ceiling_vs_fp32": 4 * N * K / weight_bytes[p], "threads": threads, "rounds": rounds})
+    return pd.DataFrame(rows)
+
+
+def decode_tokens_per_s(model: nn.Module | str = "tiny-lm", new_tokens: int = 64, prompt_tokens: int = 8,
+                        threads: int = 1, rounds: int = 3, paths: tuple[str, ...] | None = None):
+    """Tokens per second of greedy batch-1 generation for each path (see the module docstring): median, min and
+    max over interleaved rounds, the speedup over fp32 and bf16, the kernels that ran and whether the path
+    generated the same tokens as fp32 (greedy decoding: a quantized model may legitimately differ)."""
+    import pandas as pd
+
+    import workbench as wb
+    from workbench.measurement import num_threads
+    from workbench.measurement.decode import greedy as _greedy
+    from workbench.measurement.decode import vocab_size
+
+    name = model if isinstance(model, str) else type(model).__name__
+    base = wb.models.load(model) if isinstance(model, str) else model
+    base = base.eval()
+    Q = wb.quant
+    linears = [n for n, m in base.named_modules() if isinstance(m, nn.Linear)]
+    plan = lambda cfg: wb.Plan({n: cfg for n in linears})
+    variants = {"fp32": lambda: base,
+                "bf16": lambda: wb.apply(base, plan(wb.precision.Cast(torch.bfloat16)), progress=False),
+                "int8 WO": lambda: wb.apply(base, plan(Q.WeightOnly(8, None)), progress=False),
+                "int4 g64 WO": lambda: wb.apply(base, plan(Q.WeightOnly(4, 64)), progress=False),
+                "W8A8 dynamic": lambda: wb.apply(base, plan(Q.Dynamic()), progress=False),
+                "int8 WO reference": lambda: wb.apply(base, plan(Q.WeightOnly(8, None, kernel="reference")),
+                                                      progress=False),
+                "int4 g64 WO reference": lambda: wb.apply(base, plan(Q.WeightOnly(4, 64, kernel="reference")),
+                                                          progress=False)}
+    variants = {p: v for p, v in variants.items() if paths is None or p in paths}
+    models = {p: v() for p, v in variants.items()}
+    torch.manual_seed(0)
+    prompt = torch.randint(1, vocab_size(base), (1, prompt_tokens))
+    rows = []
+    with num_threads(threads), torch.inference_mode():
+        out = {p: _greedy(m, prompt, new_tokens) for p, m in models.items()}
+        times = interleaved({p: functools.partial(_greedy, m, prompt, new_tokens) for p, m in models.items()},
+                            rounds, warmup=0)
+    for p, m in models.items():
+        assert out[p].shape[1] == prompt_tokens + new_tokens, (p, out[p].shape)
+        t = times[p]
+        tps = [new_tokens / (v * 1e-3) for v in t]
+        kernels: dict[str, int] = {}
+        for mod in m.modules():
+            if hasattr(mod, "kernel") and isinstance(mod.kernel, str):
+                key = f"{type(mod).__name__}:{mod.kernel}"
+                kernels[key] = kernels.get(key, 0) + 1
+        rows.append({"model": name, "path": p, "tokens_per_s": statistics.median(tps), "tokens_per_s_min": min(tps),
+                     "tokens_per_s_max": max(tps), "same_tokens_as_fp32": bool(torch.equal(out[p], out["fp32"]))
+                     if "fp32" in out else None, "kernels": ", ".join(f"{k} x{v}" for k, v in sorted(kernels.items())),
+                     "new_tokens": new_tokens, "threads": threads, "rounds": rounds,
+                     "kv_cache": hasattr(m, "generate") and hasattr(m, "config")})
+    df = pd.DataFrame(rows)
+    for ref in ("fp32", "bf16"):
+        if ref in set(df["path"]):
+            df[f"vs_{ref}"] = df["tokens_per_s"] / float(df.loc[df["path"] == ref, "tokens_per_s"].iloc[0])
+    return df
+
+
+def main(argv=None) -> None:
+    from kernels.bench import environment
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="tiny-lm", help="causal-LM zoo name for the decode benchmark")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--size", type=int, nargs=2, default=(4096, 4096), metavar=("K", "N"))
+    p.add_argument("--ms", type=int, nargs="+", default=[1, 16, 256], help="rows of x for the layer table")
+    p.add_argument("--skip-layer", action="store_true")
+    p.add_argument("--skip-decode", action="store_true")
+    a = p.parse_args(argv)
+    print(environment())
+    fmt = lambda v: f"{v:.3g}"
+    if not a.skip_layer:
+        df = weight_only_table(*a.size, ms=a.ms, threads=a.threads, rounds=a.rounds)
+        print(df.drop(columns=["K", "N", "threads", "rounds"]).to_string(index=False, float_format=fmt))
+    if not a.skip_decode:
+        df = decode_tokens_per_s(a.model, threads=a.threads, rounds=max(3, a.rounds // 2))
+        print(df.to_string(index=False, float_format=fmt))
+
+
+if __name__ == "__main__":
+    main()

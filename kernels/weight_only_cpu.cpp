@@ -1,0 +1,415 @@
+// Weight-only Linear on the CPU: low-bit weights in the package's storage layout, fp32 activations.
+// The math, the two paths and the build are described in kernels/weight_only_cpu.py; this file is the fast path.
+//
+// decode_row: one output row's codes -> fp32 weights w[k] = (u[k] - z[g]) * s[g] (integer formats) or
+//             lut[u[k]] * s[g] (NF4), exactly the reference's fp32 operations (built with -ffp-contract=off).
+// gemv:       for each output row n (rows split across threads): decode it into an L1-resident buffer, then
+//             y[m, n] = dot(w, x[m]) + bias[n] for every row m of x (four rows of x per sweep of w).
+// decode:     every row into an (N, K) fp32 matrix (the prefill path multiplies it with a float GEMM).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define WB_X86 1
+#include <immintrin.h>
+#define WB_TARGET(isa) __attribute__((target(isa)))
+#else
+#define WB_X86 0
+#endif
+
+namespace {
+
+enum class Isa { Scalar, Avx2 };
+
+struct Weight {          // one call's view of the stored weight
+  const uint8_t* q;      // (N, row_bytes) packed codes, lowest bits first
+  const float* scale;    // (N, G)
+  const float* zero;     // (N, G): integer formats (the implicit 2^(bits-1) of symmetric ones included)
+  const float* lut;      // 16 values (NF4) or nullptr
+  int64_t N, K, G, group, row_bytes;
+  int bits;              // code slot width: 2, 4 or 8
+};
+
+// ---------------------------------------------------------------------------------------------------------
+// Codes of one row (K values) into c[0 .. K) as bytes. SSE2 (every x86-64) for whole 16-byte chunks.
+void unpack_row(const uint8_t* q, int bits, int64_t K, uint8_t* c) {
+  if (bits == 8) {
+    std::copy(q, q + K, c);
+    return;
+  }
+  const int per = 8 / bits;
+  const uint8_t mask = static_cast<uint8_t>((1 << bits) - 1);
+  int64_t j = 0;  // bytes done
+  const int64_t bytes = (K + per - 1) / per;
+#if WB_X86
+  const __m128i m4 = _mm_set1_epi8(0x0F), m2 = _mm_set1_epi8(0x03);
+  for (; (j + 16) * per <= K; j += 16) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j));
+    __m128i* out = reinterpret_cast<__m128i*>(c + j * per);
+    if (bits == 4) {
+      const __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+      _mm_storeu_si128(out, _mm_unpacklo_epi8(lo, hi));       // byte b -> codes 2b (low nibble), 2b + 1
+      _mm_storeu_si128(out + 1, _mm_unpackhi_epi8(lo, hi));
+    } else {  // 2 bits: byte b -> codes 4b .. 4b + 3
+      const __m128i c0 = _mm_and_si128(v, m2), c1 = _mm_and_si128(_mm_srli_epi16(v, 2), m2);
+      const __m128i c2 = _mm_and_si128(_mm_srli_epi16(v, 4), m2), c3 = _mm_and_si128(_mm_srli_epi16(v, 6), m2);
+      const __m128i a = _mm_unpacklo_epi8(c0, c1), b = _mm_unpacklo_epi8(c2, c3);
+      const __m128i a2 = _mm_unpackhi_epi8(c0, c1), b2 = _mm_unpackhi_epi8(c2, c3);
+      _mm_storeu_si128(out, _mm_unpacklo_epi16(a, b));
+      _mm_storeu_si128(out + 1, _mm_unpackhi_epi16(a, b));
+      _mm_storeu_si128(out + 2, _mm_unpacklo_epi16(a2, b2));
+      _mm_storeu_si128(out + 3, _mm_unpackhi_epi16(a2, b2));
+    }
+  }
+#endif
+  for (; j < bytes; ++j)
+    for (int t = 0; t < per && j * per + t < K; ++t) c[j * per + t] = (q[j] >> (t * bits)) & mask;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Scalar path (any CPU): the definition the vector path must match.
+void dequant_scalar(const uint8_t* c, int64_t n, float s, float z, const float* lut, float* w) {
+  if (lut) {
+    for (int64_t k = 0; k < n; ++k) w[k] = lut[c[k]] * s;
+  } else {
+    for (int64_t k = 0; k < n; ++k) w[k] = (static_cast<float>(c[k]) - z) * s;
+  }
+}
+
+// out[i] = dot(w, x + i * ldx) for i < rows
+void dot_scalar(const float* w, const float* x, int64_t ldx, int rows, int64_t K, float* out) {
+  for (int i = 0; i < rows; ++i) {
+    float acc = 0.f;
+    for (int64_t k = 0; k < K; ++k) acc += w[k] * x[i * ldx + k];
+    out[i] = acc;
+  }
+}
+
+#if WB_X86
+// ---------------------------------------------------------------------------------------------------------
+// AVX2 + FMA: 8 lanes.
+WB_TARGET("avx2,fma") void dequant_avx2(const uint8_t* c, int64_t n, float s, float z, const float* lut, float* w) {
+  const __m256 vs = _mm256_set1_ps(s), vz = _mm256_set1_ps(z);
+  int64_t k = 0;
+  if (lut) {  // 16-entry table: two 8-lane permutes, chosen by bit 3 of the code
+    const __m256 lo = _mm256_loadu_ps(lut), hi = _mm256_loadu_ps(lut + 8);
+    const __m256i seven = _mm256_set1_epi32(7);
+    for (; k + 8 <= n; k += 8) {
+      const __m256i u = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + k)));
+      const __m256 a = _mm256_permutevar8x32_ps(lo, u), b = _mm256_permutevar8x32_ps(hi, u);
+      const __m256 v = _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_cmpgt_epi32(u, seven)));
+      _mm256_storeu_ps(w + k, _mm256_mul_ps(v, vs));
+    }
+  } else {
+    for (; k + 8 <= n; k += 8) {
+      const __m256i u = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + k)));
+      _mm256_storeu_ps(w + k, _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(u), vz), vs));
+    }
+  }
+  dequant_scalar(c + k, n - k, s, z, lut, w + k);
+}
+
+WB_TARGET("avx2,fma") inline float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+WB_TARGET("avx2,fma") void dot_avx2(const float* w, const float* x, int64_t ldx, int rows, int64_t K, float* out) {
+  if (rows == 1) {  // four independent chains over k hide the FMA latency
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);
+      a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 16), _mm256_loadu_ps(x + k + 16), a2);
+      a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 24), _mm256_loadu_ps(x + k + 24), a3);
+    }
+    for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a0);
+    float acc = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    for (; k < K; ++k) acc += w[k] * x[k];
+    out[0] = acc;
+    return;
+  }
+  // 2..4 rows of x: one load of w feeds every row (one chain per row, two vectors per step)
+  __m256 a[4][2];
+  for (int i = 0; i < 4; ++i) a[i][0] = a[i][1] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    const __m256 w0 = _mm256_loadu_ps(w + k), w1 = _mm256_loadu_ps(w + k + 8);
+    for (int i = 0; i < rows; ++i) {
+      a[i][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + i * ldx + k), a[i][0]);
+      a[i][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + i * ldx + k + 8), a[i][1]);
+    }
+  }
+  for (int i = 0; i < rows; ++i) {
+    float acc = hsum(_mm256_add_ps(a[i][0], a[i][1]));
+    for (int64_t kk = k; kk < K; ++kk) acc += w[kk] * x[i * ldx + kk];
+    out[i] = acc;
+  }
+}
+
+// Decode path for 4- and 8-bit integer codes in whole 32-value chunks (group_size a multiple of 32): the codes
+// are widened in registers, never written out. With u the codes, per output row and row m of x:
+//   y[m] = sum_g s[g] * sum_{k in g} u[k] x[m, k]  -  sum_g s[g] z[g] xsum[m, g]
+// (xsum: x's per-group sums, once per call) - the reference's sum of (u - z) s x, regrouped. One row of x
+// (decode) scales each group's sums once; several rows scale the widened codes once for all of them.
+template <int ROWS, int BITS>
+WB_TARGET("avx2,fma") void gemv_row_avx2(const uint8_t* q, const float* s, const float* z, const float* x,
+                                         int64_t K, int64_t group, int64_t G, const float* xsum, float* out) {
+  constexpr int A = ROWS == 1 ? 4 : 2;  // independent FMA chains per row of x
+  __m256 acc[ROWS][A];
+  for (int i = 0; i < ROWS; ++i)
+    for (int a = 0; a < A; ++a) acc[i][a] = _mm256_setzero_ps();
+  const __m128i m4 = _mm_set1_epi8(0x0F);
+  __m256 gacc[4];  // one row of x: the current group's unscaled sums
+  for (int j = 0; j < 4; ++j) gacc[j] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const __m256 vs = _mm256_set1_ps(s[g]);
+    const int64_t k1 = std::min(K, (g + 1) * group);
+    for (int64_t k = g * group; k < k1; k += 32) {
+      __m128i c0, c1;  // codes k .. k + 15 and k + 16 .. k + 31 as bytes
+      if (BITS == 4) {
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k / 2));
+        const __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+        c0 = _mm_unpacklo_epi8(lo, hi);
+        c1 = _mm_unpackhi_epi8(lo, hi);
+      } else {
+        c0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k));
+        c1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k + 16));
+      }
+      __m256 w[4];
+      w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c0));
+      w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(c0, 8)));
+      w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c1));
+      w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(c1, 8)));
+      if (ROWS == 1) {  // the group's scale is applied once, when the group is done (below)
+        for (int j = 0; j < 4; ++j) gacc[j] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(x + k + 8 * j), gacc[j]);
+        continue;
+      }
+      for (int j = 0; j < 4; ++j) w[j] = _mm256_mul_ps(w[j], vs);
+      for (int i = 0; i < ROWS; ++i)
+        for (int j = 0; j < 4; ++j)
+          acc[i][j % A] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(x + i * K + k + 8 * j), acc[i][j % A]);
+    }
+    if (ROWS == 1) {
+      for (int j = 0; j < 4; ++j) {
+        acc[0][j % A] = _mm256_fmadd_ps(gacc[j], vs, acc[0][j % A]);
+        gacc[j] = _mm256_setzero_ps();
+      }
+    }
+  }
+  for (int i = 0; i < ROWS; ++i) {
+    __m256 t = acc[i][0];
+    for (int a = 1; a < A; ++a) t = _mm256_add_ps(t, acc[i][a]);
+    float zsum = 0.f;
+    for (int64_t g = 0; g < G; ++g) zsum += s[g] * z[g] * xsum[i * G + g];
+    out[i] = hsum(t) - zsum;
+  }
+}
+
+template <int BITS>
+WB_TARGET("avx2,fma") void gemv_rows_avx2(int rows, const uint8_t* q, const float* s, const float* z,
+                                          const float* x, int64_t K, int64_t group, int64_t G, const float* xsum,
+                                          float* out) {
+  switch (rows) {
+    case 1: gemv_row_avx2<1, BITS>(q, s, z, x, K, group, G, xsum, out); break;
+    case 2: gemv_row_avx2<2, BITS>(q, s, z, x, K, group, G, xsum, out); break;
+    case 3: gemv_row_avx2<3, BITS>(q, s, z, x, K, group, G, xsum, out); break;
+    default: gemv_row_avx2<4, BITS>(q, s, z, x, K, group, G, xsum, out); break;
+  }
+}
+#endif  // WB_X86
+
+Isa detect_isa() {
+#if WB_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::Avx2;
+#endif
+  return Isa::Scalar;
+}
+
+Isa best_isa() {
+  static const Isa best = detect_isa();
+  return best;
+}
+
+Isa parse_isa(const std::string& name) {
+  if (name.empty() || name == "auto") return best_isa();
+  TORCH_CHECK(name == "avx2" || name == "scalar",
+              "weight_only_linear_cpu: isa must be 'auto', 'avx2' or 'scalar', got '", name, "'");
+  const Isa want = name == "avx2" ? Isa::Avx2 : Isa::Scalar;
+  TORCH_CHECK(static_cast<int>(want) <= static_cast<int>(best_isa()),
+              "weight_only_linear_cpu: isa='", name, "' is not supported by this CPU");
+  return want;
+}
+
+struct Kernels {
+  void (*dequant)(const uint8_t*, int64_t, float, float, const float*, float*);
+  void (*dot)(const float*, const float*, int64_t, int, int64_t, float*);
+};
+
+Kernels kernels_for(Isa isa) {
+#if WB_X86
+  if (isa == Isa::Avx2) return {dequant_avx2, dot_avx2};
+#endif
+  return {dequant_scalar, dot_scalar};
+}
+
+// Row n of the weight into w[0 .. K) (c: K + 64 bytes of scratch for its codes).
+void decode_row(const Weight& W, const Kernels& kern, int64_t n, uint8_t* c, float* w) {
+  unpack_row(W.q + n * W.row_bytes, W.bits, W.K, c);
+  const float* s = W.scale + n * W.G;
+  const float* z = W.zero ? W.zero + n * W.G : nullptr;
+  for (int64_t g = 0; g < W.G; ++g) {
+    const int64_t k0 = g * W.group, len = std::min(W.group, W.K - k0);
+    kern.dequant(c + k0, len, s[g], z ? z[g] : 0.f, W.lut, w + k0);
+  }
+}
+
+Weight view(const torch::Tensor& q, const torch::Tensor& scale, const c10::optional<torch::Tensor>& zero,
+            const c10::optional<torch::Tensor>& lut, int64_t bits, int64_t group, int64_t K) {
+  TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, "weight_only_linear_cpu: bits must be 2, 4 or 8");
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kByte && q.is_contiguous() && q.device().is_cpu(),
+              "weight_only_linear_cpu: qweight must be a contiguous 2-D uint8 CPU tensor");
+  const int64_t per = 8 / bits, N = q.size(0), G = (K + group - 1) / group;
+  TORCH_CHECK(group >= 1 && q.size(1) == (K + per - 1) / per, "weight_only_linear_cpu: qweight has ", q.size(1),
+              " bytes per row, ", (K + per - 1) / per, " expected for K = ", K, " at ", bits, " bits");
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.numel() == N * G,
+              "weight_only_linear_cpu: scale must be contiguous float32 (N, G)");
+  const bool has_lut = lut.has_value() && lut->defined();
+  const bool has_zero = zero.has_value() && zero->defined();
+  TORCH_CHECK(has_lut != has_zero, "weight_only_linear_cpu: give zero (integer formats) or lut (NF4), not both");
+  TORCH_CHECK(!has_zero || (zero->scalar_type() == torch::kFloat && zero->is_contiguous() && zero->numel() == N * G),
+              "weight_only_linear_cpu: zero must be contiguous float32 (N, G)");
+  TORCH_CHECK(!has_lut || (bits == 4 && lut->scalar_type() == torch::kFloat && lut->is_contiguous() &&
+                           lut->numel() == 16), "weight_only_linear_cpu: lut must be 16 contiguous float32 (4 bits)");
+  return {q.data_ptr<uint8_t>(), scale.data_ptr<float>(), has_zero ? zero->data_ptr<float>() : nullptr,
+          has_lut ? lut->data_ptr<float>() : nullptr, N, K, G, group, q.size(1), static_cast<int>(bits)};
+}
+
+}  // namespace
+
+std::string cpu_isa() { return best_isa() == Isa::Avx2 ? "avx2" : "scalar"; }
+
+// y (M, N) fp32 = x (M, K) fp32 @ W^T + bias, one decoded row of W at a time (decode / small M).
+torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
+                   const c10::optional<torch::Tensor>& zero, const c10::optional<torch::Tensor>& lut,
+                   int64_t bits, int64_t group, const c10::optional<torch::Tensor>& bias, const std::string& isa) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.device().is_cpu(),
+              "weight_only_linear_cpu: x must be a contiguous 2-D float32 CPU tensor");
+  const Weight W = view(q, scale, zero, lut, bits, group, x.size(1));
+  const int64_t M = x.size(0), K = W.K, N = W.N;
+  const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(!has_bias || (bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == N),
+              "weight_only_linear_cpu: bias must be contiguous float32 (N,)");
+  const Kernels kern = kernels_for(parse_isa(isa));
+  auto out = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  const float* xp = x.data_ptr<float>();
+  const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+#if WB_X86
+  // Whole 32-value chunks of 4- or 8-bit integer codes: decoded in registers (gemv_row_avx2).
+  if (parse_isa(isa) == Isa::Avx2 && !W.lut && (W.bits == 4 || W.bits == 8) && W.group % 32 == 0 && K % 32 == 0) {
+    std::vector<float> xsum(M * W.G, 0.f);  // (M, G): x's per-group sums
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; ++k) xsum[m * W.G + k / W.group] += xp[m * K + k];
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      float d[4];
+      for (int64_t n = n0; n < n1; ++n) {
+        for (int64_t m = 0; m < M; m += 4) {
+          const int rows = static_cast<int>(std::min<int64_t>(4, M - m));
+          const uint8_t* qn = W.q + n * W.row_bytes;
+          const float *sn = W.scale + n * W.G, *zn = W.zero + n * W.G;
+          if (W.bits == 4) gemv_rows_avx2<4>(rows, qn, sn, zn, xp + m * K, K, W.group, W.G, xsum.data() + m * W.G, d);
+          else gemv_rows_avx2<8>(rows, qn, sn, zn, xp + m * K, K, W.group, W.G, xsum.data() + m * W.G, d);
+          for (int i = 0; i < rows; ++i) op[(m + i) * N + n] = bp ? d[i] + bp[n] : d[i];
+        }
+      }
+    });
+    return out;
+  }
+#endif
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    std::vector<uint8_t> c(K + 64);
+    std::vector<float> w(K);
+    float d[4];
+    for (int64_t n = n0; n < n1; ++n) {
+      decode_row(W, kern, n, c.data(), w.data());
+      for (int64_t m = 0; m < M; m += 4) {
+        const int rows = static_cast<int>(std::min<int64_t>(4, M - m));
+        kern.dot(w.data(), xp + m * K, K, rows, K, d);
+        for (int i = 0; i < rows; ++i) op[(m + i) * N + n] = bp ? d[i] + bp[n] : d[i];
+      }
+    }
+  });
+  return out;
+}
+
+// The whole weight decoded: (N, K) fp32, bit for bit the reference's decode.
+torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& scale, const c10::optional<torch::Tensor>& zero,
+                     const c10::optional<torch::Tensor>& lut, int64_t bits, int64_t group, int64_t K,
+                     const std::string& isa) {
+  const Weight W = view(q, scale, zero, lut, bits, group, K);
+  const Kernels kern = kernels_for(parse_isa(isa));
+  auto out = torch::empty({W.N, K}, scale.options());
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, W.N, 16, [&](int64_t n0, int64_t n1) {
+    std::vector<uint8_t> c(K + 64);
+    for (int64_t n = n0; n < n1; ++n) decode_row(W, kern, n, c.data(), op + n * K);
+  });
+  return out;
+}
+
+// y (M, N) = x (M, K) @ W^T + bias for many rows of x: blocks of weight rows decoded (all threads) into a
+// per-thread fp32 buffer of about 2 MB that is reused from call to call (no page faults, stays in L2/L3), each
+// block multiplied by PyTorch's fp32 GEMM.
+torch::Tensor prefill(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
+                      const c10::optional<torch::Tensor>& zero, const c10::optional<torch::Tensor>& lut,
+                      int64_t bits, int64_t group, const c10::optional<torch::Tensor>& bias, int64_t block_rows,
+                      const std::string& isa) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.device().is_cpu(),
+              "weight_only_linear_cpu: x must be a contiguous 2-D float32 CPU tensor");
+  const Weight W = view(q, scale, zero, lut, bits, group, x.size(1));
+  const int64_t M = x.size(0), K = W.K, N = W.N;
+  const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(!has_bias || (bias->scalar_type() == torch::kFloat && bias->numel() == N),
+              "weight_only_linear_cpu: bias must be float32 (N,)");
+  const Kernels kern = kernels_for(parse_isa(isa));
+  if (M == 0 || N == 0) return torch::empty({M, N}, x.options());
+  const int64_t nb = std::min(N, block_rows > 0 ? block_rows
+                                                : std::max<int64_t>((int64_t{2} << 20) / (4 * K) / 16 * 16, 16));
+  thread_local std::vector<float> scratch;
+  if (static_cast<int64_t>(scratch.size()) < nb * K) scratch.resize(nb * K);
+  auto out = nb == N ? torch::Tensor() : torch::empty({M, N}, x.options());
+  for (int64_t n0 = 0; n0 < N; n0 += nb) {
+    const int64_t rows = std::min(nb, N - n0);
+    float* buf = scratch.data();
+    at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
+      std::vector<uint8_t> c(K + 64);
+      for (int64_t r = r0; r < r1; ++r) decode_row(W, kern, n0 + r, c.data(), buf + r * K);
+    });
+    auto wb = torch::from_blob(buf, {rows, K}, x.options());
+    if (rows == N) return has_bias ? at::addmm(*bias, x, wb.t()) : at::mm(x, wb.t());  // one block: no copy
+    auto ob = out.narrow(1, n0, rows);
+    if (has_bias) {
+      ob.copy_(at::addmm(bias->narrow(0, n0, rows), x, wb.t()));
+    } else {
+      ob.copy_(at::mm(x, wb.t()));
+    }
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gemv", &gemv, "weight-only Linear, one decoded weight row at a time (see kernels/weight_only_cpu.py)");
+  m.def("prefill", &prefill, "weight-only Linear for many rows: blocks of decoded rows times an fp32 GEMM");
+  m.def("decode", &decode, "the stored weight decoded to fp32 (N, K)");
+  m.def("cpu_isa", &cpu_isa, "the vector ISA used on this CPU: avx2 or scalar");
+}

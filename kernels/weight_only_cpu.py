@@ -1,0 +1,203 @@
+"""Weight-only Linear on the CPU: the package's low-bit weights (int8 / int4 / int3 / int2 with any group size and
+zero point, NF4) times float activations, without ever holding the float weight for decode-sized inputs.
+
+The math (the numbers of ``WeightOnlyLinear``'s reference path, fp32)::
+
+    w[n, k] = (u[n, k] - z[n, g]) * s[n, g]        integer formats, g = k // group_size (z = 2^(bits-1) if symmetric)
+    w[n, k] = nf4[u[n, k]] * s[n, g]               NF4
+    y[m, n] = sum_k x[m, k] w[n, k] + bias[n]
+
+Two paths, picked per call by the number of rows M of x (``prefill_rows``, default `PREFILL_ROWS`):
+
+- **decode** (M <= prefill_rows): output rows are split across threads; each decodes one weight row into an
+  L1-resident fp32 buffer (unpack the codes, subtract the zero, scale: the reference's fp32 operations, in its
+  order) and takes its dot product with every row of x (four rows of x per sweep, AVX2 FMA). The weight is read
+  once, as the bytes it is stored in - the memory traffic of the compressed layer, not of the float one.
+- **prefill** (M > prefill_rows): the whole weight is decoded (the same per-row routine, all threads) into an
+  fp32 matrix and multiplied by PyTorch's fp32 GEMM. The decode is bit for bit the reference's, so this path
+  returns exactly the reference's result for fp32 inputs; the decode is a pass over N x K values against the
+  GEMM's M x N x K multiply-adds (measured in ``kernels/README.md``).
+
+Numerics: activations are computed in fp32 whatever their dtype (bf16 / fp16 inputs are converted, the result is
+converted back): on CPUs without native bf16 arithmetic (AVX2) an fp32 GEMM is several times faster than a bf16
+one, and fp32 is at least as exact as the bf16 reference. The decode path sums in a different order from the
+reference's GEMM: fp32 outputs agree to ~1e-6 relative (tests: 1e-5); the prefill path is bit-identical.
+
+Why not PyTorch's packed kernels (``aten._weight_int4pack_mm_for_cpu``, ``aten._weight_int8pack_mm``): they need
+bf16 activations (fp32 ones fall to a scalar loop), keep scales and zeros in bf16 (our fp16 scales lose 3 bits),
+take int4 with groups that are multiples of 32 only (no asymmetric uint8 zero as such, no NF4 / int2), and on this
+AVX2 machine run at 2.6 ms (int4) / 2.4 ms (int8) for a 4096 x 4096 layer at M = 1 where this kernel is faster
+(`kernels.bench.cpu_weight_only` measures all of them side by side).
+
+Vector code: AVX2 + FMA chosen at run time (``cpu_isa()``), a scalar loop elsewhere; ``isa=`` forces one for
+tests. AVX-512 machines run the AVX2 code (correct; not tuned for them). Built on first use with
+``torch.utils.cpp_extension`` like `kernels.w8a8_cpu` (~20 s once, cached); no ``-march=native``.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "ISAS",
+    "PREFILL_ROWS",
+    "CpuWeight",
+    "cpu_isa",
+    "linear_unchecked",
+    "load_extension",
+    "pack",
+    "reference",
+    "supports",
+    "weight_only_linear_cpu",
+]
+
+SOURCE = Path(__file__).with_name("weight_only_cpu.cpp")
+ISAS = ("auto", "avx2", "scalar")
+_OP = "weight_only_linear_cpu"
+_NAME = "workbench_weight_only_cpu"
+# Rows of x above which the whole weight is decoded once and an fp32 GEMM runs. Measured on this machine's
+# 4096 x 4096 layer, one thread (kernels/README.md): the decode path costs ~0.35 ms per extra row of x, the fp32
+# GEMM ~0.6 ms per row plus the decode (~25 ms for int4): the paths cross near 16 rows (a per-row dot product
+# that streams x from L2 cannot match a blocked GEMM).
+PREFILL_ROWS = 16
+
+
+@dataclass(frozen=True)
+class CpuWeight:
+    """A stored weight as the kernel reads it: the packed codes as stored (no copy) and fp32 scale / zero (or the
+    NF4 table). Built by `pack` once per weight (when a module is built, loaded, or its tensors change)."""
+
+    qweight: torch.Tensor            # (N, ceil(K / per byte)) uint8, the storage layout
+    scale: torch.Tensor              # (N, G) fp32
+    zero: torch.Tensor | None        # (N, G) fp32 for integer formats
+    lut: torch.Tensor | None         # (16,) fp32 for NF4
+    bits: int                        # code slot width: 2, 4 or 8
+    group_size: int
+    K: int
+
+    @property
+    def N(self) -> int:
+        return self.qweight.shape[0]
+
+
+def supports(fmt) -> bool:
+    """Whether `pack` takes weights of ``fmt`` (every integer format and NF4; not fp8)."""
+    from workbench.quantization import formats as fm
+
+    return isinstance(fmt, (fm.IntFormat, fm.NF4Format))
+
+
+def pack(tensors: dict[str, torch.Tensor], fmt, K: int) -> CpuWeight:
+    """The kernel's view of a format's tensors (``qweight``, ``scale``, optional ``zero``; see
+    `workbench.quantization.formats`): scales and zero points widened to fp32 (the values the reference
+    computes with), the codes untouched."""
+    from workbench.quantization import formats as fm
+    from workbench.quantization.primitives import nf4_codebook
+
+    if not supports(fmt):
+        raise ValueError(f"{_OP}: no CPU kernel for {fmt} (integer formats and NF4 only)")
+    g, G = fm.groups(fmt, K)
+    scale = tensors["scale"].float().contiguous()
+    if isinstance(fmt, fm.NF4Format):
+        return CpuWeight(tensors["qweight"].contiguous(), scale, None, nf4_codebook().float().contiguous(), 4, g, K)
+    zero = tensors["zero"].float().contiguous() if "zero" in tensors else torch.full_like(
+        scale, float(1 << (fmt.bits - 1)))
+    return CpuWeight(tensors["qweight"].contiguous(), scale, zero, None, fmt.slot_bits, g, K)
+
+
+@functools.cache
+def _build():
+    """(extension module, None) or (None, the error): a failed build is not retried in this process."""
+    from torch.utils.cpp_extension import load
+
+    from kernels.w8a8_cpu import ensure_ninja_on_path
+
+    try:
+        ensure_ninja_on_path()
+        print("kernels.weight_only_cpu: loading the CPU weight-only kernel (compiled on first use on this machine, "
+              "~20 s; cached afterwards) ...", file=sys.stderr, flush=True)
+        ext = load(name=_NAME, sources=[str(SOURCE)], extra_cflags=["-O3", "-ffp-contract=off"], verbose=False)
+        return ext, None
+    except Exception as e:  # no compiler, no ninja, no Python headers: reported by load_extension
+        return None, e
+
+
+def load_extension():
+    """The compiled extension; raises a RuntimeError naming what is missing when it cannot be built here."""
+    ext, err = _build()
+    if ext is None:
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        first = next((line for line in lines if "error" in line.lower() and "error building extension" not in
+                      line.lower()), lines[-1] if lines else type(err).__name__)[:300]
+        raise RuntimeError(f"{_OP}: the CPU weight-only kernel is C++ compiled on first use "
+                           f"(torch.utils.cpp_extension: ninja and a C++ compiler); building it failed here: {first}. "
+                           "Use kernel='reference' on this machine.") from err
+    return ext
+
+
+def cpu_isa() -> str:
+    """The vector ISA the kernel uses on this CPU: "avx2" or "scalar"."""
+    return load_extension().cpu_isa()
+
+
+def linear_unchecked(x: torch.Tensor, w: CpuWeight, bias: torch.Tensor | None, prefill_rows: int = PREFILL_ROWS,
+                     isa: str = "auto") -> torch.Tensor:
+    """`weight_only_linear_cpu` without its argument checks (for `WeightOnlyLinear`, whose tensors are known
+    good)."""
+    x2 = x.reshape(-1, w.K)                                               # (M, K)
+    if x2.dtype != torch.float32 or not x2.is_contiguous():
+        x2 = x2.float().contiguous()
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        bias = bias.float().contiguous()
+    ext = load_extension()
+    if x2.shape[0] <= prefill_rows:
+        y = ext.gemv(x2, w.qweight, w.scale, w.zero, w.lut, w.bits, w.group_size, bias, isa)     # (M, N)
+    else:
+        y = ext.prefill(x2, w.qweight, w.scale, w.zero, w.lut, w.bits, w.group_size, bias, 0, isa)
+    y = y.view(*x.shape[:-1], w.N)
+    return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+def weight_only_linear_cpu(x: torch.Tensor, w: CpuWeight, bias: torch.Tensor | None = None, *,
+                           prefill_rows: int = PREFILL_ROWS, isa: str = "auto") -> torch.Tensor:
+    """``y (..., N)`` in x's dtype = x ``(..., K)`` times the weight held in ``w`` (from `pack`), plus ``bias``.
+    ``prefill_rows`` (rows of x up to which the decode path runs) and ``isa`` exist for tests and tuning.
+    Inference only: no autograd graph is recorded."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dtype not in (
+            torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"{_OP}: x must be a float32 / float16 / bfloat16 tensor, got "
+                        f"{getattr(x, 'dtype', type(x).__name__)}")
+    if x.ndim < 1 or x.shape[-1] != w.K:
+        raise ValueError(f"{_OP}: x must have shape (..., K = {w.K}), got {tuple(x.shape)}")
+    if x.device.type != "cpu" or w.qweight.device.type != "cpu":
+        raise ValueError(f"{_OP}: the CPU kernel needs CPU tensors, got x on {x.device}, the weight on "
+                         f"{w.qweight.device}")
+    if bias is not None and tuple(bias.shape) != (w.N,):
+        raise ValueError(f"{_OP}: bias must have shape ({w.N},), got {tuple(bias.shape)}")
+    if isinstance(prefill_rows, bool) or not isinstance(prefill_rows, int) or prefill_rows < 0:
+        raise ValueError(f"{_OP}: prefill_rows must be an int >= 0, got {prefill_rows!r}")
+    if isa not in ISAS:
+        raise ValueError(f"{_OP}: isa must be one of {ISAS}, got {isa!r}")
+    with torch.no_grad():
+        return linear_unchecked(x, w, bias, prefill_rows, isa)
+
+
+def reference(x: torch.Tensor, w: CpuWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The same math in PyTorch: decode every weight row in fp32, then an fp32 matmul."""
+    from workbench.quantization import packing
+
+    codes = packing.unpack(w.qweight, w.bits, w.K)                          # (N, K) uint8
+    pad = w.scale.shape[1] * w.group_size - w.K                             # a short last group
+    c = F.pad(codes, (0, pad)).reshape(w.N, -1, w.group_size)               # (N, G, g)
+    if w.lut is not None:
+        weight = w.lut[c.long()] * w.scale.unsqueeze(-1)
+    else:
+        weight = (c.float() - w.zero.unsqueeze(-1)) * w.scale.unsqueeze(-1)
+    weight = weight.reshape(w.N, -1)[:, :w.K]                               # (N, K)
+    y = F.linear(x.float(), weight, None if bias is None else bias.float())
+    return y.to(x.dtype)

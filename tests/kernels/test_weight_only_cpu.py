@@ -1,0 +1,123 @@
+"""kernels.weight_only_cpu against its PyTorch reference: every format it takes, ragged shapes (K, N and group
+sizes that are not multiples of the vector width, short last groups), both paths (decode: fp32 within 1e-5;
+prefill: bit for bit the reference's decoded weight times the same GEMM), each ISA this CPU has, two threads,
+fp16 / bf16 inputs, bad inputs refused by name; plus smoke runs of the benchmarks in kernels.bench_cpu."""
+import pytest
+import torch
+
+from kernels import weight_only_cpu as wk
+from workbench.quantization import formats as fm
+
+FORMATS = [fm.IntFormat(4, 128), fm.IntFormat(4, 32, symmetric=False), fm.IntFormat(4, 48, False, float_zero=True),
+           fm.IntFormat(8, None), fm.IntFormat(8, 64, symmetric=False), fm.IntFormat(3, 24), fm.IntFormat(2, 16, False),
+           fm.NF4Format(64)]
+ISAS = ["scalar"] + (["avx2"] if wk.cpu_isa() == "avx2" else [])
+
+
+def _layer(fmt, N, K, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=gen)
+    t = fm.encode(w, fmt)
+    return t, wk.pack(t, fmt, K), fm.decode(t, fmt, K)                    # stored, kernel view, fp32 (N, K)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+@pytest.mark.parametrize("isa", ISAS)
+def test_matches_the_reference_on_ragged_shapes(fmt, isa):
+    for N, K in [(37, 203), (8, 256), (65, 96)]:
+        _, w, dense = _layer(fmt, N, K)
+        bias = torch.randn(N)
+        for M in (1, 3, 5, 17, 33):
+            x = torch.randn(M, K)
+            expected = torch.nn.functional.linear(x, dense, bias)
+            got = wk.weight_only_linear_cpu(x, w, bias, isa=isa)
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+            torch.testing.assert_close(wk.reference(x, w, bias), expected, rtol=1e-6, atol=1e-6)
+        x = torch.randn(40, K)                     # prefill path: the reference's decoded weight, the same GEMM
+        assert torch.equal(wk.weight_only_linear_cpu(x, w, bias, isa=isa), torch.nn.functional.linear(x, dense, bias))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_both_paths_agree_and_threads_do_not_change_the_result(isa):
+    _, w, _ = _layer(fm.IntFormat(4, 64, symmetric=False), 300, 512)
+    x = torch.randn(2, 9, 512)
+    one = wk.weight_only_linear_cpu(x, w, prefill_rows=10 ** 6, isa=isa)   # decode path for every row
+    pre = wk.weight_only_linear_cpu(x, w, prefill_rows=0, isa=isa)         # prefill path for every row
+    assert one.shape == (2, 9, 300)
+    torch.testing.assert_close(one, pre, rtol=1e-5, atol=1e-4)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(wk.weight_only_linear_cpu(x, w, prefill_rows=10 ** 6, isa=isa), one)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_inputs_compute_in_fp32_and_return_their_dtype(dtype):
+    _, w, dense = _layer(fm.IntFormat(4, 32), 48, 96)
+    x = torch.randn(3, 96).to(dtype)
+    y = wk.weight_only_linear_cpu(x, w)
+    assert y.dtype == dtype
+    torch.testing.assert_close(y, torch.nn.functional.linear(x.float(), dense).to(dtype))
+
+
+def test_bad_inputs_are_refused_by_name():
+    _, w, _ = _layer(fm.IntFormat(4, 32), 16, 64)
+    with pytest.raises(ValueError, match="shape \\(..., K = 64\\)"):
+        wk.weight_only_linear_cpu(torch.randn(2, 63), w)
+    with pytest.raises(TypeError, match="x must be a float32"):
+        wk.weight_only_linear_cpu(torch.ones(2, 64, dtype=torch.int32), w)
+    with pytest.raises(ValueError, match="bias must have shape \\(16,\\)"):
+        wk.weight_only_linear_cpu(torch.randn(2, 64), w, torch.zeros(15))
+    with pytest.raises(ValueError, match="isa must be one of"):
+        wk.weight_only_linear_cpu(torch.randn(2, 64), w, isa="neon")
+    with pytest.raises(ValueError, match="prefill_rows"):
+        wk.weight_only_linear_cpu(torch.randn(2, 64), w, prefill_rows=-1)
+    with pytest.raises(ValueError, match="no CPU kernel for FP8Format"):
+        wk.pack(fm.encode(torch.randn(4, 8), fm.FP8Format()), fm.FP8Format(), 8)
+
+
+def test_a_failed_build_says_what_is_missing(monkeypatch):
+    monkeypatch.setattr(wk, "_build", lambda: (None, RuntimeError("Error building extension\nc++: not found")))
+    _, w, _ = _layer(fm.IntFormat(4, 32), 16, 64)
+    with pytest.raises(RuntimeError, match="ninja and a C\\+\\+ compiler.*c\\+\\+: not found.*kernel='reference'"):
+        wk.weight_only_linear_cpu(torch.randn(2, 64), w)
+
+
+def test_layer_benchmark_smoke():
+    from kernels import bench_cpu
+
+    df = bench_cpu.weight_only_table(256, 64, ms=(1, 20), rounds=1)
+    assert set(df["M"]) == {1, 20} and (df["ms"] > 0).all() and (df["ms_min"] <= df["ms_max"]).all()
+    row = df.set_index(["M", "path"]).loc[1]
+    assert row.loc["int4 g128 WO auto (ours)", "kernel"] == "cpu"
+    assert row.loc["int4 g128 WO reference", "kernel"] == "reference"
+    assert row.loc["fp32", "vs_fp32"] == pytest.approx(1.0)
+    assert row.loc["int8 WO auto (ours)", "ceiling_vs_fp32"] == pytest.approx(4 * 256 * 64 / (256 * 64 + 2 * 64))
+
+
+def test_decode_benchmark_smoke_on_a_hugging_face_llama():
+    """Any causal LM: a Hugging Face model from a small random config generates with its KV cache."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kernels import bench_cpu
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    df = bench_cpu.decode_tokens_per_s(model, new_tokens=3, prompt_tokens=4, rounds=1,
+                                       paths=("fp32", "int4 g64 WO", "W8A8 dynamic"))
+    assert list(df["path"]) == ["fp32", "int4 g64 WO", "W8A8 dynamic"]
+    assert (df["tokens_per_s"] > 0).all() and df["kv_cache"].all()
+    assert df.set_index("path").loc["fp32", "same_tokens_as_fp32"]
+    assert "WeightOnlyLinear:cpu x15" in df.set_index("path").loc["int4 g64 WO", "kernels"]
+
+
+def test_measure_reports_tokens_per_s_for_causal_lms_only():
+    import workbench as wb
+
+    m = wb.measure(wb.models.load("tiny-lm"), "tiny-lm", quick=True, progress=False, generate_tokens=2)
+    assert m.tokens_per_s > 0 and m.to_dict()["tokens_per_s"] == m.tokens_per_s
+    with pytest.raises(ValueError, match="not a causal language model"):
+        wb.measure(wb.models.load("digits-mlp"), "digits", quick=True, progress=False, generate_tokens=2)

@@ -13,10 +13,11 @@ from workbench.tasks import data
 
 # Goldens measured with the shipped data/tiny-llama.safetensors (quick = the first 16 held-out windows of 128
 # tokens), torch 2.13.0+cpu on the 2-core AVX2 machine. Tolerances cover kernels / thread counts, not changes
-# of the weights or the tokenizer. The shipped model is under-trained (160 steps; see README): its perplexity
-# is close to a unigram model's, so compression moves it little and the checks below also compare logits.
-PPL_QUICK = 788.62
-PPL_FULL = 747.58
+# of the weights or the tokenizer. Measured there: fp32 160.59 quick / 113.80 full; int8 weight-only 160.54 /
+# 113.81; int4 g64 161.59 / 114.12; int2 g64 176.40 / 127.48; Dynamic int8 161.00 / 113.98; 50 % magnitude of
+# the MLPs 171.24 / 122.81.
+PPL_QUICK = 160.59
+PPL_FULL = 113.80
 PPL_REL_TOL = 0.01
 
 
@@ -83,7 +84,7 @@ def test_perplexity_golden(fp32_quick):
     assert math.isfinite(fp32_quick)
     assert fp32_quick == pytest.approx(PPL_QUICK, rel=PPL_REL_TOL)
     assert meta_ppl == pytest.approx(PPL_FULL, rel=PPL_REL_TOL)   # the full perplexity the training run recorded
-    assert fp32_quick < 0.25 * 4096  # far better than uniform over the vocabulary
+    assert fp32_quick < 0.05 * 4096  # far better than uniform over the vocabulary
 
 
 def _metadata_perplexity() -> float:
@@ -112,9 +113,11 @@ def test_weight_only_int8_is_close_and_int4_is_worse_but_bounded(model, task, fp
     layers = "model.layers.*"
     q8 = wb.apply(model, {layers: wb.quant.WeightOnly(bits=8)}, progress=False)
     q4 = wb.apply(model, {layers: wb.quant.WeightOnly(bits=4, group_size=64)}, progress=False)
-    int8, int4 = (task.evaluate(q, quick=True)["perplexity"] for q in (q8, q4))
-    assert abs(int8 - fp32_quick) < 0.001 * fp32_quick
-    assert abs(int4 - fp32_quick) < 0.02 * fp32_quick
+    q2 = wb.apply(model, {layers: wb.quant.WeightOnly(bits=2, group_size=64)}, progress=False)
+    int8, int4, int2 = (task.evaluate(q, quick=True)["perplexity"] for q in (q8, q4, q2))
+    assert abs(int8 - fp32_quick) < 0.002 * fp32_quick
+    assert fp32_quick * 1.002 < int4 < fp32_quick * 1.03      # measured +0.6 %
+    assert int2 > int4 * 1.04 and int2 < fp32_quick * 1.3    # measured +9.8 %
     (x,) = task.example_inputs(2)
     assert _logit_error(q4, model, x) > 10 * _logit_error(q8, model, x) > 0
 
@@ -126,7 +129,7 @@ def test_dynamic_and_magnitude_pruning_apply_and_measure(model, task, fp32_quick
     m = wb.measure(dyn, "tiny-llama", quick=True)
     assert m.quality["perplexity"] == pytest.approx(fp32_quick, rel=0.01)
     p = task.evaluate(pruned, quick=True)["perplexity"]
-    assert p == pytest.approx(fp32_quick, rel=0.03) and p != fp32_quick
+    assert fp32_quick * 1.02 < p < fp32_quick * 1.15          # measured +6.6 %
     assert float((pruned.model.layers[0].mlp.up_proj.weight == 0).float().mean()) == pytest.approx(0.5, abs=0.01)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())   # the zoo model is untouched
 
@@ -154,8 +157,7 @@ def test_sensitivity_ranks_layers_of_one_block(model):
     table = wb.sensitivity(model, "tiny-llama", [wb.quant.WeightOnly(bits=2, group_size=64)],
                            layers="model.layers.0.mlp.*", calibration=None, cache=False, progress=False)
     assert len(table) == 3        # gate, up, down
-    # the under-trained model is near its unigram floor: 2 bits moves perplexity either way, but measurably
-    assert table["loss"].notna().all() and (table["loss"].abs() > 1e-4).all()
+    assert table["loss"].notna().all() and (table["loss"] > 0).all()   # 2 bits costs every layer something
 
 
 def test_tokens_per_second_generates_with_the_kv_cache(model, task):

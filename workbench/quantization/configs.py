@@ -126,7 +126,7 @@ class _WeightHandler:
             from workbench.quantization.gptq import gptq_quantize
 
             tensors = gptq_quantize(module.weight.detach(), inputs, fmt, damp=config.damp,
-                                    act_order=config.act_order, name=name)
+                                    act_order=config.act_order, static_groups=config.static_groups, name=name)
         elif method is Method.AWQ:
             from workbench.quantization.awq import awq_search
 
@@ -135,8 +135,9 @@ class _WeightHandler:
             from workbench.quantization.hqq import hqq_quantize
 
             tensors = hqq_quantize(module.weight.detach(), fmt)
+        perm = tensors.pop("perm", None) if tensors is not None else None
         return WeightOnlyLinear.from_float(module, fmt, name, tensors=tensors, smooth=smooth,
-                                           kernel=getattr(config, "kernel", "reference"))
+                                           kernel=getattr(config, "kernel", "reference"), perm=perm)
 
     def skeleton(self, name: str, module: nn.Module, config):
         kind, padding = self._check(name, module, config)
@@ -151,7 +152,14 @@ class _WeightHandler:
         return WeightOnlyLinear(module.in_features, module.out_features, fmt, module.bias is not None,
                                 device=module.weight.device, bias_dtype=module.weight.dtype,
                                 smooth=getattr(config, "method", Method.RTN) is Method.AWQ,
-                                kernel=getattr(config, "kernel", "reference"))
+                                kernel=getattr(config, "kernel", "reference"),
+                                perm=_permuted(config))
+
+
+def _permuted(config) -> bool:
+    """Whether ``config`` stores its weight with permuted input columns (GPTQ act-order with dynamic groups)."""
+    return (getattr(config, "method", Method.RTN) is Method.GPTQ and config.act_order and not config.static_groups
+            and config.group_size is not None)
 
 
 class _DefaultGroupSize(int):
@@ -176,6 +184,8 @@ class WeightOnly(Config):
     method: Method = Method.RTN
     damp: float = 0.01        # GPTQ: fraction of the mean Hessian diagonal added for stability
     act_order: bool = False   # GPTQ: quantize columns in order of decreasing Hessian diagonal
+    static_groups: bool = False   # GPTQ act_order: groups of the original columns (True) or, as the reference
+    #                               does, of the activation order (False: the layer stores a column permutation)
     kernel: str = "reference"  # Linear matmul: "reference", "cpu" (bf16), "triton" (int8 per-channel, int4) or "auto"
 
     def __post_init__(self):

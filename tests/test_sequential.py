@@ -125,6 +125,24 @@ def test_model_without_blocks_falls_back_with_a_warning():
     assert set(report.calibration) == {"original"} and report.note.str.contains("no block list").all()
 
 
+class Branches(nn.Module):
+    """A ModuleList of parallel branches: not a chain of blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.branches = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(3))
+
+    def forward(self, x):
+        return sum(b(x) for b in self.branches)
+
+
+def test_a_list_of_parallel_branches_is_not_taken_for_blocks():
+    with pytest.warns(UserWarning, match="does not take the output"):
+        small = wb.apply(Branches().eval(), {"*": wb.quant.WeightOnly(bits=4, group_size=16, method="gptq")},
+                         calibration=[torch.randn(8, 16) for _ in range(2)], progress=False)
+    assert set(wb.applied_report(small).calibration) == {"original"}
+
+
 def test_failure_mid_pipeline_leaves_an_inplace_model_untouched():
     model, data = tiny_llama(2), batches(2)
     before = {n: type(m) for n, m in model.named_modules()}
@@ -141,3 +159,13 @@ def test_failure_mid_pipeline_leaves_an_inplace_model_untouched():
 def test_unknown_pipeline_is_refused():
     with pytest.raises(ValueError, match="pipeline must be one of"):
         wb.apply(nn.Linear(4, 4), {"*": wb.quant.WeightOnly(bits=8)}, pipeline="parallel")
+
+
+def test_gptq_is_fed_a_hessian_built_batch_by_batch_not_the_inputs(monkeypatch):
+    import workbench.quantization.gptq as gptq
+
+    seen, real = [], gptq.gptq_quantize
+    monkeypatch.setattr(gptq, "gptq_quantize", lambda w, inputs, *a, **k: seen.append(inputs) or real(w, inputs, *a, **k))
+    model = tiny_llama(2)
+    wb.apply(model, PLAN, calibration=batches(2), progress=False)
+    assert len(seen) == 14 and all(isinstance(s, gptq.HessianAccumulator) and s.n == 2 * 2 * 16 for s in seen)

@@ -4,7 +4,9 @@
 2. Work on a deep copy unless ``inplace=True``.
 3. Where a config needs calibration, ``pipeline`` decides where each layer's inputs come from:
    ``"sequential"`` (default, `workbench.plans.sequential`): block by block, each block's layers recorded on
-   the outputs of the blocks already compressed before it, holding one block's activations at a time;
+   the outputs of the blocks already compressed before it, holding one block's activations at a time
+   (techniques with an ``accumulator`` - GPTQ's Hessian, activation observers - keep statistics built batch
+   by batch instead of the layers' inputs);
    ``"original"``: the calibration batches run once through the original model, recording every such
    layer's inputs (forward pre-hooks, removed afterwards). A model with no block list is calibrated the
    original way, with a warning and a note in `applied_report`.
@@ -30,7 +32,9 @@ from workbench.plans.layers import (
 )
 from workbench.plans.plan import Plan
 from workbench.plans.registry import Config, handler_for
-from workbench.plans.sequential import BlockList, Pipeline, capture_block_inputs, find_blocks, run_block
+from workbench.plans.sequential import (
+    BlockList, Pipeline, capture_block_inputs, find_blocks, run_block, runs_as_chain,
+)
 
 __all__ = ["apply", "build_skeleton", "applied_plans", "applied_report", "ApplyError", "normalize_calibration",
            "PLANS_ATTR", "Pipeline"]
@@ -147,15 +151,18 @@ def apply(model: nn.Module, plan: Plan | Mapping[str, Config | None], calibratio
     fallback = ""
     try:
         canonicalize_for(target, plan)   # the Linear-in-disguise layers the plan reaches, as survey saw them
-        blocks = find_blocks(target, [a.name for a in needing]) if needing and pipeline is Pipeline.SEQUENTIAL \
-            else None
-        if needing and pipeline is Pipeline.SEQUENTIAL and blocks is None and len(assignments) > 1:
-            # (with one layer to change there is nothing before it to compress: both pipelines are the same)
-            fallback = ("calibrated from the original model's activations: no block list (an nn.ModuleList "
-                        "holding the calibrated layers) was found for the sequential pipeline")
-            warnings.warn(f"wb.apply: {type(model).__name__} has no block list holding its calibrated layers; "
-                          f"they are calibrated from the original model's activations (pipeline='original')",
-                          stacklevel=2)
+        blocks = None
+        if needing and pipeline is Pipeline.SEQUENTIAL:
+            blocks = find_blocks(target, [a.name for a in needing])
+            why = "no block list (an nn.ModuleList holding the calibrated layers) was found" if blocks is None \
+                else runs_as_chain(target, blocks, batches[0])
+            if why is not None:
+                blocks = None
+                if len(assignments) > 1:   # (one layer alone: nothing before it to compress, both are the same)
+                    fallback = f"calibrated from the original model's activations: {why}"
+                    warnings.warn(f"wb.apply: {type(model).__name__} cannot be calibrated block by block ({why}); "
+                                  f"its layers are calibrated from the original model's activations "
+                                  f"(pipeline='original')", stacklevel=2)
         if blocks is not None:
             done = _apply_sequential(target, assignments, needing, blocks, batches, progress, swapped)
         else:
@@ -216,12 +223,11 @@ def _apply_sequential(target: nn.Module, assignments, needing, blocks: BlockList
         for i, b in enumerate(tqdm(blocks.names, desc="apply: blocks", leave=False, disable=not progress)):
             block = target.get_submodule(b)
             mine = per_block[b]
-            names = [a.name for a in mine if a.name in calibrated]
-            inputs: dict[str, list] = {n: [] for n in names}
-            if names:
+            inputs = {a.name: _statistics(a.name, target.get_submodule(a.name), a.config) for a in mine
+                      if a.name in calibrated}
+            if inputs:
                 handles = [target.get_submodule(n).register_forward_pre_hook(
-                    lambda mod, args, _n=n: inputs[_n].append(
-                        tuple(x.detach() for x in args if isinstance(x, torch.Tensor)))) for n in names]
+                    lambda mod, args, _n=n: _add(inputs[_n], args)) for n in inputs]
                 try:
                     for s in states:
                         run_block(block, s)
@@ -245,6 +251,22 @@ def _apply_sequential(target: nn.Module, assignments, needing, blocks: BlockList
     finally:
         target.train(was_training)
     return done
+
+
+def _statistics(name: str, module: nn.Module, config: Config):
+    """What the sequential pipeline keeps of a layer's inputs: the handler's accumulator (statistics built batch
+    by batch, e.g. GPTQ's Hessian) or, for a technique without one, a list of the recorded inputs."""
+    make = getattr(handler_for(config), "accumulator", None)
+    found = make(name, module, config) if make is not None else None
+    return [] if found is None else found
+
+
+def _add(statistics, args: tuple) -> None:
+    batch = tuple(x.detach() for x in args if isinstance(x, torch.Tensor))
+    if isinstance(statistics, list):
+        statistics.append(batch)
+    else:
+        statistics.add(batch)
 
 
 def _recorded(plan: Plan, assignments, resolved: list[tuple[str, Config]]) -> Plan:

@@ -34,8 +34,8 @@ from tqdm.auto import tqdm
 
 from workbench.plans.layers import _call, _describe
 
-__all__ = ["Pipeline", "BlockList", "find_blocks", "capture_block_inputs", "BlockInputs", "run_block",
-           "block_output"]
+__all__ = ["Pipeline", "BlockList", "find_blocks", "runs_as_chain", "capture_block_inputs", "BlockInputs",
+           "run_block", "block_output"]
 
 
 class Pipeline(enum.Enum):
@@ -74,8 +74,9 @@ class BlockList:
 
 
 def find_blocks(model: nn.Module, layers: Sequence[str]) -> BlockList | None:
-    """The `nn.ModuleList` whose children hold the most of ``layers`` (at least two blocks holding one each);
-    None if there is none. Nested lists (a list inside a block) count for the outer list only."""
+    """The `nn.ModuleList` whose children hold the most of ``layers``; None if there is none. Nested lists (a list
+    inside a block) count for the outer list only. Whether the blocks really run as a chain is `runs_as_chain`'s
+    question."""
     best: tuple[int, str, tuple[str, ...]] | None = None
     taken: list[str] = []
     for name, module in model.named_modules():
@@ -83,7 +84,7 @@ def find_blocks(model: nn.Module, layers: Sequence[str]) -> BlockList | None:
             continue
         children = tuple(f"{name}.{c}" if name else c for c, _ in module.named_children())
         holding = [b for b in children if any(l == b or l.startswith(b + ".") for l in layers)]
-        if len(holding) < 2:
+        if not holding:
             continue
         taken.append(name)
         count = sum(1 for l in layers if any(l.startswith(b + ".") or l == b for b in children))
@@ -186,3 +187,35 @@ def run_block(block: nn.Module, inputs: BlockInputs) -> torch.Tensor:
         else:
             out = block(*inputs.args, **{inputs.hidden_key: inputs.hidden}, **inputs.kwargs)
     return block_output(out)
+
+
+def runs_as_chain(model: nn.Module, blocks: BlockList, batch) -> str | None:
+    """Check on one batch that each block runs once and takes the previous block's output as its hidden
+    states (a list of parallel branches does not); returns why not, or None."""
+    seen: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
+    handles = []
+    for i, name in enumerate(blocks.names):
+        def pre(mod, args, kwargs, _i=i):
+            x = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
+            seen.append((_i, x))
+
+        def post(mod, args, kwargs, out, _i=i):
+            seen.append((_i, block_output(out)))
+        m = model.get_submodule(name)
+        handles += [m.register_forward_pre_hook(pre, with_kwargs=True), m.register_forward_hook(post, with_kwargs=True)]
+    try:
+        with torch.inference_mode():
+            _call(model, batch)
+    except Exception as e:
+        return f"a calibration batch could not be run through {type(model).__name__}: {type(e).__name__}: {e}"
+    finally:
+        for h in handles:
+            h.remove()
+    order = [i for i, _ in seen]
+    if order != [i for i in range(len(blocks.names)) for _ in (0, 1)]:
+        return f"the children of {blocks.container!r} do not each run once, in order"
+    for i in range(1, len(blocks.names)):
+        out, nxt = seen[2 * i - 1][1], seen[2 * i][1]
+        if not isinstance(nxt, torch.Tensor) or out.shape != nxt.shape or not torch.equal(out, nxt):
+            return f"{blocks.names[i]!r} does not take the output of {blocks.names[i - 1]!r} as its input"
+    return None

@@ -31,7 +31,7 @@ from workbench.quantization.modules import (
     CONV_TYPES, FORWARD_BYPASSED, KERNELS, LAYER_TYPES, W8A8Linear, WeightOnlyEmbedding, WeightOnlyLinear, conv_args,
     input_padding_of, layer_type, selectable, triton_weight_kind, w8a8_conv, weight_only_conv,
 )
-from workbench.quantization.observers import OBSERVERS
+from workbench.quantization.observers import OBSERVERS, ObserverAccumulator
 
 __all__ = ["Method", "WeightOnly", "NF4", "FP8", "Dynamic", "Static"]
 
@@ -93,6 +93,15 @@ class _WeightHandler:
 
     def needs_calibration(self, config) -> bool:
         return getattr(config, "method", Method.RTN) in _CALIBRATED
+
+    def accumulator(self, name: str, module: nn.Module, config):
+        """What GPTQ keeps of a layer's calibration inputs, fed batch by batch: the Hessian (AWQ searches
+        on the inputs themselves: None, keep them)."""
+        if getattr(config, "method", Method.RTN) is Method.GPTQ:
+            from workbench.quantization.gptq import HessianAccumulator
+
+            return HessianAccumulator(module.weight[0].numel(), name)
+        return None
 
     def calibration_cost(self, module: nn.Module, config, tokens: int) -> tuple[int, float]:
         """(peak working bytes, floating-point operations) of calibrating ``module`` on ``tokens`` inputs."""
@@ -264,6 +273,21 @@ class _W8A8Handler:
     def needs_calibration(self, config) -> bool:
         return isinstance(config, Static) or config.smooth_alpha is not None
 
+    def accumulator(self, name: str, module: nn.Module, config):
+        """What is kept of a layer's calibration inputs, fed batch by batch: the activation observer (Static) or
+        the per-channel max |x| (SmoothQuant). Both together need two passes (the observer sees x / s, and s
+        needs every batch first): None, keep the inputs."""
+        from workbench.quantization.smoothquant import AbsMaxAccumulator
+
+        if _recurrent(module) is not None:
+            return None
+        static = isinstance(config, Static)
+        if static and config.smooth_alpha is None:
+            return ObserverAccumulator(OBSERVERS[config.observer]())
+        if not static and config.smooth_alpha is not None:
+            return AbsMaxAccumulator(module.in_features, name)
+        return None
+
     def calibration_cost(self, module: nn.Module, config, tokens: int) -> tuple[int, float]:
         """(peak working bytes, floating-point operations): observing each input batch, fp32 copies."""
         K = module.weight[0].numel()
@@ -289,6 +313,11 @@ class _W8A8Handler:
 
     @staticmethod
     def _act_scale(name, config, inputs, smooth) -> torch.Tensor:
+        if isinstance(inputs, ObserverAccumulator):   # fed batch by batch (no smoothing)
+            if inputs.device is None:
+                raise ValueError(f"static quantization of {name!r} needs calibration inputs, and none were recorded")
+            act_scale, _ = inputs.observer.qparams(8, symmetric=True)
+            return act_scale.reshape(()).to(inputs.device)
         if not inputs:
             raise ValueError(f"static quantization of {name!r} needs calibration inputs, and none were recorded")
         observer = OBSERVERS[config.observer]()

@@ -30,7 +30,7 @@ import torch
 
 from workbench.quantization import formats as fm
 
-__all__ = ["hessian", "gptq_quantize", "GPTQStep"]
+__all__ = ["hessian", "HessianAccumulator", "gptq_quantize", "GPTQStep"]
 
 
 @dataclass(frozen=True)
@@ -51,27 +51,48 @@ class GPTQStep:
     Hinv: torch.Tensor
 
 
-def hessian(inputs: Sequence[tuple[torch.Tensor, ...]] | None, in_features: int, name: str = "layer") -> torch.Tensor:
-    """H = 2/n sum x x^T over every calibration token (float64, ``(in, in)``)."""
+class HessianAccumulator:
+    """``H = 2/n sum x x^T`` built one batch at a time (``add`` is what a forward pre-hook calls), so a layer's
+    calibration inputs need not be kept: `gptq_quantize` takes it in place of the inputs."""
+
+    def __init__(self, in_features: int, name: str = "layer"):
+        self.K, self.name = in_features, name
+        self.H = torch.zeros(in_features, in_features, dtype=torch.float64)   # (in, in): sum of x x^T
+        self.n = 0
+
+    def add(self, batch: tuple[torch.Tensor, ...]) -> None:
+        x = batch[0]
+        if x.shape[-1] != self.K:
+            raise ValueError(f"calibration input of {self.name!r} has last dimension {x.shape[-1]}, expected {self.K}")
+        x = x.reshape(-1, self.K).to(device="cpu", dtype=torch.float64)   # (tokens, in)
+        self.H += x.T @ x
+        self.n += x.shape[0]
+
+    def value(self) -> torch.Tensor:
+        if self.n == 0:
+            raise ValueError(f"GPTQ needs calibration inputs for {self.name!r}, and none were recorded")
+        return self.H * (2.0 / self.n)
+
+
+def hessian(inputs: Sequence[tuple[torch.Tensor, ...]] | HessianAccumulator | None, in_features: int,
+            name: str = "layer") -> torch.Tensor:
+    """H = 2/n sum x x^T over every calibration token (float64, ``(in, in)``), from the recorded inputs or an
+    accumulator that saw them."""
+    if isinstance(inputs, HessianAccumulator):
+        return inputs.value()
     if not inputs:
         raise ValueError(f"GPTQ needs calibration inputs for {name!r}, and none were recorded")
-    H = torch.zeros(in_features, in_features, dtype=torch.float64)
-    n = 0
+    acc = HessianAccumulator(in_features, name)
     for batch in inputs:
-        x = batch[0]
-        if x.shape[-1] != in_features:
-            raise ValueError(f"calibration input of {name!r} has last dimension {x.shape[-1]}, expected {in_features}")
-        x = x.reshape(-1, in_features).to(device="cpu", dtype=torch.float64)   # (tokens, in)
-        H += x.T @ x
-        n += x.shape[0]
-    return H * (2.0 / n)
+        acc.add(batch)
+    return acc.value()
 
 
 def gptq_quantize(weight: torch.Tensor, inputs, fmt: fm.IntFormat, damp: float = 0.01, act_order: bool = False,
                   block_size: int = 128, name: str = "layer",
                   observer: Callable[[GPTQStep], None] | None = None,
                   static_groups: bool = False) -> dict[str, torch.Tensor]:
-    """GPTQ-quantize ``weight`` ``(out, in)``; returns the `formats.IntFormat` tensors, plus ``"perm"`` (int32
+    """GPTQ-quantize ``weight`` ``(out, in)`` from its recorded ``inputs`` (or a `HessianAccumulator`); returns the `formats.IntFormat` tensors, plus ``"perm"`` (int32
     ``(in,)``) when act_order formed groups in activation order (the tensors then encode ``weight[:, perm]``).
     ``observer`` is called with a `GPTQStep` after every column."""
     if not isinstance(fmt, fm.IntFormat):

@@ -10,8 +10,10 @@ def test_bench_measure_smoke():
 def test_bench_quantization_smoke():
     from benchmarks.quantization import bench_quantization
 
-    df = bench_quantization(models=("tiny-lm",), calib=8, quick=True, threads=1, bits_list=(4,), methods=("rtn",))
-    assert list(df["plan"]) == ["fp32", "W4 g64 rtn", "W8A8 dynamic", "W8A8 dynamic + SmoothQuant 0.5"]
+    df = bench_quantization(models=("tiny-lm",), calib=8, quick=True, threads=1, bits_list=(4,), methods=("rtn",),
+                            pipelines=("sequential", "original"))
+    assert list(df["plan"]) == ["fp32", "W4 g64 rtn", "W8A8 dynamic"] + ["W8A8 dynamic + SmoothQuant 0.5"] * 2
+    assert list(df["pipeline"]) == ["", "", "", "sequential", "original"]
     assert (df["size_ratio"].iloc[1:] < 0.6).all() and (df["perplexity"] > 1).all()
 
 

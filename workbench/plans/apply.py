@@ -133,7 +133,7 @@ def apply(model: nn.Module, plan: Plan | Mapping[str, Config | None], calibratio
     if estimate and needing:
         from workbench.analysis.estimate import estimate_calibration
 
-        found = estimate_calibration(model, plan, batches, inplace=inplace)
+        found = estimate_calibration(model, plan, batches, inplace=inplace, pipeline=pipeline)
         tqdm.write(str(found))
         if not found.fits:
             raise MemoryError(f"not calibrating: {found}")

@@ -59,8 +59,11 @@ class HessianAccumulator:
         self.K, self.name = in_features, name
         self.H = torch.zeros(in_features, in_features, dtype=torch.float64)   # (in, in): sum of x x^T
         self.n = 0
+        self.scaled = False
 
     def add(self, batch: tuple[torch.Tensor, ...]) -> None:
+        if self.scaled:
+            raise RuntimeError(f"the Hessian of {self.name!r} was already handed to GPTQ; it takes no more inputs")
         x = batch[0]
         if x.shape[-1] != self.K:
             raise ValueError(f"calibration input of {self.name!r} has last dimension {x.shape[-1]}, expected {self.K}")
@@ -69,9 +72,13 @@ class HessianAccumulator:
         self.n += x.shape[0]
 
     def value(self) -> torch.Tensor:
+        """H itself, scaled in place (no second K x K copy): the caller may change it; no more `add` after."""
         if self.n == 0:
             raise ValueError(f"GPTQ needs calibration inputs for {self.name!r}, and none were recorded")
-        return self.H * (2.0 / self.n)
+        if not self.scaled:
+            self.H.mul_(2.0 / self.n)
+            self.scaled = True
+        return self.H
 
 
 def hessian(inputs: Sequence[tuple[torch.Tensor, ...]] | HessianAccumulator | None, in_features: int,
@@ -125,6 +132,7 @@ def gptq_quantize(weight: torch.Tensor, inputs, fmt: fm.IntFormat, damp: float =
     except torch.linalg.LinAlgError:
         raise ValueError(f"the Hessian of {name!r} is not positive definite even with damp={damp}; "
                          f"use more calibration data or a larger damp") from None
+    del H, L   # only H^-1's factor is needed from here: two K x K matrices fewer while columns are processed
 
     maxq = (1 << fmt.bits) - 1
     if not static:  # blocks hold whole groups, so a group's columns are all in the block when it starts

@@ -34,3 +34,10 @@ def test_bench_ui_smoke():
 
     df = bench_ui(cases=(("digits-mlp", "digits"),), threads=1, edits=2)
     assert df.loc[0, "points"] == 3 and df.loc[0, "one_layer_median_s"] > 0
+
+
+def test_bench_inplace_memory_smoke():
+    from benchmarks.memory import bench_inplace_memory
+
+    r = bench_inplace_memory(layers=1, hidden=64, intermediate=128, threads=1, timeout=300)
+    assert r["model_bytes"] > 0 and r["peak_after"] >= r["peak_before"] and r["seconds"] > 0

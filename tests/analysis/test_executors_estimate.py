@@ -57,8 +57,7 @@ def test_executor_names():
         ProcessPool(0)
 
 
-@pytest.mark.parametrize("method,pipeline", [("gptq", "sequential"), ("awq", "sequential"), ("gptq", "original"),
-                                             ("awq", "original")])
+@pytest.mark.parametrize("method,pipeline", [("gptq", "sequential"), ("awq", "sequential"), ("gptq", "original")])
 def test_calibration_estimate_is_close_to_the_measured_run(method, pipeline):
     model, task = wb.models.load("tiny-lm"), wb.tasks.load("tiny-lm")
     plan = wb.Plan({"h.*": wb.quant.WeightOnly(bits=4, group_size=32, method=method)})

@@ -10,8 +10,10 @@ def test_bench_measure_smoke():
 def test_bench_quantization_smoke():
     from benchmarks.quantization import bench_quantization
 
-    df = bench_quantization(models=("tiny-lm",), calib=8, quick=True, threads=1, bits_list=(4,), methods=("rtn",))
-    assert list(df["plan"]) == ["fp32", "W4 g64 rtn", "W8A8 dynamic", "W8A8 dynamic + SmoothQuant 0.5"]
+    df = bench_quantization(models=("tiny-lm",), calib=8, quick=True, threads=1, bits_list=(4,), methods=("rtn",),
+                            pipelines=("sequential", "original"))
+    assert list(df["plan"]) == ["fp32", "W4 g64 rtn", "W8A8 dynamic"] + ["W8A8 dynamic + SmoothQuant 0.5"] * 2
+    assert list(df["pipeline"]) == ["", "", "", "sequential", "original"]
     assert (df["size_ratio"].iloc[1:] < 0.6).all() and (df["perplexity"] > 1).all()
 
 
@@ -41,3 +43,10 @@ def test_bench_honest_smoke():
     assert len(df) == 4 and (df["median_s"] > 0).all() and (df["budget_s"] == 2.0).all()
     unchanged = df[df["point"] == "unchanged copy"]
     assert ((unchanged["low"] <= 1.0) & (unchanged["high"] >= 1.0)).all(), unchanged[["low", "high"]]
+
+
+def test_bench_inplace_memory_smoke():
+    from benchmarks.memory import bench_inplace_memory
+
+    r = bench_inplace_memory(layers=1, hidden=64, intermediate=128, threads=1, timeout=300)
+    assert r["model_bytes"] > 0 and r["peak_after"] >= r["peak_before"] and r["seconds"] > 0

@@ -57,13 +57,15 @@ def test_executor_names():
         ProcessPool(0)
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq"])
-def test_calibration_estimate_is_close_to_the_measured_run(method):
+@pytest.mark.parametrize("method,pipeline", [("gptq", "sequential"), ("awq", "sequential"), ("gptq", "original")])
+def test_calibration_estimate_is_close_to_the_measured_run(method, pipeline):
     model, task = wb.models.load("tiny-lm"), wb.tasks.load("tiny-lm")
     plan = wb.Plan({"h.*": wb.quant.WeightOnly(bits=4, group_size=32, method=method)})
     calibration = task.calibration(16)
-    est = estimate_calibration(model, plan, calibration)
-    measured_peak = peak_allocated_during(lambda: wb.apply(model, plan, calibration=calibration, progress=False))
+    est = estimate_calibration(model, plan, calibration, pipeline=pipeline)
+    assert est.parts["pipeline"] == pipeline
+    measured_peak = peak_allocated_during(lambda: wb.apply(model, plan, calibration=calibration, progress=False,
+                                                           pipeline=pipeline))
     assert 0.75 <= est.peak_bytes / measured_peak <= 1.33, (est.parts, measured_peak)
     assert est.fits and est.seconds > 0 and est.parts["layers timed"] == 4
     assert "estimated peak" in str(est)

@@ -10,8 +10,12 @@ users run out of memory without warning. These estimates are built from measurem
   whole calibration set: recorded inputs by the number of tokens, per-layer work by the token-dependent
   part of the technique's cost model (the handler's ``calibration_cost``: bytes and arithmetic, turned
   into seconds with this machine's measured matmul throughput).
-  peak = model copy (unless in place) + max(one-batch capture peak + the other batches' inputs,
-  all recorded inputs + the largest layer's work); time = forward time x batches + the sum of per-layer times.
+  With ``pipeline="original"``: peak = model copy (unless in place) + max(one-batch capture peak + the other
+  batches' inputs, all recorded inputs + the largest layer's work). With ``pipeline="sequential"`` (`wb.apply`'s
+  default) only one block is held at a time: peak = model copy + max(one-batch capture peak, the hidden states
+  of every batch at a block boundary + the largest block's kept statistics - accumulators such as GPTQ's
+  Hessians, or the recorded inputs of layers without one - + the largest layer's work).
+  time = forward time x batches + the sum of per-layer times.
 
 `estimate_training(model, batch, steps)`:
   two training steps are run on a copy (forward, backward, optimizer step, with a teacher when given);
@@ -106,8 +110,10 @@ def _tokens(t: torch.Tensor) -> int:
     return max(1, t.numel() // max(1, t.shape[-1])) if t.ndim else 1
 
 
-def estimate_calibration(model: nn.Module, plan, calibration: Iterable[Any], *, inplace: bool = False) -> Estimate:
-    """Peak memory and time of ``wb.apply(model, plan, calibration)`` (see the module docstring)."""
+def estimate_calibration(model: nn.Module, plan, calibration: Iterable[Any], *, inplace: bool = False,
+                         pipeline="sequential") -> Estimate:
+    """Peak memory and time of ``wb.apply(model, plan, calibration, pipeline=pipeline)`` (see the module
+    docstring)."""
     from workbench.plans.apply import _as_plan, normalize_calibration
     from workbench.plans.layers import capture_inputs, transform_layer
     from workbench.plans.registry import handler_for
@@ -173,10 +179,48 @@ def estimate_calibration(model: nn.Module, plan, calibration: Iterable[Any], *, 
         work_bytes = max(work_bytes, int(layer_bytes))
         algorithm_s += layer_s
     peak = copy_bytes + max(capture_peak + recorded - per_batch, recorded + work_bytes)
-    parts = {"model copy bytes": copy_bytes, "recorded inputs bytes": recorded, "one-batch capture peak bytes": capture_peak,
+    blocks = _sequential_blocks(model, needing, batches, pipeline)
+    if blocks is not None:
+        hidden, kept = _block_bytes(model, needing, blocks, batches, records, scale)
+        peak = copy_bytes + max(capture_peak, hidden + kept + work_bytes)
+        recorded = hidden + kept
+    parts = {"model copy bytes": copy_bytes, "pipeline": "sequential" if blocks is not None else "original",
+             "recorded inputs bytes": recorded, "one-batch capture peak bytes": capture_peak,
              "largest layer work bytes": work_bytes, "calibrated layers": len(needing), "batches": len(batches),
              "layers timed": len(samples), "forward s": forward_s * len(batches), "algorithm s": algorithm_s}
     return Estimate("calibration", peak, forward_s * len(batches) + algorithm_s, available_memory(device), parts)
+
+
+def _sequential_blocks(model: nn.Module, needing, batches, pipeline):
+    """The block list `wb.apply` would calibrate block by block (None: the original pipeline runs)."""
+    from workbench.plans.sequential import Pipeline, find_blocks, runs_as_chain
+
+    if Pipeline.of(pipeline) is not Pipeline.SEQUENTIAL:
+        return None
+    blocks = find_blocks(model, [a.name for a in needing])
+    if blocks is None or runs_as_chain(model, blocks, batches[0]) is not None:
+        return None
+    return blocks
+
+
+def _block_bytes(model: nn.Module, needing, blocks, batches, records, scale: float) -> tuple[int, int]:
+    """(hidden states of every batch at a block boundary, the largest block's kept statistics), from one batch
+    scaled by ``scale`` (the calibration set's size over the first batch's)."""
+    from workbench.plans.apply import _statistics
+    from workbench.plans.sequential import capture_block_inputs
+
+    first = capture_block_inputs(model, blocks.names[0], batches[:1], progress=False)[0]
+    hidden = int(first.hidden.untyped_storage().nbytes() * scale)
+    per_block: dict[str, int] = {}
+    for a in needing:
+        block = blocks.block_of(a.name)
+        stats = _statistics(a.name, model.get_submodule(a.name), a.config)
+        if isinstance(stats, list):   # no accumulator: the layer's inputs are kept, one batch's worth scaled
+            size = int(sum(t.untyped_storage().nbytes() for b in records.get(a.name, []) for t in b) * scale)
+        else:
+            size = sum(t.nbytes for t in vars(stats).values() if isinstance(t, torch.Tensor))
+        per_block[block or ""] = per_block.get(block or "", 0) + size
+    return hidden, max(per_block.values(), default=0)
 
 
 def estimate_training(model: nn.Module, batch: tuple[torch.Tensor, ...], steps: int, *,

@@ -2,10 +2,17 @@
 
 1. Resolve the plan against the model (every pattern must select a layer it can handle).
 2. Work on a deep copy unless ``inplace=True``.
-3. Where a config needs calibration, run the calibration batches once through the model and record
-   each such layer's inputs (forward pre-hooks, removed afterwards).
-4. Ask each layer's handler for a *new* module; nothing is swapped in until every layer succeeded,
-   so a failure leaves the input model exactly as it was and names the layer and config at fault.
+3. Where a config needs calibration, ``pipeline`` decides where each layer's inputs come from:
+   ``"sequential"`` (default, `workbench.plans.sequential`): block by block, each block's layers recorded on
+   the outputs of the blocks already compressed before it, holding one block's activations at a time
+   (techniques with an ``accumulator`` - GPTQ's Hessian, activation observers - keep statistics built batch
+   by batch instead of the layers' inputs);
+   ``"original"``: the calibration batches run once through the original model, recording every such
+   layer's inputs (forward pre-hooks, removed afterwards). A model with no block list is calibrated the
+   original way, with a warning and a note in `applied_report`.
+4. Ask each layer's handler for a *new* module. A failure puts every module already swapped back (the
+   sequential pipeline swaps block by block), so it leaves the input model exactly as it was and names the
+   layer and config at fault.
 
 The applied plans are recorded on the result (`applied_plans`), which is what `wb.save` writes.
 """
@@ -25,9 +32,12 @@ from workbench.plans.layers import (
 )
 from workbench.plans.plan import Plan
 from workbench.plans.registry import Config, handler_for
+from workbench.plans.sequential import (
+    BlockList, Pipeline, capture_block_inputs, find_blocks, run_block, runs_as_chain,
+)
 
 __all__ = ["apply", "build_skeleton", "applied_plans", "applied_report", "ApplyError", "normalize_calibration",
-           "PLANS_ATTR"]
+           "PLANS_ATTR", "Pipeline"]
 
 Batch = tuple[torch.Tensor, ...]
 REPORT_ATTR = "_workbench_report"
@@ -35,12 +45,13 @@ REPORT_ATTR = "_workbench_report"
 
 def applied_report(model: nn.Module):
     """What the last `apply` did, one row per layer its plan matched: layer, type, pattern, config, status
-    ("compressed" / "passed over"), the concrete config recorded, and the handler's note or the reason a layer
-    was passed over (a DataFrame; empty for a model `apply` did not produce)."""
+    ("compressed" / "passed over"), the concrete config recorded, the handler's note or the reason a layer
+    was passed over, and ``calibration``: where a calibrated layer's inputs came from ("sequential" or
+    "original"; "" for a layer without calibration) (a DataFrame; empty for a model `apply` did not produce)."""
     import pandas as pd
 
     return pd.DataFrame(getattr(model, REPORT_ATTR, []),
-                        columns=["layer", "type", "pattern", "config", "status", "recorded", "note"])
+                        columns=["layer", "type", "pattern", "config", "status", "recorded", "note", "calibration"])
 
 
 def _as_plan(plan: Plan | Mapping[str, Config | None]) -> Plan:
@@ -94,17 +105,21 @@ def normalize_calibration(calibration: Iterable[Any], model: nn.Module) -> list:
 
 
 def apply(model: nn.Module, plan: Plan | Mapping[str, Config | None], calibration: Iterable[Any] | None = None,
-          inplace: bool = False, progress: bool = True, estimate: bool = False) -> nn.Module:
+          inplace: bool = False, progress: bool = True, estimate: bool = False,
+          pipeline: Pipeline | str = Pipeline.SEQUENTIAL) -> nn.Module:
     """Apply ``plan`` to ``model`` and return the compressed model.
 
     ``model`` is never modified unless ``inplace=True``; even then it is modified only once every
     layer has been transformed successfully. ``calibration``: input batches for configs that need
-    them (e.g. ``task.calibration(128)``). ``estimate``: first estimate the calibration's peak memory
+    them (e.g. ``task.calibration(128)``). ``pipeline``: ``"sequential"`` (default) calibrates block by block
+    on the compressed blocks' outputs; ``"original"`` records every calibrated layer's inputs from the original
+    model in one pass (see `Pipeline`). ``estimate``: first estimate the calibration's peak memory
     and time (`wb.analysis.estimate_calibration`), print it, and raise ``MemoryError`` - before
     anything is copied - if it does not fit in the memory available now.
     """
     _check_module(model)
     plan = _as_plan(plan)
+    pipeline = Pipeline.of(pipeline)
     assignments, passed = plan.survey(model)   # errors in the plan surface before anything is copied
     needing = [a for a in assignments if handler_for(a.config).needs_calibration(a.config)]
     batches: list[Batch] | None = None
@@ -118,7 +133,7 @@ def apply(model: nn.Module, plan: Plan | Mapping[str, Config | None], calibratio
     if estimate and needing:
         from workbench.analysis.estimate import estimate_calibration
 
-        found = estimate_calibration(model, plan, batches, inplace=inplace)
+        found = estimate_calibration(model, plan, batches, inplace=inplace, pipeline=pipeline)
         tqdm.write(str(found))
         if not found.fits:
             raise MemoryError(f"not calibrating: {found}")
@@ -131,33 +146,127 @@ def apply(model: nn.Module, plan: Plan | Mapping[str, Config | None], calibratio
         assignments, passed = plan.survey(target)   # the folded structure (convolutions gained their biases)
     originals = {n: target.get_submodule(n) for n in canonical_targets(target, plan)}
     flags = {m: m.use_nested_tensor for m in target.modules() if hasattr(m, "use_nested_tensor")}
+    groups = tie_groups(target)
+    swapped: list[dict[str, nn.Module]] = []   # what the sequential pipeline already put in place, in order
+    fallback = ""
     try:
         canonicalize_for(target, plan)   # the Linear-in-disguise layers the plan reaches, as survey saw them
-        inputs = capture_inputs(target, [a.name for a in needing], batches, progress) if needing else {}
-        done: dict[str, Transformed] = {}
-        for a in tqdm(assignments, desc="apply", disable=not progress or len(assignments) < 2, leave=False):
-            done[a.name] = transform_layer(a.name, target.get_submodule(a.name), a.config, inputs.get(a.name))
-        _share_tied_groups(target, {n: t.module for n, t in done.items()}, {n: t.config for n, t in done.items()})
+        blocks = None
+        if needing and pipeline is Pipeline.SEQUENTIAL:
+            blocks = find_blocks(target, [a.name for a in needing])
+            why = "no block list (an nn.ModuleList holding the calibrated layers) was found" if blocks is None \
+                else runs_as_chain(target, blocks, batches[0])
+            if why is not None:
+                blocks = None
+                if len(assignments) > 1:   # (one layer alone: nothing before it to compress, both are the same)
+                    fallback = f"calibrated from the original model's activations: {why}"
+                    warnings.warn(f"wb.apply: {type(model).__name__} cannot be calibrated block by block ({why}); "
+                                  f"its layers are calibrated from the original model's activations "
+                                  f"(pipeline='original')", stacklevel=2)
+        if blocks is not None:
+            done = _apply_sequential(target, assignments, needing, blocks, batches, progress, swapped)
+        else:
+            inputs = capture_inputs(target, [a.name for a in needing], batches, progress) if needing else {}
+            done = {}
+            for a in tqdm(assignments, desc="apply", disable=not progress or len(assignments) < 2, leave=False):
+                done[a.name] = transform_layer(a.name, target.get_submodule(a.name), a.config, inputs.get(a.name))
+                inputs.pop(a.name, None)   # this layer's recorded inputs are no longer needed
+        _share_tied_groups(groups, {n: t.module for n, t in done.items()}, {n: t.config for n, t in done.items()})
     except BaseException:
+        for previous in reversed(swapped):
+            swap_layers(target, previous)
         if inplace and originals:   # the user's model is left exactly as it was
             swap_layers(target, originals)
             for m, flag in flags.items():
                 m.use_nested_tensor = flag
         raise
-    swap_layers(target, {n: t.module for n, t in done.items()})
+    placed = {n for step in swapped for n in step}
+    swap_layers(target, {n: t.module for n, t in done.items() if n not in placed})
     # A config whose structure depends on the data (e.g. a rank chosen by an energy threshold) is recorded
     # as the concrete per-layer config, ahead of the user's patterns, so wb.load rebuilds the same shapes.
     resolved = [(n, t.concrete) for n, t in done.items() if t.concrete != t.config]
     recorded = _recorded(plan, assignments, resolved) if resolved else plan
     record_plan(target, (*applied_plans(model), recorded))
+    calibrated = {a.name for a in needing}
+    how = "original" if blocks is None else "sequential"
     rows = [{"layer": a.name, "type": a.module_type, "pattern": a.pattern, "config": repr(a.config),
-             "status": "compressed", "recorded": repr(done[a.name].concrete), "note": done[a.name].note}
+             "status": "compressed", "recorded": repr(done[a.name].concrete),
+             "note": "; ".join(x for x in (done[a.name].note, fallback if a.name in calibrated else "") if x),
+             "calibration": how if a.name in calibrated else ""}
             for a in assignments]
     rows += [{"layer": p.name, "type": p.module_type, "pattern": p.pattern, "config": repr(p.config),
-              "status": "passed over", "recorded": "", "note": p.reason} for p in passed]
+              "status": "passed over", "recorded": "", "note": p.reason, "calibration": ""} for p in passed]
     object.__setattr__(target, REPORT_ATTR, rows)
     _warn_passed_over(passed)
     return target
+
+
+def _apply_sequential(target: nn.Module, assignments, needing, blocks: BlockList, batches, progress: bool,
+                      swapped: list[dict[str, nn.Module]]) -> dict[str, Transformed]:
+    """Transform ``assignments`` block by block (see `workbench.plans.sequential`): each block's layers are
+    calibrated on the outputs of the compressed blocks before it and put in place at once (what they replaced
+    is appended to ``swapped``, for the caller's rollback). Layers outside the blocks come last, calibrated in
+    one pass of the model with every block compressed."""
+    calibrated = {a.name for a in needing}
+    per_block: dict[str, list] = {b: [] for b in blocks.names}
+    outside = []
+    for a in assignments:
+        b = blocks.block_of(a.name)
+        (per_block[b] if b is not None else outside).append(a)
+    done: dict[str, Transformed] = {}
+    was_training = target.training
+    target.eval()
+    try:
+        states = capture_block_inputs(target, blocks.names[0], batches, progress)
+        last = max((i for i, b in enumerate(blocks.names) if any(a.name in calibrated for a in per_block[b])),
+                   default=-1)
+        for i, b in enumerate(tqdm(blocks.names, desc="apply: blocks", leave=False, disable=not progress)):
+            block = target.get_submodule(b)
+            mine = per_block[b]
+            inputs = {a.name: _statistics(a.name, target.get_submodule(a.name), a.config) for a in mine
+                      if a.name in calibrated}
+            if inputs:
+                handles = [target.get_submodule(n).register_forward_pre_hook(
+                    lambda mod, args, _n=n: _add(inputs[_n], args)) for n in inputs]
+                try:
+                    for s in states:
+                        run_block(block, s)
+                finally:
+                    for h in handles:
+                        h.remove()
+            new = {}
+            for a in mine:
+                done[a.name] = transform_layer(a.name, target.get_submodule(a.name), a.config, inputs.pop(a.name, None))
+                new[a.name] = done[a.name].module
+            if new:
+                swapped.append(swap_layers(target, new))
+            if i < last:   # the next calibrated block's inputs: this (compressed) block's outputs
+                for s in states:
+                    s.hidden = run_block(block, s)
+        del states
+        names = [a.name for a in outside if a.name in calibrated]
+        inputs = capture_inputs(target, names, batches, progress) if names else {}
+        for a in outside:
+            done[a.name] = transform_layer(a.name, target.get_submodule(a.name), a.config, inputs.pop(a.name, None))
+    finally:
+        target.train(was_training)
+    return done
+
+
+def _statistics(name: str, module: nn.Module, config: Config):
+    """What the sequential pipeline keeps of a layer's inputs: the handler's accumulator (statistics built batch
+    by batch, e.g. GPTQ's Hessian) or, for a technique without one, a list of the recorded inputs."""
+    make = getattr(handler_for(config), "accumulator", None)
+    found = make(name, module, config) if make is not None else None
+    return [] if found is None else found
+
+
+def _add(statistics, args: tuple) -> None:
+    batch = tuple(x.detach() for x in args if isinstance(x, torch.Tensor))
+    if isinstance(statistics, list):
+        statistics.append(batch)
+    else:
+        statistics.add(batch)
 
 
 def _recorded(plan: Plan, assignments, resolved: list[tuple[str, Config]]) -> Plan:
@@ -180,9 +289,10 @@ def _fold(model: nn.Module) -> None:
         model.train(was)
 
 
-def _share_tied_groups(model: nn.Module, modules: dict[str, nn.Module], configs: dict[str, Config]) -> None:
-    """Tied layers (all assigned the same config, which `Plan.resolve` guarantees) keep one stored copy."""
-    for group in tie_groups(model):
+def _share_tied_groups(groups, modules: dict[str, nn.Module], configs: dict[str, Config]) -> None:
+    """Tied layers (all assigned the same config, which `Plan.resolve` guarantees) keep one stored copy;
+    ``groups``: the model's `tie_groups`, taken before any layer was swapped."""
+    for group in groups:
         if all(n in modules for n in group):
             try:
                 share_tied(group, modules)

@@ -62,6 +62,10 @@ class Handler(Protocol):
 
     # Optional: ``calibration_cost(module, config, tokens) -> (bytes, flops)`` - the working memory and the
     # arithmetic of calibrating one layer on ``tokens`` input rows, for `wb.analysis.estimate_calibration`.
+    # Optional: ``accumulator(name, module, config) -> object with add(batch) | None`` - what the technique
+    # keeps of the layer's inputs when fed one batch at a time (GPTQ's Hessian, an activation observer); the
+    # sequential pipeline then passes that object to ``apply`` as ``inputs`` instead of the recorded batches.
+    # None (or no method): the inputs themselves are recorded and passed.
     # Optional: ``resolved(config, new_module) -> Config`` - the concrete config that rebuilds exactly the
     # structure of ``new_module`` (e.g. SVD(energy=0.9) -> SVD(rank=37)); `apply` records it per layer.
 

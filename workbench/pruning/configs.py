@@ -3,6 +3,8 @@
     wb.prune.Magnitude(sparsity=0.5)                  # unstructured, smallest |w| first
     wb.prune.Random(sparsity=0.5, seed=0)             # the baseline
     wb.prune.NM(n=2, m=4)                             # semi-structured along the input dimension
+    wb.prune.Wanda(sparsity=0.5)                      # |w| x input norm (calibrated; nn.Linear); nm=(2, 4) too
+    wb.prune.SparseGPT(nm=(2, 4))                     # OBS pruning with error feedback (calibrated; nn.Linear)
     wb.prune.global_plan(model, ["fc*", "conv*"], 0.7) # one magnitude threshold across layers
 
 ``storage`` decides what the pruned layer keeps:
@@ -40,7 +42,7 @@ from workbench.pruning.modules import (
     PRUNABLE, Pruned, SemiStructuredLinear, SparseLinear, freeze_zeros, pruned_class,
 )
 
-__all__ = ["Magnitude", "Random", "NM", "global_plan", "finalize", "STORAGES", "sparsity_of"]
+__all__ = ["Magnitude", "Random", "NM", "Wanda", "SparseGPT", "global_plan", "finalize", "STORAGES", "sparsity_of"]
 
 STORAGES = ("mask", "dense", "csr", "2:4")
 
@@ -53,9 +55,16 @@ def _mask_for(config, w2d: torch.Tensor) -> torch.Tensor:
     return masks.nm_mask(w2d, config.n, config.m)
 
 
-def _kept(config, numel: int) -> int:
+def _nm(config) -> tuple[int, int] | None:
+    """The N:M pattern a config prunes to (None: unstructured)."""
     if isinstance(config, NM):
-        return numel // config.m * config.n
+        return config.n, config.m
+    return getattr(config, "nm", None)
+
+
+def _kept(config, numel: int) -> int:
+    if (nm := _nm(config)) is not None:
+        return numel // nm[1] * nm[0]
     return numel - round(config.sparsity * numel)
 
 
@@ -69,9 +78,9 @@ def _completed(config, mask: torch.Tensor) -> torch.Tensor:
     ``config`` keeps (a kept weight may be exactly 0.0, and a pruned layer's mask is its zero pattern): the
     structure of a csr / 2:4 layer then follows from the plan alone, and its values are unchanged."""
     rows = _rows(mask).clone()
-    if isinstance(config, NM):
-        groups = rows.reshape(-1, config.m)                                   # (groups, m)
-        short = config.n - groups.sum(1, keepdim=True)                        # (groups, 1)
+    if (nm := _nm(config)) is not None:
+        groups = rows.reshape(-1, nm[1])                                      # (groups, m)
+        short = nm[0] - groups.sum(1, keepdim=True)                           # (groups, 1)
         if bool((short < 0).any()):
             return mask   # more than n kept in a group: not N:M, which the 2:4 storage reports
         fill = (~groups).cumsum(1) <= short
@@ -199,9 +208,9 @@ def _plain(module: nn.Module) -> nn.Module:
 def _check_storage(config) -> None:
     if config.storage not in STORAGES:
         raise ValueError(f"{type(config).__name__}.storage must be one of {STORAGES}, got {config.storage!r}")
-    if config.storage == "2:4" and not (isinstance(config, NM) and (config.n, config.m) == (2, 4)):
-        raise ValueError(f"storage '2:4' holds 2:4 semi-structured weights: use wb.prune.NM(2, 4, storage='2:4'), "
-                         f"not {config!r}")
+    if config.storage == "2:4" and _nm(config) != (2, 4):
+        raise ValueError(f"storage '2:4' holds 2:4 semi-structured weights: use wb.prune.NM(2, 4, storage='2:4') "
+                         f"(or Wanda / SparseGPT with nm=(2, 4)), not {config!r}")
 
 
 _HANDLER = _PruneHandler()
@@ -249,6 +258,102 @@ class NM(Config):
         _check_storage(self)
 
 
+class _OneShotHandler(_PruneHandler):
+    """Wanda and SparseGPT: calibrated one-shot pruning of nn.Linear (see `workbench.pruning.oneshot`)."""
+
+    def why_not(self, module: nn.Module, config) -> str | None:
+        base = _plain_class(module)
+        if not issubclass(base, nn.Linear) or _own_forward(base):
+            return f"{type(config).__name__} prunes nn.Linear layers (it scores weights by their inputs)"
+        return super().why_not(module, config)
+
+    def needs_calibration(self, config) -> bool:
+        return True
+
+    def accumulator(self, name: str, module: nn.Module, config):
+        from workbench.pruning.oneshot import NormAccumulator
+        from workbench.quantization.gptq import HessianAccumulator
+
+        cls = NormAccumulator if isinstance(config, Wanda) else HessianAccumulator
+        return cls(module.in_features, name)
+
+    def calibration_cost(self, module: nn.Module, config, tokens: int) -> tuple[int, float]:
+        N, K = module.weight.shape
+        if isinstance(config, Wanda):
+            return 8 * 3 * N * K, 2.0 * tokens * K + 10.0 * N * K
+        return 2 * 8 * K * K + 4 * 8 * N * K, 2.0 * tokens * K * K + 2.0 * K ** 3 + 2.0 * N * K * K
+
+    def apply(self, name, module, config, inputs):
+        from workbench.pruning.oneshot import sparsegpt_prune, wanda_mask
+
+        w = module.weight.detach()
+        if not torch.isfinite(w).all():
+            raise ValueError(f"weight of {name!r} contains NaN or Inf")
+        plain = copy.deepcopy(_plain(module))
+        if isinstance(config, Wanda):
+            mask = wanda_mask(w, inputs, config.sparsity, config.nm, name)
+        else:
+            updated, mask = sparsegpt_prune(w, inputs, config.sparsity, config.nm, config.damp,
+                                            config.block_size, name)
+            with torch.no_grad():
+                plain.weight.copy_(updated)
+        if isinstance(module, Pruned):
+            mask &= _rows(module.mask)
+        return _build(plain, config, mask)
+
+
+def _check_oneshot(config) -> None:
+    what = type(config).__name__
+    if config.nm is not None:
+        n, m = config.nm
+        if not (isinstance(n, int) and isinstance(m, int) and 0 < n < m):
+            raise ValueError(f"{what}.nm needs integers 0 < n < m, got {config.nm!r}")
+        object.__setattr__(config, "sparsity", 1 - n / m)
+    masks.check_sparsity(config.sparsity, f"{what}.sparsity")
+    _check_storage(config)
+
+
+_ONESHOT = _OneShotHandler()
+
+
+@register_config(_ONESHOT, kind="prune.Wanda")
+@dataclass(frozen=True)
+class Wanda(Config):
+    """Wanda: prune the weights with the lowest |w| x ||x||_2 (calibrated; nn.Linear): ``sparsity`` of each
+    output row, or ``nm=(n, m)`` - keep n of every m consecutive inputs (``sparsity`` is then 1 - n/m)."""
+
+    sparsity: float = 0.5
+    nm: tuple[int, int] | None = None
+    storage: str = "mask"
+
+    def __post_init__(self):
+        if self.nm is not None:
+            object.__setattr__(self, "nm", tuple(self.nm))
+        _check_oneshot(self)
+
+
+@register_config(_ONESHOT, kind="prune.SparseGPT")
+@dataclass(frozen=True)
+class SparseGPT(Config):
+    """SparseGPT: OBS pruning with the error fed back into the kept weights (calibrated; nn.Linear): ``sparsity``
+    of the layer, or ``nm=(n, m)``; ``damp``: fraction of the mean Hessian diagonal added for stability."""
+
+    sparsity: float = 0.5
+    nm: tuple[int, int] | None = None
+    damp: float = 0.01
+    block_size: int = 128
+    storage: str = "mask"
+
+    def __post_init__(self):
+        if self.nm is not None:
+            object.__setattr__(self, "nm", tuple(self.nm))
+        if not 0 < self.damp < 1:
+            raise ValueError(f"SparseGPT.damp must be in (0, 1), got {self.damp!r}")
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"SparseGPT.block_size must be a positive int, got {self.block_size!r}")
+        _check_oneshot(self)
+
+
 def global_plan(model: nn.Module, patterns, sparsity: float, storage: str = "mask") -> Plan:
     """A plan of per-layer `Magnitude` configs from one |w| threshold over the selected layers."""
     probe = Plan({p: Magnitude(0.0) for p in ([patterns] if isinstance(patterns, str) else patterns)})
@@ -275,7 +380,7 @@ def _config_of(plans, name: str):
     """The pruning config that last shaped layer ``name`` (with storage "mask")."""
     for plan in reversed(plans):
         hit = plan.match(name)
-        if hit is not None and isinstance(hit[1], (Magnitude, Random, NM)):
+        if hit is not None and isinstance(hit[1], (Magnitude, Random, NM, Wanda, SparseGPT)):
             return hit[1]
     return None
 
@@ -307,7 +412,7 @@ def finalize(model: nn.Module, storage: str = "dense") -> nn.Module:
     swap_layers(target, replacements)
 
     def restore(config):
-        if not (isinstance(config, (Magnitude, Random, NM)) and config.storage == "mask"):
+        if not (isinstance(config, (Magnitude, Random, NM, Wanda, SparseGPT)) and config.storage == "mask"):
             return config
         return replace(config, storage=storage)  # (a "2:4" finalize only gets here with NM(2, 4): checked above)
 

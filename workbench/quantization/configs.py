@@ -31,7 +31,7 @@ from workbench.quantization.modules import (
     CONV_TYPES, FORWARD_BYPASSED, KERNELS, LAYER_TYPES, W8A8Linear, WeightOnlyEmbedding, WeightOnlyLinear, conv_args,
     input_padding_of, layer_type, selectable, triton_weight_kind, w8a8_conv, weight_only_conv,
 )
-from workbench.quantization.observers import OBSERVERS
+from workbench.quantization.observers import OBSERVERS, ObserverAccumulator
 
 __all__ = ["Method", "WeightOnly", "NF4", "FP8", "Dynamic", "Static"]
 
@@ -94,6 +94,15 @@ class _WeightHandler:
     def needs_calibration(self, config) -> bool:
         return getattr(config, "method", Method.RTN) in _CALIBRATED
 
+    def accumulator(self, name: str, module: nn.Module, config):
+        """What GPTQ keeps of a layer's calibration inputs, fed batch by batch: the Hessian (AWQ searches
+        on the inputs themselves: None, keep them)."""
+        if getattr(config, "method", Method.RTN) is Method.GPTQ:
+            from workbench.quantization.gptq import HessianAccumulator
+
+            return HessianAccumulator(module.weight[0].numel(), name)
+        return None
+
     def calibration_cost(self, module: nn.Module, config, tokens: int) -> tuple[int, float]:
         """(peak working bytes, floating-point operations) of calibrating ``module`` on ``tokens`` inputs."""
         N, K = module.weight.shape[0], module.weight[0].numel()
@@ -126,7 +135,7 @@ class _WeightHandler:
             from workbench.quantization.gptq import gptq_quantize
 
             tensors = gptq_quantize(module.weight.detach(), inputs, fmt, damp=config.damp,
-                                    act_order=config.act_order, name=name)
+                                    act_order=config.act_order, static_groups=config.static_groups, name=name)
         elif method is Method.AWQ:
             from workbench.quantization.awq import awq_search
 
@@ -135,8 +144,9 @@ class _WeightHandler:
             from workbench.quantization.hqq import hqq_quantize
 
             tensors = hqq_quantize(module.weight.detach(), fmt)
+        perm = tensors.pop("perm", None) if tensors is not None else None
         return WeightOnlyLinear.from_float(module, fmt, name, tensors=tensors, smooth=smooth,
-                                           kernel=getattr(config, "kernel", "auto"))
+                                           kernel=getattr(config, "kernel", "auto"), perm=perm)
 
     def skeleton(self, name: str, module: nn.Module, config):
         kind, padding = self._check(name, module, config)
@@ -151,7 +161,14 @@ class _WeightHandler:
         return WeightOnlyLinear(module.in_features, module.out_features, fmt, module.bias is not None,
                                 device=module.weight.device, bias_dtype=module.weight.dtype,
                                 smooth=getattr(config, "method", Method.RTN) is Method.AWQ,
-                                kernel=getattr(config, "kernel", "auto"))
+                                kernel=getattr(config, "kernel", "auto"),
+                                perm=_permuted(config))
+
+
+def _permuted(config) -> bool:
+    """Whether ``config`` stores its weight with permuted input columns (GPTQ act-order with dynamic groups)."""
+    return (getattr(config, "method", Method.RTN) is Method.GPTQ and config.act_order and not config.static_groups
+            and config.group_size is not None)
 
 
 class _DefaultGroupSize(int):
@@ -176,6 +193,8 @@ class WeightOnly(Config):
     method: Method = Method.RTN
     damp: float = 0.01        # GPTQ: fraction of the mean Hessian diagonal added for stability
     act_order: bool = False   # GPTQ: quantize columns in order of decreasing Hessian diagonal
+    static_groups: bool = False   # GPTQ act_order: groups of the original columns (True) or, as the reference
+    #                               does, of the activation order (False: the layer stores a column permutation)
     kernel: str = "auto"  # Linear matmul: "auto" (the device's fastest path), "reference", "cpu", "triton"
 
     def __post_init__(self):
@@ -254,6 +273,21 @@ class _W8A8Handler:
     def needs_calibration(self, config) -> bool:
         return isinstance(config, Static) or config.smooth_alpha is not None
 
+    def accumulator(self, name: str, module: nn.Module, config):
+        """What is kept of a layer's calibration inputs, fed batch by batch: the activation observer (Static) or
+        the per-channel max |x| (SmoothQuant). Both together need two passes (the observer sees x / s, and s
+        needs every batch first): None, keep the inputs."""
+        from workbench.quantization.smoothquant import AbsMaxAccumulator
+
+        if _recurrent(module) is not None:
+            return None
+        static = isinstance(config, Static)
+        if static and config.smooth_alpha is None:
+            return ObserverAccumulator(OBSERVERS[config.observer]())
+        if not static and config.smooth_alpha is not None:
+            return AbsMaxAccumulator(module.in_features, name)
+        return None
+
     def calibration_cost(self, module: nn.Module, config, tokens: int) -> tuple[int, float]:
         """(peak working bytes, floating-point operations): observing each input batch, fp32 copies."""
         K = module.weight[0].numel()
@@ -279,6 +313,11 @@ class _W8A8Handler:
 
     @staticmethod
     def _act_scale(name, config, inputs, smooth) -> torch.Tensor:
+        if isinstance(inputs, ObserverAccumulator):   # fed batch by batch (no smoothing)
+            if inputs.device is None:
+                raise ValueError(f"static quantization of {name!r} needs calibration inputs, and none were recorded")
+            act_scale, _ = inputs.observer.qparams(8, symmetric=True)
+            return act_scale.reshape(()).to(inputs.device)
         if not inputs:
             raise ValueError(f"static quantization of {name!r} needs calibration inputs, and none were recorded")
         observer = OBSERVERS[config.observer]()

@@ -9,11 +9,16 @@ For a layer ``y = x W^T`` and calibration inputs X, the layer-output error of a 
         e_j   = (w_j - q_j) / [H^-1]_jj            # scaled rounding error (Cholesky factor of H^-1)
         W[:, j+1:] -= e_j [H^-1]_{j, j+1:}         # error feedback to the remaining columns
 
-Group scales are chosen from the *updated* weights when a group starts (plain order) or from the original
-weights up front (act_order, "static groups", so the stored groups stay contiguous). The result is the
-same storage as round-to-nearest (`formats.IntFormat`): only the codes (and scales) differ.
+Group scales are chosen from the *updated* weights when a group starts. With act_order, groups are formed in
+activation order, as the reference (and GPTQModel's ``desc_act``) does: group k holds the k-th run of
+``group_size`` columns in processing order; the result then encodes the weight with its columns permuted,
+``W[:, perm]``, and carries ``perm`` - the layer gathers ``x[..., perm]`` once per call, so every kernel sees
+an ordinary grouped weight of a permuted K. ``static_groups=True`` instead keeps groups of the original
+columns with scales from the original weights up front (no permutation stored, usually a little less
+accurate). Otherwise the result is the same storage as round-to-nearest (`formats.IntFormat`).
 
-Inputs are captured from the float model (not re-propagated through already-quantized layers).
+Where the inputs come from (the original model, or the already-quantized blocks before the layer) is the
+calibration pipeline's business (`workbench.plans.sequential`).
 An ``observer`` sees the algorithm's state after every column (`GPTQStep`), e.g. for a step-through.
 """
 from __future__ import annotations
@@ -25,7 +30,7 @@ import torch
 
 from workbench.quantization import formats as fm
 
-__all__ = ["hessian", "gptq_quantize", "GPTQStep"]
+__all__ = ["hessian", "HessianAccumulator", "gptq_quantize", "GPTQStep"]
 
 
 @dataclass(frozen=True)
@@ -46,27 +51,57 @@ class GPTQStep:
     Hinv: torch.Tensor
 
 
-def hessian(inputs: Sequence[tuple[torch.Tensor, ...]] | None, in_features: int, name: str = "layer") -> torch.Tensor:
-    """H = 2/n sum x x^T over every calibration token (float64, ``(in, in)``)."""
+class HessianAccumulator:
+    """``H = 2/n sum x x^T`` built one batch at a time (``add`` is what a forward pre-hook calls), so a layer's
+    calibration inputs need not be kept: `gptq_quantize` takes it in place of the inputs."""
+
+    def __init__(self, in_features: int, name: str = "layer"):
+        self.K, self.name = in_features, name
+        self.H = torch.zeros(in_features, in_features, dtype=torch.float64)   # (in, in): sum of x x^T
+        self.n = 0
+        self.scaled = False
+
+    def add(self, batch: tuple[torch.Tensor, ...]) -> None:
+        if self.scaled:
+            raise RuntimeError(f"the Hessian of {self.name!r} was already handed to GPTQ; it takes no more inputs")
+        x = batch[0]
+        if x.shape[-1] != self.K:
+            raise ValueError(f"calibration input of {self.name!r} has last dimension {x.shape[-1]}, expected {self.K}")
+        x = x.reshape(-1, self.K).to(device="cpu", dtype=torch.float64)   # (tokens, in)
+        self.H += x.T @ x
+        self.n += x.shape[0]
+
+    def value(self) -> torch.Tensor:
+        """H itself, scaled in place (no second K x K copy): the caller may change it; no more `add` after."""
+        if self.n == 0:
+            raise ValueError(f"GPTQ needs calibration inputs for {self.name!r}, and none were recorded")
+        if not self.scaled:
+            self.H.mul_(2.0 / self.n)
+            self.scaled = True
+        return self.H
+
+
+def hessian(inputs: Sequence[tuple[torch.Tensor, ...]] | HessianAccumulator | None, in_features: int,
+            name: str = "layer") -> torch.Tensor:
+    """H = 2/n sum x x^T over every calibration token (float64, ``(in, in)``), from the recorded inputs or an
+    accumulator that saw them."""
+    if isinstance(inputs, HessianAccumulator):
+        return inputs.value()
     if not inputs:
         raise ValueError(f"GPTQ needs calibration inputs for {name!r}, and none were recorded")
-    H = torch.zeros(in_features, in_features, dtype=torch.float64)
-    n = 0
+    acc = HessianAccumulator(in_features, name)
     for batch in inputs:
-        x = batch[0]
-        if x.shape[-1] != in_features:
-            raise ValueError(f"calibration input of {name!r} has last dimension {x.shape[-1]}, expected {in_features}")
-        x = x.reshape(-1, in_features).to(device="cpu", dtype=torch.float64)   # (tokens, in)
-        H += x.T @ x
-        n += x.shape[0]
-    return H * (2.0 / n)
+        acc.add(batch)
+    return acc.value()
 
 
 def gptq_quantize(weight: torch.Tensor, inputs, fmt: fm.IntFormat, damp: float = 0.01, act_order: bool = False,
                   block_size: int = 128, name: str = "layer",
-                  observer: Callable[[GPTQStep], None] | None = None) -> dict[str, torch.Tensor]:
-    """GPTQ-quantize ``weight`` ``(out, in)``; returns the `formats.IntFormat` tensors. ``observer`` is called
-    with a `GPTQStep` after every column."""
+                  observer: Callable[[GPTQStep], None] | None = None,
+                  static_groups: bool = False) -> dict[str, torch.Tensor]:
+    """GPTQ-quantize ``weight`` ``(out, in)`` from its recorded ``inputs`` (or a `HessianAccumulator`); returns the `formats.IntFormat` tensors, plus ``"perm"`` (int32
+    ``(in,)``) when act_order formed groups in activation order (the tensors then encode ``weight[:, perm]``).
+    ``observer`` is called with a `GPTQStep` after every column."""
     if not isinstance(fmt, fm.IntFormat):
         raise TypeError(f"GPTQ quantizes to integer formats, got {fmt!r}")
     device = weight.device
@@ -81,7 +116,8 @@ def gptq_quantize(weight: torch.Tensor, inputs, fmt: fm.IntFormat, damp: float =
     W[:, dead] = 0.0
 
     perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(K)
-    static = act_order or fmt.group_size is None
+    static = (act_order and static_groups) or fmt.group_size is None
+    permuted = act_order and not static   # stored in processing order: groups are runs of processing order
     if static:  # group parameters from the original weights, indexed by original column
         scale_all, zero_all = fm.int_qparams(W.float(), fmt)                  # (out, G)
     else:
@@ -96,6 +132,7 @@ def gptq_quantize(weight: torch.Tensor, inputs, fmt: fm.IntFormat, damp: float =
     except torch.linalg.LinAlgError:
         raise ValueError(f"the Hessian of {name!r} is not positive definite even with damp={damp}; "
                          f"use more calibration data or a larger damp") from None
+    del H, L   # only H^-1's factor is needed from here: two K x K matrices fewer while columns are processed
 
     maxq = (1 << fmt.bits) - 1
     if not static:  # blocks hold whole groups, so a group's columns are all in the block when it starts
@@ -108,9 +145,9 @@ def gptq_quantize(weight: torch.Tensor, inputs, fmt: fm.IntFormat, damp: float =
         Hinv1 = Hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = i1 + i
-            orig = int(perm[col])
-            grp = orig // g
-            if not static and orig % g == 0:  # a new group starts: choose its scale from the updated weights
+            pos = int(perm[col]) if static else col   # the stored column
+            grp = pos // g
+            if not static and pos % g == 0:  # a new group starts: choose its scale from the updated weights
                 s, z = fm.int_qparams(W1[:, i:i + g].float(), fm.IntFormat(fmt.bits, None, fmt.symmetric))
                 scale_all[:, grp], zero_all[:, grp] = s[:, 0], z[:, 0]
             s = scale_all[:, grp].double()
@@ -118,11 +155,14 @@ def gptq_quantize(weight: torch.Tensor, inputs, fmt: fm.IntFormat, damp: float =
             w = W1[:, i]
             u = torch.clamp(torch.round(w.float() * (1.0 / s.float())).double() + z, 0, maxq)
             q = (u - z) * s
-            codes[:, orig] = u.to(torch.uint8)
+            codes[:, pos] = u.to(torch.uint8)
             err = (w - q) / Hinv1[i, i]
             W1[:, i:] -= err.unsqueeze(1) * Hinv1[i, i:].unsqueeze(0)
             Err1[:, i] = err
             if observer is not None:
                 observer(GPTQStep(col, i1, i2, q, W, W1, Err1, Hinv))
         W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
-    return {k: v.to(device) for k, v in fm.pack_int(codes, scale_all.float(), zero_all, fmt).items()}
+    out = fm.pack_int(codes, scale_all.float(), zero_all, fmt)
+    if permuted:
+        out["perm"] = perm.to(torch.int32)
+    return {k: v.to(device) for k, v in out.items()}

@@ -358,7 +358,7 @@ class WeightOnlyLinear(_PackedWeight):
 
     def __init__(self, in_features: int, out_features: int, fmt: fm.WeightFormat, bias: bool = True,
                  tensors: dict[str, torch.Tensor] | None = None, device=None, bias_dtype=torch.float32,
-                 smooth: bool = False, kernel: str = "auto"):
+                 smooth: bool = False, kernel: str = "auto", perm: bool = False):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight_shape, self.weight_dtype = (out_features, in_features), bias_dtype
@@ -366,6 +366,8 @@ class WeightOnlyLinear(_PackedWeight):
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=bias_dtype, device=device)) if bias else None
         if smooth:  # AWQ: the stored weight is W * s per input channel; inputs are divided by s
             self.register_buffer("smooth", torch.ones(in_features, device=device))
+        if perm:  # GPTQ act-order: the stored weight is W[:, perm]; inputs are gathered the same way
+            self.register_buffer("perm", torch.arange(in_features, dtype=torch.int32, device=device))
         self.kernel = "reference"
         if kernel != "reference":
             self.set_kernel(kernel)
@@ -403,19 +405,23 @@ class WeightOnlyLinear(_PackedWeight):
     @classmethod
     def from_float(cls, linear: nn.Linear, fmt: fm.WeightFormat, name: str = "linear",
                    tensors: dict[str, torch.Tensor] | None = None,
-                   smooth: torch.Tensor | None = None, kernel: str = "auto") -> "WeightOnlyLinear":
+                   smooth: torch.Tensor | None = None, kernel: str = "auto",
+                   perm: torch.Tensor | None = None) -> "WeightOnlyLinear":
         """Round-to-nearest unless ``tensors`` (from GPTQ, AWQ, HQQ) are given. ``smooth``: per-input-channel
-        factors already multiplied into the weight that ``tensors`` encode."""
+        factors already multiplied into the weight that ``tensors`` encode; ``perm``: the input-column order
+        ``tensors`` encode (GPTQ act-order)."""
         w = linear.weight.detach()
         fm.check_finite(name, w)
         tensors = fm.encode(w, fmt) if tensors is None else tensors
         new = cls(linear.in_features, linear.out_features, fmt, linear.bias is not None, tensors,
-                  bias_dtype=w.dtype, smooth=smooth is not None, device=w.device)
-        return _fill(new, linear, smooth=smooth).set_kernel(kernel)
+                  bias_dtype=w.dtype, smooth=smooth is not None, device=w.device, perm=perm is not None)
+        return _fill(new, linear, smooth=smooth, perm=perm).set_kernel(kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., in)
         if hasattr(self, "smooth"):
             x = x / self.smooth.to(x.dtype)
+        if hasattr(self, "perm"):   # every path below computes with the stored (permuted) K order
+            x = x.index_select(-1, self.perm)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if self.kernel == "triton":
             return self._triton(x, bias)
@@ -439,6 +445,8 @@ class WeightOnlyLinear(_PackedWeight):
 
     def effective_weight(self) -> torch.Tensor:
         w = self.dequantized_weight(torch.float32)
+        if hasattr(self, "perm"):   # back to the float layer's column order
+            w = torch.empty_like(w).index_copy_(1, self.perm.long(), w)
         if hasattr(self, "smooth"):  # AWQ stores W * s
             w = w / self.smooth.float()
         return w.to(self.weight_dtype)
@@ -546,7 +554,10 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     passes over the activations: scale = max|x| / 127.5 per row, codes = clamp(round(x / scale))."""
     xg = to_groups(x, PerToken()).float()                          # (M, K)
     lo, hi = xg.amin(dim=1, keepdim=True), xg.amax(dim=1, keepdim=True)  # (aminmax(dim) is 10x slower here)
-    scale = (torch.maximum(-lo, hi) / 127.5).clamp_(min=EPS)
+    amax = torch.maximum(-lo, hi)
+    # divided by a tensor, not the Python number: CUDA's division by a scalar multiplies by its rounded
+    # reciprocal (1 ulp off IEEE division on some rows, so codes off by one); the CPU and the kernels divide
+    scale = (amax / torch.full_like(amax, 127.5)).clamp_(min=EPS)
     scale = torch.where(torch.isfinite(scale), scale, float("nan"))   # a NaN / Inf row: NaN scale, NaN outputs
     r = xg * (1.0 / scale)                                         # |r| <= 127.5
     # round half to even by adding and removing 1.5 * 2^23 (fp32's ulp is 1 there): the same result as

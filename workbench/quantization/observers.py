@@ -22,7 +22,8 @@ from workbench.quantization.primitives import (
     Granularity, PerTensor, PerToken, choose_qparams, qrange, quantize, dequantize, to_groups,
 )
 
-__all__ = ["Observer", "MinMax", "MovingAverageMinMax", "Percentile", "MSE", "Histogram", "OBSERVERS"]
+__all__ = ["Observer", "MinMax", "MovingAverageMinMax", "Percentile", "MSE", "Histogram", "OBSERVERS",
+           "ObserverAccumulator"]
 
 
 class Observer:
@@ -218,3 +219,16 @@ class Histogram(Observer):
 
 OBSERVERS = {"minmax": MinMax, "moving_average": MovingAverageMinMax, "percentile": Percentile, "mse": MSE,
              "histogram": Histogram}
+
+
+class ObserverAccumulator:
+    """An observer fed one calibration batch at a time (``add`` is what a forward pre-hook calls), so a
+    layer's inputs need not be kept; remembers the inputs' device for the scale it proposes."""
+
+    def __init__(self, observer: Observer):
+        self.observer = observer
+        self.device: torch.device | None = None
+
+    def add(self, batch: tuple[torch.Tensor, ...]) -> None:
+        self.device = batch[0].device
+        self.observer.observe(batch[0].float())

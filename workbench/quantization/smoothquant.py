@@ -13,19 +13,38 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["activation_absmax", "smoothing_factors"]
+__all__ = ["activation_absmax", "AbsMaxAccumulator", "smoothing_factors"]
 
 
-def activation_absmax(inputs: Sequence[tuple[torch.Tensor, ...]] | None, in_features: int,
+class AbsMaxAccumulator:
+    """max |x_j| per input channel, one batch at a time (``add`` is what a forward pre-hook calls)."""
+
+    def __init__(self, in_features: int, name: str = "layer"):
+        self.K, self.name = in_features, name
+        self.amax = torch.zeros(in_features)   # (K,)
+        self.n = 0
+
+    def add(self, batch: tuple[torch.Tensor, ...]) -> None:
+        x = batch[0].detach().float().reshape(-1, self.K).cpu()   # (tokens, K)
+        self.amax = torch.maximum(self.amax, x.abs().amax(dim=0))
+        self.n += 1
+
+    def value(self) -> torch.Tensor:
+        if self.n == 0:
+            raise ValueError(f"SmoothQuant needs calibration inputs for {self.name!r}, and none were recorded")
+        return self.amax
+
+
+def activation_absmax(inputs: Sequence[tuple[torch.Tensor, ...]] | AbsMaxAccumulator | None, in_features: int,
                       name: str = "layer") -> torch.Tensor:
-    """max |x_j| over every calibration token, per input channel ``(K,)``."""
-    if not inputs:
-        raise ValueError(f"SmoothQuant needs calibration inputs for {name!r}, and none were recorded")
-    amax = torch.zeros(in_features)
-    for batch in inputs:
-        x = batch[0].detach().float().reshape(-1, in_features).cpu()
-        amax = torch.maximum(amax, x.abs().amax(dim=0))
-    return amax
+    """max |x_j| over every calibration token, per input channel ``(K,)`` (from the recorded inputs, or an
+    accumulator that saw them)."""
+    if isinstance(inputs, AbsMaxAccumulator):
+        return inputs.value()
+    acc = AbsMaxAccumulator(in_features, name)
+    for batch in inputs or ():
+        acc.add(batch)
+    return acc.value()
 
 
 def smoothing_factors(act_absmax: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:

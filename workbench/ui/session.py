@@ -249,7 +249,8 @@ class Session:
         if not needing:
             return None
         sub = Plan([(n, plan[n]) for n in needing])
-        return estimate_calibration(self.original, sub, self.task.calibration(self.calibration), inplace=True)
+        return estimate_calibration(self.original, sub, self.task.calibration(self.calibration), inplace=True,
+                                    pipeline="original")   # a session records every layer from the original
 
     def apply_and_measure(self, label: str | None = None, progress: Callable[[str, float], None] | None = None,
                           cancel: threading.Event | None = None) -> Entry:

@@ -1,0 +1,221 @@
+"""Sequential calibration: compress a model block by block, each block calibrated on the activations that the
+already-compressed blocks before it produce (the GPTQ paper's procedure and llm-compressor's default pipeline).
+
+    blocks = find_blocks(model)                  # e.g. model.layers.0 ... model.layers.N-1 of a HF decoder
+    first  = capture_block_inputs(model, blocks[0], batches)   # per batch: (args, kwargs) of block 0
+    for block in blocks:
+        record the inputs of the block's calibrated layers   (run the block on hidden states)
+        compress those layers and put them in place          (`transform_layer`, `swap_layers`)
+        hidden = block(hidden, **kwargs)                     (the compressed block's outputs feed the next)
+    calibrate the remaining layers (e.g. ``lm_head``) in one pass of the now-compressed model
+
+Memory is bounded by one block: the hidden states of every calibration batch, plus the recorded inputs of
+one block's layers, instead of the inputs of every layer of the model at once.
+
+The first block's arguments are taken as Hugging Face passes them (attention masks, rotary position
+embeddings, ``position_ids``, ...) by a forward pre-hook that records ``(args, kwargs)`` and raises `_Stop`, so
+the rest of the model never runs; the non-hidden arguments are reused for every block (they are the same for
+all blocks of a stack). A key/value cache is not carried (each block call gets none): calibration is one
+full-sequence forward per batch.
+
+`find_blocks` finds the block list: the `nn.ModuleList` that holds the most calibrated layers (Hugging Face's
+``model.layers``, ``encoder.layer``, ``transformer.h``, or any other `ModuleList` of blocks). A model without
+one is calibrated from the original model's activations, and `apply` says so (a warning and the report).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from workbench.plans.layers import _call, _describe
+
+__all__ = ["Pipeline", "BlockList", "find_blocks", "runs_as_chain", "capture_block_inputs", "BlockInputs",
+           "run_block", "block_output"]
+
+
+class Pipeline(enum.Enum):
+    """How calibrated layers get their inputs.
+
+    SEQUENTIAL (default): block by block, from the outputs of the blocks already compressed before them.
+    ORIGINAL: every layer's inputs recorded in one pass of the original (uncompressed) model."""
+
+    SEQUENTIAL = "sequential"
+    ORIGINAL = "original"
+
+    @classmethod
+    def of(cls, value: "Pipeline | str") -> "Pipeline":
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"pipeline must be one of {[p.value for p in cls]}, got {value!r}") from None
+
+
+@dataclass(frozen=True)
+class BlockList:
+    """The blocks of a model, in execution order: ``container`` is the `nn.ModuleList`'s name, ``names`` the
+    full names of its children."""
+
+    container: str
+    names: tuple[str, ...]
+
+    def block_of(self, layer: str) -> str | None:
+        """The block that holds ``layer`` (None if the layer is outside every block)."""
+        for b in self.names:
+            if layer == b or layer.startswith(b + "."):
+                return b
+        return None
+
+
+def find_blocks(model: nn.Module, layers: Sequence[str]) -> BlockList | None:
+    """The `nn.ModuleList` whose children hold the most of ``layers``; None if there is none. Nested lists (a list
+    inside a block) count for the outer list only. Whether the blocks really run as a chain is `runs_as_chain`'s
+    question."""
+    best: tuple[int, str, tuple[str, ...]] | None = None
+    taken: list[str] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or any(name.startswith(t + ".") for t in taken):
+            continue
+        children = tuple(f"{name}.{c}" if name else c for c, _ in module.named_children())
+        holding = [b for b in children if any(l == b or l.startswith(b + ".") for l in layers)]
+        if not holding:
+            continue
+        taken.append(name)
+        count = sum(1 for l in layers if any(l.startswith(b + ".") or l == b for b in children))
+        if best is None or count > best[0]:
+            best = (count, name, children)
+    return None if best is None else BlockList(best[1], best[2])
+
+
+class _Stop(Exception):
+    """Raised by the first block's pre-hook: the rest of the model need not run."""
+
+
+@dataclass
+class BlockInputs:
+    """One calibration batch at a block boundary: the hidden states (the argument that flows from block to
+    block) and the other arguments, which are the same for every block."""
+
+    hidden: torch.Tensor
+    args: tuple                    # the positional arguments after the hidden states
+    kwargs: dict[str, Any]
+    hidden_key: str | None = None  # the keyword the hidden states came in (None: first positional argument)
+
+
+def _is_cache(value: Any) -> bool:
+    # a key/value cache object (Hugging Face's Cache): calibration never carries one from block to block
+    return not isinstance(value, (torch.Tensor, tuple, list, dict)) and hasattr(value, "get_seq_length")
+
+
+def _detach(value: Any) -> Any:
+    if _is_cache(value):
+        return None
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, tuple):
+        return tuple(_detach(v) for v in value)
+    return value
+
+
+def capture_block_inputs(model: nn.Module, block: str, batches: Sequence, progress: bool = True,
+                         on_batch: Callable[[int], None] | None = None) -> list[BlockInputs]:
+    """Run each batch through ``model`` up to ``block`` and record that block's arguments (the rest of the
+    model does not run). ``on_batch(i)`` is called after batch ``i`` was recorded."""
+    records: list[BlockInputs] = []
+
+    def hook(mod, args, kwargs):
+        kwargs = {k: _detach(v) for k, v in kwargs.items()}
+        if "use_cache" in kwargs:
+            kwargs["use_cache"] = False
+        if args and isinstance(args[0], torch.Tensor):
+            records.append(BlockInputs(args[0].detach(), tuple(_detach(a) for a in args[1:]), kwargs))
+        else:
+            key = "hidden_states" if isinstance(kwargs.get("hidden_states"), torch.Tensor) else next(
+                (k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.is_floating_point()), None)
+            if key is None:
+                raise ValueError(f"block {block!r} was called without a tensor argument to calibrate on")
+            records.append(BlockInputs(kwargs.pop(key), tuple(_detach(a) for a in args), kwargs, key))
+        raise _Stop
+
+    handle = model.get_submodule(block).register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with torch.inference_mode():
+            for i, batch in enumerate(tqdm(batches, desc="calibration: first block inputs", leave=False,
+                                           disable=not progress)):
+                n = len(records)
+                try:
+                    _call(model, batch)
+                except _Stop:
+                    pass
+                except Exception as e:
+                    shown = _describe(batch) if isinstance(batch, tuple) else type(batch).__name__
+                    raise ValueError(f"calibration batch {i} ({shown}) could not be run through "
+                                     f"{type(model).__name__}: {type(e).__name__}: {e}") from e
+                if len(records) != n + 1:
+                    raise ValueError(f"calibration batch {i} did not reach block {block!r} (it ran "
+                                     f"{len(records) - n} times); this model cannot be calibrated block by block: "
+                                     f"use pipeline='original'")
+                if on_batch is not None:
+                    on_batch(i)
+    finally:
+        handle.remove()
+    return records
+
+
+def block_output(output: Any) -> torch.Tensor:
+    """The hidden states a block returns: the tensor itself, or the first element of a tuple (BERT, GPT-2)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    if isinstance(output, Mapping) and isinstance(next(iter(output.values()), None), torch.Tensor):
+        return next(iter(output.values()))
+    raise TypeError(f"a block returned {type(output).__name__}; expected a tensor or a tuple starting with one")
+
+
+def run_block(block: nn.Module, inputs: BlockInputs) -> torch.Tensor:
+    """The block's output hidden states for one recorded batch (inference mode)."""
+    with torch.inference_mode():
+        if inputs.hidden_key is None:
+            out = block(inputs.hidden, *inputs.args, **inputs.kwargs)
+        else:
+            out = block(*inputs.args, **{inputs.hidden_key: inputs.hidden}, **inputs.kwargs)
+    return block_output(out)
+
+
+def runs_as_chain(model: nn.Module, blocks: BlockList, batch) -> str | None:
+    """Check on one batch that each block runs once and takes the previous block's output as its hidden
+    states (a list of parallel branches does not); returns why not, or None."""
+    seen: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
+    handles = []
+    for i, name in enumerate(blocks.names):
+        def pre(mod, args, kwargs, _i=i):
+            x = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
+            seen.append((_i, x))
+
+        def post(mod, args, kwargs, out, _i=i):
+            seen.append((_i, block_output(out)))
+        m = model.get_submodule(name)
+        handles += [m.register_forward_pre_hook(pre, with_kwargs=True), m.register_forward_hook(post, with_kwargs=True)]
+    try:
+        with torch.inference_mode():
+            _call(model, batch)
+    except Exception as e:
+        return f"a calibration batch could not be run through {type(model).__name__}: {type(e).__name__}: {e}"
+    finally:
+        for h in handles:
+            h.remove()
+    order = [i for i, _ in seen]
+    if order != [i for i in range(len(blocks.names)) for _ in (0, 1)]:
+        return f"the children of {blocks.container!r} do not each run once, in order"
+    for i in range(1, len(blocks.names)):
+        out, nxt = seen[2 * i - 1][1], seen[2 * i][1]
+        if not isinstance(nxt, torch.Tensor) or out.shape != nxt.shape or not torch.equal(out, nxt):
+            return f"{blocks.names[i]!r} does not take the output of {blocks.names[i - 1]!r} as its input"
+    return None

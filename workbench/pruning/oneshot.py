@@ -1,0 +1,144 @@
+"""One-shot LLM pruning from calibration data: Wanda and SparseGPT (unstructured or N:M), as pure functions.
+
+Both score a Linear's weights with its calibration inputs X ``(tokens, K)``:
+
+- Wanda (Sun et al., 2023): score ``|W_ij| * ||X_:,j||_2``; within each output row (unstructured) or each
+  group of ``m`` consecutive inputs (N:M) the lowest scores are pruned; the kept weights are not changed.
+- SparseGPT (Frantar & Alistarh, 2023): the GPTQ recipe with pruning in place of rounding. Columns are
+  processed left to right in blocks; at the start of a block (unstructured) or of every ``m`` columns (N:M)
+  the mask is chosen from ``w^2 / [H^-1]_jj^2`` (the OBS saliency, on the weights already updated by
+  earlier columns' feedback), then each pruned weight's error is fed back into the columns not yet
+  processed, ``W[:, j+1:] -= (w_j / [H^-1]_jj) [H^-1]_{j, j+1:}`` (upper Cholesky factor of H^-1, as in GPTQ).
+
+Unstructured masks keep an exact count, ``numel - round(sparsity * numel)`` (spread evenly over rows for
+Wanda, over blocks for SparseGPT), so the structure of a saved model follows from its plan alone.
+`NormAccumulator` (Wanda) and `workbench.quantization.gptq.HessianAccumulator` (SparseGPT) build the statistics
+one calibration batch at a time, so the sequential pipeline never keeps a layer's inputs.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from workbench.quantization.gptq import HessianAccumulator, hessian
+
+__all__ = ["NormAccumulator", "input_norms", "wanda_mask", "sparsegpt_prune"]
+
+
+class NormAccumulator:
+    """sum over tokens of x_j^2 per input channel, one batch at a time (``add`` is what a pre-hook calls)."""
+
+    def __init__(self, in_features: int, name: str = "layer"):
+        self.K, self.name = in_features, name
+        self.sq = torch.zeros(in_features, dtype=torch.float64)   # (K,)
+        self.n = 0
+
+    def add(self, batch: tuple[torch.Tensor, ...]) -> None:
+        x = batch[0]
+        if x.shape[-1] != self.K:
+            raise ValueError(f"calibration input of {self.name!r} has last dimension {x.shape[-1]}, expected {self.K}")
+        self.sq += x.reshape(-1, self.K).to("cpu", torch.float64).pow(2).sum(0)
+        self.n += 1
+
+    def value(self) -> torch.Tensor:
+        if self.n == 0:
+            raise ValueError(f"Wanda needs calibration inputs for {self.name!r}, and none were recorded")
+        return self.sq.sqrt()
+
+
+def input_norms(inputs: Sequence[tuple[torch.Tensor, ...]] | NormAccumulator | None, K: int,
+                name: str = "layer") -> torch.Tensor:
+    """||X_:,j||_2 per input channel ``(K,)`` (float64), from recorded inputs or an accumulator."""
+    if isinstance(inputs, NormAccumulator):
+        return inputs.value()
+    acc = NormAccumulator(K, name)
+    for batch in inputs or ():
+        acc.add(batch)
+    return acc.value()
+
+
+def _check_nm(K: int, nm: tuple[int, int] | None, name: str) -> None:
+    if nm is not None and K % nm[1]:
+        raise ValueError(f"{nm[0]}:{nm[1]} pruning of {name!r} needs its input size {K} to be a multiple of {nm[1]}")
+
+
+def _prune_lowest(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """Keep-mask of ``scores`` (any shape) with its ``count`` lowest entries pruned (ties in index order)."""
+    flat = scores.reshape(-1)
+    keep = torch.ones_like(flat, dtype=torch.bool)
+    if count > 0:
+        keep[torch.sort(flat, stable=True).indices[:count]] = False
+    return keep.reshape(scores.shape)
+
+
+def _nm_keep(scores: torch.Tensor, n: int, m: int) -> torch.Tensor:
+    """Keep the ``n`` highest of every ``m`` consecutive scores along the last dimension."""
+    groups = scores.reshape(-1, m)                                                  # (groups, m)
+    top = torch.topk(groups, n, dim=1).indices
+    return torch.zeros_like(groups, dtype=torch.bool).scatter_(1, top, True).reshape(scores.shape)
+
+
+def wanda_mask(weight: torch.Tensor, inputs, sparsity: float = 0.5, nm: tuple[int, int] | None = None,
+               name: str = "layer") -> torch.Tensor:
+    """Wanda keep-mask ``(N, K)`` (True = keep) of a Linear weight from its calibration inputs."""
+    N, K = weight.shape
+    _check_nm(K, nm, name)
+    scores = weight.detach().to("cpu", torch.float64).abs() * input_norms(inputs, K, name)   # (N, K)
+    if nm is not None:
+        return _nm_keep(scores, *nm).to(weight.device)
+    total = round(sparsity * N * K)
+    per_row = [total // N + (1 if r < total % N else 0) for r in range(N)]          # exact count, even spread
+    keep = torch.stack([_prune_lowest(scores[r], per_row[r]) for r in range(N)])
+    return keep.to(weight.device)
+
+
+def sparsegpt_prune(weight: torch.Tensor, inputs, sparsity: float = 0.5, nm: tuple[int, int] | None = None,
+                    damp: float = 0.01, block_size: int = 128, name: str = "layer") -> tuple[torch.Tensor, torch.Tensor]:
+    """SparseGPT: returns (the updated weight with pruned entries zero, in ``weight``'s dtype and device; the
+    keep-mask). ``inputs``: recorded calibration inputs or a `HessianAccumulator`."""
+    N, K = weight.shape
+    _check_nm(K, nm, name)
+    W = weight.detach().to("cpu", torch.float64).clone()                               # (N, K)
+    H = hessian(inputs, K, name)
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+    H += torch.eye(K, dtype=torch.float64) * (damp * torch.mean(torch.diag(H)))
+    try:
+        Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    except torch.linalg.LinAlgError:
+        raise ValueError(f"the Hessian of {name!r} is not positive definite even with damp={damp}; "
+                         f"use more calibration data or a larger damp") from None
+    if nm is not None:
+        block_size = max(1, block_size // nm[1]) * nm[1]   # N:M groups never straddle blocks
+    keep = torch.ones(N, K, dtype=torch.bool)
+    total = round(sparsity * N * K)
+    pruned = 0
+    for i1 in range(0, K, block_size):
+        i2 = min(i1 + block_size, K)
+        W1 = W[:, i1:i2].clone()                                                       # (N, B)
+        Err1 = torch.zeros_like(W1)
+        Hinv1 = Hinv[i1:i2, i1:i2]
+        d = torch.diag(Hinv1)                                                          # (B,)
+        if nm is None:   # this block's share of the exact total, chosen by OBS saliency
+            count = round(total * i2 / K) - pruned
+            keep1 = _prune_lowest(W1.pow(2) / d.pow(2), count)
+            pruned += count
+        else:
+            keep1 = torch.ones_like(W1, dtype=torch.bool)
+        for i in range(i2 - i1):
+            if nm is not None and i % nm[1] == 0:   # choose this group's n survivors from the updated weights
+                sal = W1[:, i:i + nm[1]].pow(2) / d[i:i + nm[1]].pow(2)
+                keep1[:, i:i + nm[1]] = _nm_keep(sal, *nm)
+            w = W1[:, i]
+            q = torch.where(keep1[:, i], w, torch.zeros_like(w))
+            err = (w - q) / Hinv1[i, i]
+            W1[:, i:] -= err.unsqueeze(1) * Hinv1[i, i:].unsqueeze(0)
+            W1[:, i] = q
+            Err1[:, i] = err
+        W[:, i1:i2] = W1
+        keep[:, i1:i2] = keep1
+        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+    W[~keep] = 0.0
+    return W.to(device=weight.device, dtype=weight.dtype), keep.to(weight.device)

@@ -3,7 +3,6 @@
 Random-init Llamas have isotropic activations; real LLMs have a few loud channels. The RMSNorm gains are set to
 log-normal values so the projections after them see such channels ("real-ish" inputs), which is where scoring
 by the inputs pays off."""
-import warnings
 
 import pytest
 import torch

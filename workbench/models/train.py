@@ -41,18 +41,16 @@ def _train_classifier(model: torch.nn.Module, split: data.Split, *, epochs: int,
     return float((pred == split.y_test).mean())
 
 
-def _train_tiny_lm(steps: int = 2000, batch_size: int = 32, lr: float = 2e-3, seed: int = 0):
-    corpus = data.char_corpus()
-    cfg = TinyLMConfig(vocab_size=len(corpus.vocab))
-    model = TinyLM(cfg)
-    g = torch.Generator().manual_seed(seed)
-    train = torch.from_numpy(corpus.train)
-    T = cfg.block_size
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+def _pretrain_lm(model: torch.nn.Module, stream: torch.Tensor, *, steps: int, batch_size: int, block: int, lr: float,
+                 warmup: int, generator: torch.Generator, desc: str, logits_of, device: str = "cpu",
+                 log_every: int = 10) -> None:
+    """Next-token pre-training on random ``block``-token windows of ``stream`` (N,): AdamW (weight decay on
+    matrices only), linear warm-up then cosine decay to a tenth of ``lr``, gradients clipped at 1.
+    ``logits_of(ids (B, T)) -> (B, T, V)``."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=lr, betas=(0.9, 0.95))
-    warmup = 100
 
     def lr_at(step: int) -> float:
         if step < warmup:
@@ -61,21 +59,32 @@ def _train_tiny_lm(steps: int = 2000, batch_size: int = 32, lr: float = 2e-3, se
         return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
     model.train()
-    bar = tqdm(range(steps), desc="tiny-lm")
+    bar = tqdm(range(steps), desc=desc)
     for step in bar:
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
-        starts = torch.randint(0, len(train) - T - 1, (batch_size,), generator=g)
-        xb = torch.stack([train[s:s + T] for s in starts])          # (B, T)
-        yb = torch.stack([train[s + 1:s + 1 + T] for s in starts])  # (B, T)
-        logits = model(xb)                                           # (B, T, V)
+        starts = torch.randint(0, len(stream) - block - 1, (batch_size,), generator=generator)
+        xb = torch.stack([stream[s:s + block] for s in starts]).to(device)          # (B, T)
+        yb = torch.stack([stream[s + 1:s + 1 + block] for s in starts]).to(device)  # (B, T)
+        logits = logits_of(xb)                                                      # (B, T, V)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), yb.reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        if step % 50 == 0:
+        if step % log_every == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}")
+
+
+def _train_tiny_lm(steps: int = 2000, batch_size: int = 32, lr: float = 2e-3, seed: int = 0):
+    corpus = data.char_corpus()
+    cfg = TinyLMConfig(vocab_size=len(corpus.vocab))
+    model = TinyLM(cfg)
+    g = torch.Generator().manual_seed(seed)
+    train = torch.from_numpy(corpus.train)
+    T = cfg.block_size
+    _pretrain_lm(model, train, steps=steps, batch_size=batch_size, block=T, lr=lr, warmup=100, generator=g,
+                 desc="tiny-lm", logits_of=model, log_every=50)
     model.eval()
     from workbench.tasks.lm import perplexity
     return model, perplexity(model, corpus.test, T), cfg
@@ -100,33 +109,8 @@ def _train_tiny_llama(out: Path, steps: int = 2000, batch_size: int = 8, block: 
     torch.manual_seed(seed)
     model = llama.build().to(device).train()
     g = torch.Generator().manual_seed(seed)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=lr, betas=(0.9, 0.95))
-    warmup = steps // 10
-
-    def lr_at(step: int) -> float:
-        if step < warmup:
-            return lr * (step + 1) / warmup
-        progress = (step - warmup) / max(1, steps - warmup)
-        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-    bar = tqdm(range(steps), desc="tiny-llama")
-    for step in bar:
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step)
-        starts = torch.randint(0, len(stream) - block - 1, (batch_size,), generator=g)
-        xb = torch.stack([stream[s:s + block] for s in starts]).to(device)          # (B, T)
-        yb = torch.stack([stream[s + 1:s + 1 + block] for s in starts]).to(device)  # (B, T)
-        logits = model(input_ids=xb).logits                              # (B, T, V)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), yb.reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if step % 10 == 0:
-            bar.set_postfix(loss=f"{loss.item():.3f}")
+    _pretrain_lm(model, stream, steps=steps, batch_size=batch_size, block=block, lr=lr, warmup=steps // 10,
+                 generator=g, desc="tiny-llama", logits_of=lambda ids: model(input_ids=ids).logits, device=device)
     model = model.cpu().eval().half().float()  # what loading the shipped fp16 file gives
     task = TinyLlamaTask(PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=llama.EOS))
     return model, task.evaluate(model)["perplexity"], {"tokens_train": len(stream), "tokens_test": len(task.test_ids)}

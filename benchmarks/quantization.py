@@ -18,7 +18,7 @@ import torch
 import workbench as wb
 
 Q = wb.quant
-BLOCKS = {"tiny-lm": "h.*", "minilm": "encoder.*"}
+BLOCKS = {"tiny-lm": "h.*", "minilm": "encoder.*", "tiny-llama": "model.layers.*"}
 
 
 def candidate_plans(model_name: str, bits_list=(4, 3), methods=("rtn", "gptq", "awq", "hqq")):

@@ -69,7 +69,7 @@ def test_failures_leave_nothing_half_applied(session, digits_task):
     assert cnn.assigned == {}  # fc1 was not assigned either
     session.apply_and_measure()
     good = session.work.fc1
-    # GPTQ / AWQ / HQQ need whole groups (plain rounding takes a short last group): refused when set
+    # AWQ / HQQ need whole groups (plain rounding and GPTQ take a short last group): refused when set
     with pytest.raises(ValueError, match="layer .fc2.: group_size 7 does not divide"):
         session.set("fc2", wb.quant.WeightOnly(bits=4, group_size=7, symmetric=False, method="hqq"))
     session.set("fc1", INT8)

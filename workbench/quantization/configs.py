@@ -13,8 +13,9 @@ with an error naming it.
 
 Groups: ``WeightOnly(bits=8)`` is per output channel (``group_size=None``); other bit widths and NF4 default to
 groups of 64. A group size that does not divide a layer's input size leaves a short last group in each row
-(quantized as if zero-padded: the same numbers); ``module.note`` says so. The calibrated methods (GPTQ, AWQ) and
-HQQ need whole groups: there a non-dividing group size is refused with a fix that works.
+(quantized as if zero-padded: the same numbers); ``module.note`` says so. GPTQ chooses the short group's scale from
+its own columns like any other group; AWQ and HQQ need whole groups: there a non-dividing group size is refused
+with a fix that works.
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def _divisors(K: int, limit: int = 4) -> str:
 
 
 def _check_whole_groups(name: str, config, K: int) -> None:
-    """GPTQ, AWQ and HQQ work group by group on whole groups: refuse a short last group with fixes that work."""
+    """AWQ and HQQ work group by group on whole groups: refuse a short last group with fixes that work."""
     g = getattr(config, "group_size", None)
     if g is not None and K % g:
         raise ValueError(f"group_size {g} does not divide the input dimension {K} of {name!r}, and "
@@ -116,7 +117,7 @@ class _WeightHandler:
     def _check(self, name: str, module: nn.Module, config):
         kind, padding = _computation(name, module, type(config).__name__)
         method = getattr(config, "method", Method.RTN)
-        if method is not Method.RTN:
+        if method not in (Method.RTN, Method.GPTQ):
             _check_whole_groups(name, config, _weight_rows(module))
         return kind, padding
 

@@ -108,8 +108,7 @@ def gptq_quantize(weight: torch.Tensor, inputs, fmt: fm.IntFormat, damp: float =
     W = weight.detach().to("cpu", torch.float64).clone()                      # (out, K)
     rows, K = W.shape
     g = K if fmt.group_size is None else fmt.group_size
-    if K % g:
-        raise ValueError(f"group_size {g} does not divide the input dimension {K} of {name!r}")
+    G = -(-K // g)   # a group size that does not divide K leaves a short last group, as the stored format allows
     H = hessian(inputs, K, name)
     dead = torch.diag(H) == 0
     H[dead, dead] = 1.0
@@ -121,8 +120,8 @@ def gptq_quantize(weight: torch.Tensor, inputs, fmt: fm.IntFormat, damp: float =
     if static:  # group parameters from the original weights, indexed by original column
         scale_all, zero_all = fm.int_qparams(W.float(), fmt)                  # (out, G)
     else:
-        scale_all = torch.empty(rows, K // g)
-        zero_all = torch.empty(rows, K // g, dtype=torch.int32)
+        scale_all = torch.empty(rows, G)
+        zero_all = torch.empty(rows, G, dtype=torch.int32)
     W, H = W[:, perm], H[perm][:, perm]
 
     H += torch.eye(K, dtype=torch.float64) * (damp * torch.mean(torch.diag(H)))

@@ -32,7 +32,7 @@ def bench_ui(cases=CASES, threads: int = 2, edits: int = 3):
         times = []
         for name in layers:
             app.layers.value = (name,)
-            app.technique.value, app.bits.value, app.group.value = "quantize", 8, 0  # 0: per channel
+            app.choose(wb.quant.WeightOnly(bits=8))  # int8 per channel, through the generated form
             app.set_button.click()
             t0 = time.perf_counter()
             app.apply_button.click()

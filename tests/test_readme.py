@@ -143,6 +143,9 @@ PARSED_ONLY = {   # command -> why it is not run; its arguments are parsed by th
 
 EXCLUDED = {   # command -> why it is neither run nor parsed here
     "make lab": "installs into .venv and launches JupyterLab, a server that never exits",
+    "python -m workbench.models.train tiny-llama --device cuda": "needs a CUDA GPU (the shipped tiny-llama was "
+                                                                "trained so); the CPU form runs below as "
+                                                                "`python -m workbench.models.train NAME`",
     "make test": "installs, then runs the whole suite - this test included",
     "make test-fast": "installs, then runs the suite (this test is marked slow, but the rest is minutes)",
     "make report": "installs first; its command `workbench report notebooks/00_start_here.ipynb` is the start "

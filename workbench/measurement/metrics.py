@@ -307,6 +307,16 @@ def slowdown_reasons(metrics: Metrics) -> list[str]:
     if cpu and metrics.dtypes.get("bfloat16", 0) and metrics.batch_size <= 8:
         reasons.append(f"bf16 layers on a CPU at batch {metrics.batch_size}: converting activations costs more than "
                        f"the bf16 matmul saves at small batches")
-    if cpu and metrics.dtypes.get("float16", 0):
+    weight_only_cpu = sum(n for k, n in metrics.kernels.items() if k.startswith("WeightOnlyLinear") and
+                          k.endswith(":cpu"))
+    if cpu and weight_only_cpu and metrics.batch_size > 1:
+        reasons.append(f"{weight_only_cpu} layer(s) ran the CPU weight-only kernel at batch {metrics.batch_size}: it "
+                       f"widens every code to fp32 on each call, which pays off when reading the weights is the "
+                       f"cost (decode, large layers) and can cost more than a small layer's fp32 matmul "
+                       f"(kernels/README.md, CPU weight-only)")
+    # fp16 bytes that are not just the scales of integer codes (an int2 g16 layer holds half as many scale bytes
+    # as code bytes): layers stored or cast to fp16
+    integer = sum(n for k, n in metrics.dtypes.items() if k.startswith(("int", "uint")))
+    if cpu and metrics.dtypes.get("float16", 0) > integer:
         reasons.append("fp16 layers on a CPU: most CPUs have no fast fp16 kernels (convolutions especially)")
     return reasons

@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from workbench.quantization.gptq import HessianAccumulator, hessian
+from workbench.quantization.gptq import hessian
 
 __all__ = ["NormAccumulator", "input_norms", "wanda_mask", "sparsegpt_prune"]
 

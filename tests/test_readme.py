@@ -293,7 +293,7 @@ def test_shell_commands_run(tmp_path):
         if any(prepared.startswith(s) for s in SERVERS):
             ran[cmd] = _serve(argv, tmp_path)
             continue
-        r = subprocess.run(argv, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300,
+        r = subprocess.run(argv, cwd=tmp_path, env={**_env(), "WORKBENCH_REPORTS": str(tmp_path / "reports")}, capture_output=True, text=True, timeout=300,
                        check=False)
         assert r.returncode == 0, f"`{cmd}` (run as `{prepared}`) failed:\n{r.stdout[-3000:]}\n{r.stderr[-4000:]}"
         ran[cmd] = r.stdout

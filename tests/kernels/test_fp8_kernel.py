@@ -153,3 +153,22 @@ def test_quantize_rowwise_kernel_refuses_bad_input():
         fp8.quantize_rowwise_kernel(torch.zeros(2, 4, device=DEVICE), torch.int8)
     with pytest.raises(TypeError, match="x must have dtype"):
         fp8.quantize_rowwise_kernel(torch.zeros(2, 4, device=DEVICE, dtype=torch.int32))
+
+
+@pytest.mark.skipif(INTERPRET or not CAN_RUN, reason="needs an sm_90+ GPU (no interpreter)")
+@pytest.mark.parametrize("M", [1, 64, 1024])
+def test_fp8_linear_cublas_route_matches_the_triton_gemm(M):
+    """bf16 activations with an e4m3 weight take ``torch._scaled_mm``; the same codes and scales through the
+    Triton GEMM give the same outputs up to bf16 rounding of the result."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(512, 384).to(DEVICE, torch.bfloat16)
+    t = fm.encode(lin.weight.detach().float(), fm.FP8Format())
+    x = torch.randn(M, 512, device=DEVICE, dtype=torch.bfloat16)
+    bias = lin.bias.detach()
+    assert fp8.uses_cublas(x.dtype, t["qweight"], bias)
+    y = fp8.fp8_linear(x, t["qweight"], t["scale"], bias)
+    a, scale_a = fp8.quantize_rowwise_kernel(x, t["qweight"].dtype)
+    y_triton = fp8.fp8_scaled_mm(a, t["qweight"], scale_a, t["scale"], bias, torch.bfloat16)
+    assert y.dtype == torch.bfloat16 and y.shape == (M, 384)
+    torch.testing.assert_close(y.float(), y_triton.float(), rtol=2 ** -7, atol=1e-2)
+    assert not fp8.uses_cublas(torch.float16, t["qweight"], None)       # row-wise _scaled_mm: bf16 out only

@@ -42,7 +42,7 @@ def save(model: nn.Module, path: str | os.PathLike) -> Path:
         "torch_version": torch.__version__,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_model(model, str(path), metadata=meta)
+    save_model(model, str(path), metadata=meta, force_contiguous=True)   # K-major W8A8 codes are views
     return path
 
 

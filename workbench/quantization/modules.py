@@ -313,6 +313,24 @@ def _fill(new: nn.Module, source: nn.Module, **tensors: torch.Tensor | None) -> 
     return new
 
 
+class _FollowsDevice:
+    """For modules with a ``kernel`` choice: ``kernel="auto"`` is chosen again when ``.to()`` / ``.cuda()`` /
+    ``.cpu()`` moves the module to another device (quantize on the CPU, then move to the GPU: the GPU's fast path,
+    not the CPU's C++ kernel on CUDA tensors). An explicit kernel is kept as asked."""
+
+    kernel_request = "auto"
+
+    def _kernel_device(self) -> torch.device:
+        raise NotImplementedError
+
+    def _apply(self, fn, recurse=True):
+        before = self._kernel_device()
+        out = super()._apply(fn, recurse)
+        if self.kernel_request == "auto" and self._kernel_device() != before:
+            self.set_kernel("auto")
+        return out
+
+
 class _PackedWeight(nn.Module):
     """Holds a format's tensors as buffers (saved by state_dict, counted by size_bytes)."""
 
@@ -353,7 +371,7 @@ class _PackedWeight(nn.Module):
         return f", note={self.note!r}" if self.note else ""
 
 
-class WeightOnlyLinear(_PackedWeight):
+class WeightOnlyLinear(_FollowsDevice, _PackedWeight):
     """y = x W^T + b with W stored in a low-bit format and dequantized on the fly (``reference``)."""
 
     def __init__(self, in_features: int, out_features: int, fmt: fm.WeightFormat, bias: bool = True,
@@ -368,7 +386,7 @@ class WeightOnlyLinear(_PackedWeight):
             self.register_buffer("smooth", torch.ones(in_features, device=device))
         if perm:  # GPTQ act-order: the stored weight is W[:, perm]; inputs are gathered the same way
             self.register_buffer("perm", torch.arange(in_features, dtype=torch.int32, device=device))
-        self.kernel = "reference"
+        self.kernel = self.kernel_request = "reference"
         if kernel != "reference":
             self.set_kernel(kernel)
 
@@ -380,7 +398,11 @@ class WeightOnlyLinear(_PackedWeight):
         supported = ("reference",) + (("cpu",) if weight_only_cpu.supports(self.fmt) else ()) + (
             ("triton",) if triton_weight_kind(self.fmt) and whole_groups else ())
         self.kernel = choose_kernel(f"WeightOnlyLinear({self.fmt})", kernel, supported, self.qweight.device)
+        self.kernel_request = kernel
         return self
+
+    def _kernel_device(self) -> torch.device:
+        return self.qweight.device
 
     def _cpu_weight(self):
         """The stored weight as `kernels.weight_only_cpu` reads it (fp32 scales / zeros), made once and made
@@ -575,7 +597,7 @@ def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Ten
     return q, torch.where(torch.isfinite(xg).all(dim=1, keepdim=True), scale, float("nan"))
 
 
-class W8A8Linear(nn.Module):
+class W8A8Linear(_FollowsDevice, nn.Module):
     """W8A8 Linear: int8 per-output-channel weights and int8 activations.
 
     y = (q_x q_w^T) * s_x s_w^T + b, the integer product accumulated in int32. Activations are quantized
@@ -607,7 +629,15 @@ class W8A8Linear(nn.Module):
         supported = ("reference", "cpu") if self.static else PATHS
         owner = f"W8A8Linear({'static' if self.static else 'dynamic'})"
         self.kernel = choose_kernel(owner, kernel, supported, self.qweight_t.device, int8_gemm=True)
+        self.kernel_request = kernel
+        if self.kernel == "triton" and not self.qweight_t.t().is_contiguous():
+            # K-major codes (the transposed view of an (out, in) row-major tensor), the B layout Hopper's int8
+            # wgmma takes: the Triton GEMM ran 2.5x slower on (in, out) row-major codes (kernels/README.md, GPU)
+            self.qweight_t = self.qweight_t.t().contiguous().t()
         return self
+
+    def _kernel_device(self) -> torch.device:
+        return self.qweight_t.device
 
     @classmethod
     def from_float(cls, linear: nn.Linear, name: str = "linear", kernel: str = "auto",
@@ -621,7 +651,7 @@ class W8A8Linear(nn.Module):
         new = cls(linear.in_features, linear.out_features, linear.bias is not None, static=act_scale is not None,
                   smooth=smooth is not None, device=w.device)   # on the layer's device: kernel="triton" on CUDA
         new = _fill(new, linear, qweight_t=q.t(), scale=scale.t(), act_scale=act_scale, smooth=smooth)
-        return new.set_kernel(kernel) if kernel != "reference" else new
+        return new.set_kernel(kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., in)
         xs = x / self.smooth if hasattr(self, "smooth") else x

@@ -48,7 +48,11 @@ def test_edit_apply_and_charts(app):
         t = fig.data[0]
         plus, minus = t.error_x.array or [0] * len(t.x), t.error_x.arrayminus or [0] * len(t.x)
         xs = [*t.x, *(x + e for x, e in zip(t.x, plus)), *(x - e for x, e in zip(t.x, minus))]
-        for values, axis in ((xs, fig.layout.xaxis), (t.y, fig.layout.yaxis)):
+        ye = t.error_y.array                                        # quality's sampling error, 95 % half-widths
+        assert len(ye) == len(t.y) and all(e > 0 for e in ye) and t.error_y.visible
+        assert list(ye) == pytest.approx([e.metrics.primary_error for e in app.session.history])
+        ys = [*t.y, *(y + e for y, e in zip(t.y, ye)), *(y - e for y, e in zip(t.y, ye))]
+        for values, axis in ((xs, fig.layout.xaxis), (ys, fig.layout.yaxis)):
             lo, hi = min(values), max(values)
             assert axis.range[0] <= lo and axis.range[1] >= hi, (axis.range, values)
             assert axis.range[1] - axis.range[0] <= 1.3 * (hi - lo) + 0.05 * abs(hi), (axis.range, values)

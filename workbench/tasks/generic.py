@@ -285,10 +285,18 @@ class Fidelity(_BatchedTask):
         return _per_position(t.float(), mask)
 
     def evaluate(self, model: nn.Module, quick: bool = False) -> dict[str, float]:
+        return self.evaluate_with_error(model, quick)[0]
+
+    def evaluate_with_error(self, model: nn.Module, quick: bool = False) -> tuple[dict[str, float], dict[str, float]]:
+        """The metrics and their 95 % sampling errors over the compared vectors: Wilson for the agreement, Student's
+        t for the per-vector KL and cosine. (Positions of one sequence are not independent samples, so for
+        sequence outputs the stated error is a lower bound.)"""
+        from workbench.measurement.sampling import mean_halfwidth, wilson_halfwidth
+
         check_model(model)
         device = model_device(model)
         batches = self._quick(self.eval_batches, quick)
-        cos, kl, agree, count = 0.0, 0.0, 0, 0
+        cos, kl, agree = [], [], 0
         with eval_mode(model), torch.inference_mode():
             for b, ref in zip(batches, self.reference):
                 got = self._vectors(I.call(model, I.to_device(b, device)), b).cpu()  # (N, D)
@@ -296,15 +304,21 @@ class Fidelity(_BatchedTask):
                 if got.shape != ref.shape:
                     raise ValueError(f"task {self.name!r}: the model's outputs have shape {tuple(got.shape)} per "
                                      f"batch where the reference's have {tuple(ref.shape)}")
-                cos += float(F.cosine_similarity(got, ref, dim=-1).sum())
+                cos.append(F.cosine_similarity(got.double(), ref.double(), dim=-1))
                 if self.logits:
                     logp, logq = F.log_softmax(ref.double(), -1), F.log_softmax(got.double(), -1)  # fp64: KL >= 0
-                    kl += float((logp.exp() * (logp - logq)).sum())
+                    kl.append((logp.exp() * (logp - logq)).sum(-1))
                     agree += int((got.argmax(-1) == ref.argmax(-1)).sum())
-                count += len(got)
-        if not self.logits:
-            return {"cosine": cos / count}
-        return {"kl_divergence": kl / count, "top1_agreement": agree / count, "cosine": cos / count}
+        cos_t = torch.cat(cos)
+        count = len(cos_t)
+        values = {"cosine": float(cos_t.mean())}
+        errors = {"cosine": mean_halfwidth(cos_t.numpy())}
+        if self.logits:
+            kl_t = torch.cat(kl)
+            values = {"kl_divergence": float(kl_t.mean()), "top1_agreement": agree / count, **values}
+            errors = {"kl_divergence": mean_halfwidth(kl_t.numpy()), "top1_agreement": wilson_halfwidth(agree, count),
+                      **errors}
+        return values, errors
 
 
 def _skip(batches: list[I.Batch], k: int) -> list[I.Batch]:
@@ -348,6 +362,11 @@ class Custom(_BatchedTask):
         self.default_batch_size = I.batch_size(self.eval_batches[0])
 
     def evaluate(self, model: nn.Module, quick: bool = False) -> dict[str, float]:
+        return self.evaluate_with_error(model, quick)[0]
+
+    def evaluate_with_error(self, model: nn.Module, quick: bool = False) -> tuple[dict[str, float], dict[str, float]]:
+        """The function's metrics; a key ``<metric>_error`` it returns (e.g. ``{"f1": 0.91, "f1_error": 0.02}``)
+        is that metric's 95 % sampling error (half-width), shown as ``f1 +- 0.02`` and used by comparisons."""
         check_model(model)
         with eval_mode(model):
             value = self._fn(model)
@@ -356,6 +375,13 @@ class Custom(_BatchedTask):
         if metric not in found:
             raise ValueError(f"task {self.name!r}: evaluate returned {sorted(found)}, without {metric!r}")
         try:
-            return {k: float(v) for k, v in found.items()}
+            found = {k: float(v) for k, v in found.items()}
         except (TypeError, ValueError):
             raise TypeError(f"task {self.name!r}: evaluate must return numbers, got {found!r:.100}") from None
+        errors = {k.removesuffix("_error"): v for k, v in found.items()
+                  if k.endswith("_error") and k.removesuffix("_error") in found}
+        for k, v in errors.items():
+            if not v >= 0:
+                raise ValueError(f"task {self.name!r}: {k}_error must be a half-width >= 0, got {v}")
+        return {k: v for k, v in found.items() if f"{k.removesuffix('_error')}_error" != k or
+                k.removesuffix("_error") not in errors}, errors

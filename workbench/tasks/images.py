@@ -136,15 +136,24 @@ class ImagePhotosTask(Task):
     input_desc = "(B, 3, 224, 224) normalised RGB"
 
     def evaluate(self, model: nn.Module, quick: bool = False) -> dict[str, float]:
+        return self.evaluate_with_error(model, quick)[0]
+
+    def evaluate_with_error(self, model: nn.Module, quick: bool = False) -> tuple[dict[str, float], dict[str, float]]:
+        """Agreement (Wilson 95 % half-width) and mean KL (Student's t over views). The views of one photo are
+        not independent samples, so the stated errors are lower bounds."""
+        from workbench.measurement.sampling import mean_halfwidth, wilson_halfwidth
+
         check_model(model)
         with eval_mode(model):
             out = logits(model, _inputs(EVALUATION_PHOTOS, quick))
         ref = _reference(quick)
         if out.shape != ref.shape:
             raise ValueError(f"expected logits of shape {tuple(ref.shape)} (ImageNet-1k), got {tuple(out.shape)}")
-        agreement = (out.argmax(-1) == ref.argmax(-1)).float().mean()
-        kl = F.kl_div(F.log_softmax(out, -1), F.log_softmax(ref, -1), log_target=True, reduction="batchmean")
-        return {"agreement": float(agreement), "kl": max(float(kl), 0.0)}
+        agree = int((out.argmax(-1) == ref.argmax(-1)).sum())
+        kl = F.kl_div(F.log_softmax(out.double(), -1), F.log_softmax(ref.double(), -1), log_target=True,
+                      reduction="none").sum(-1)                                      # (N,) per view
+        return ({"agreement": agree / len(out), "kl": max(float(kl.mean()), 0.0)},
+                {"agreement": wilson_halfwidth(agree, len(out)), "kl": mean_halfwidth(kl.numpy())})
 
     def predictions(self, model: nn.Module) -> dict[str, int]:
         """Top-1 class of ``model`` on the centre crop of each evaluation photo."""

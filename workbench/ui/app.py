@@ -172,7 +172,7 @@ class Workbench:
         h = self.session.history
         if not h:
             return {"x": [], "y": [], "text": [], "fx": [], "fy": [], "lx": [], "ly": [], "hi": [], "lo": [],
-                    "xrange": None, "yrange": None}
+                    "ye": [], "xrange": None, "yrange": None}
         df = pd.DataFrame({"x": [e.metrics.size_bytes / 2**20 if kind == "size" else _speedup(e) for e in h],
                            "y": [e.quality for e in h]})
         if kind == "size":
@@ -183,13 +183,19 @@ class Workbench:
         front = front.sort_values("x")
         hi = [e.speedup.high - e.speedup.ratio if kind != "size" and e.speedup is not None else 0.0 for e in h]
         lo = [e.speedup.ratio - e.speedup.low if kind != "size" and e.speedup is not None else 0.0 for e in h]
+        # the quality's sampling error (95 % half-width) where the task states one: a vertical bar per point
+        ye = [_finite_or_zero(e.metrics.primary_error) for e in h]
+        primary = self.session.task.primary.name
         # hover: the plan in words, one line per technique (a long single line would be clipped)
         text = [f"plan {i}: " + e.label.replace("; ", "<br>") +
-                (f"<br>speedup: {e.speedup.verdict}" if e.speedup is not None else "") for i, e in enumerate(h)]
+                (f"<br>speedup: {e.speedup.verdict}" if e.speedup is not None else "") +
+                (f"<br>{primary} ± {err:.2g} (sampling error, 95 %)" if err else "")
+                for i, (e, err) in enumerate(zip(h, ye))]
         xs = [*df["x"], *(df["x"] + pd.Series(hi)), *(df["x"] - pd.Series(lo))]
-        return {"x": list(df["x"]), "y": list(df["y"]), "hi": hi, "lo": lo, "text": text,
+        ys = [*df["y"], *(df["y"] + pd.Series(ye)), *(df["y"] - pd.Series(ye))]
+        return {"x": list(df["x"]), "y": list(df["y"]), "hi": hi, "lo": lo, "ye": ye, "text": text,
                 "fx": list(front["x"]), "fy": list(front["y"]), "lx": [df["x"].iloc[-1]], "ly": [df["y"].iloc[-1]],
-                "xrange": _fit(xs, floor=0.0), "yrange": _fit(list(df["y"]))}
+                "xrange": _fit(xs, floor=0.0), "yrange": _fit(ys)}
 
     def _tradeoff_figure(self, kind: str):
         import plotly.graph_objects as go
@@ -207,6 +213,7 @@ class Workbench:
                              marker=dict(size=10),
                              error_x=dict(type="data", symmetric=False, array=d["hi"], arrayminus=d["lo"],
                                           visible=kind != "size"),
+                             error_y=dict(type="data", array=d["ye"], visible=any(d["ye"]), color="gray"),
                              hovertemplate=f"%{{text}}<br>{x_hover}<br>{task.primary.name} %{{y:.4f}}"
                                            "<extra>click to restore</extra>"),
                   go.Scatter(x=d["fx"], y=d["fy"], mode="lines", name="Pareto front (best trade-offs)",
@@ -255,6 +262,7 @@ class Workbench:
             with fig.batch_update():
                 fig.data[0].x, fig.data[0].y, fig.data[0].text = d["x"], d["y"], d["text"]
                 fig.data[0].error_x.array, fig.data[0].error_x.arrayminus = d["hi"], d["lo"]
+                fig.data[0].error_y.array, fig.data[0].error_y.visible = d["ye"], any(d["ye"])
                 fig.data[1].x, fig.data[1].y = d["fx"], d["fy"]
                 fig.data[2].x, fig.data[2].y = d["lx"], d["ly"]
                 fig.layout.xaxis.range, fig.layout.yaxis.range = d["xrange"], d["yrange"]
@@ -423,6 +431,13 @@ class Workbench:
         """Block until a background apply finishes (for scripts and tests)."""
         if self._worker is not None:
             self._worker.join(timeout)
+
+
+def _finite_or_zero(value: float | None) -> float:
+    """A sampling error for an error bar: 0 (no bar) where the task states none or it is not finite."""
+    import math
+
+    return float(value) if value is not None and math.isfinite(value) else 0.0
 
 
 def _fit(values: list[float], floor: float | None = None) -> list[float] | None:

@@ -30,7 +30,7 @@ from workbench.plans.registry import Config, register_config
 from workbench.quantization import formats as fm
 from workbench.quantization.modules import (
     CONV_TYPES, FORWARD_BYPASSED, KERNELS, LAYER_TYPES, W8A8Linear, WeightOnlyEmbedding, WeightOnlyLinear, conv_args,
-    input_padding_of, layer_type, selectable, triton_weight_kind, w8a8_conv, weight_only_conv,
+    input_padding_of, layer_type, selectable, w8a8_conv, weight_only_conv,
 )
 from workbench.quantization.observers import OBSERVERS, ObserverAccumulator
 
@@ -214,7 +214,7 @@ class WeightOnly(Config):
         fm.validate(self.format())
         if self.kernel not in KERNELS:
             raise ValueError(f"WeightOnly.kernel must be one of {KERNELS}, got {self.kernel!r}")
-        if self.kernel == "triton" and triton_weight_kind(self.format()) is None:
+        if self.kernel == "triton" and self.format().triton_kind is None:
             raise ValueError(f"WeightOnly(kernel='triton') serves int8 per-channel symmetric (group_size=None) and "
                              f"int4 weights; bits={self.bits}, group_size={self.group_size}, "
                              f"symmetric={self.symmetric} has only 'reference' and 'cpu'")

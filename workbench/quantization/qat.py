@@ -14,7 +14,7 @@ scaling); `convert` then stores those learned scales. Fake quantization uses exa
 stores (fp16 scales included), so the converted model computes what was trained. Supported layers: those
 post-training quantization takes - nn.Linear, nn.Conv1d, nn.Conv2d (a "same"-padding subclass keeps its
 padding), nn.ConvTranspose2d and nn.Embedding for `WeightOnly`; nn.Linear for `Dynamic` - chosen the same way
-(`configs._WeightHandler`), with the same short last group where ``group_size`` does not divide the input size.
+(`configs._FormatHandler`), with the same short last group where ``group_size`` does not divide the input size.
 """
 from __future__ import annotations
 

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from workbench.kernels._common import check, check_same_device
+from workbench.kernels._common import check, check_same_device, extension_build_dir
 
 __all__ = ["w8a8_linear_cpu", "linear_unchecked", "reference", "cpu_isa", "load_extension", "ISAS"]
 
@@ -79,9 +79,7 @@ def _looks_built() -> bool:
     """Whether a compiled library is already in the extension's build directory (then loading takes ~0.1 s,
     else ~30 s: worth a line of notice). A guess: a changed source is rebuilt under a new name."""
     try:
-        from torch.utils.cpp_extension import _get_build_directory
-
-        return any(Path(_get_build_directory(_NAME, False)).glob(f"{_NAME}*.so"))
+        return any(Path(extension_build_dir(_NAME, SOURCE)).glob(f"{_NAME}*.so"))
     except Exception:  # a private helper of torch: no notice rather than an error
         return True
 
@@ -97,6 +95,7 @@ def _build():
             print("workbench.kernels.w8a8_cpu: compiling the CPU W8A8 kernel (first use on this machine, ~30 s; cached "
                   "afterwards) ...", file=sys.stderr, flush=True)
         ext = load(name=_NAME, sources=[str(SOURCE)], extra_cflags=["-O3", "-ffp-contract=off"],
+                   build_directory=extension_build_dir(_NAME, SOURCE),
                    verbose=False)
         return ext, None
     except Exception as e:  # no compiler, no ninja, no Python headers: reported by load_extension

@@ -106,13 +106,15 @@ def _build():
     """(extension module, None) or (None, the error): a failed build is not retried in this process."""
     from torch.utils.cpp_extension import load
 
+    from workbench.kernels._common import extension_build_dir
     from workbench.kernels.w8a8_cpu import ensure_ninja_on_path
 
     try:
         ensure_ninja_on_path()
         print("workbench.kernels.weight_only_cpu: loading the CPU weight-only kernel (compiled on first use on this machine, "
               "~20 s; cached afterwards) ...", file=sys.stderr, flush=True)
-        ext = load(name=_NAME, sources=[str(SOURCE)], extra_cflags=["-O3", "-ffp-contract=off"], verbose=False)
+        ext = load(name=_NAME, sources=[str(SOURCE)], extra_cflags=["-O3", "-ffp-contract=off"], verbose=False,
+                   build_directory=extension_build_dir(_NAME, SOURCE))
         return ext, None
     except Exception as e:  # no compiler, no ninja, no Python headers: reported by load_extension
         return None, e

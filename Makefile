@@ -35,7 +35,7 @@ report: install
 	$(BIN)/workbench report notebooks/00_start_here.ipynb
 
 bench: install
-	$(BIN)/python -m benchmarks.measure
+	$(BIN)/python -m workbench.benchmarks.measure
 
 weights: install
 	$(BIN)/python -m workbench.models.train all

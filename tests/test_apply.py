@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import workbench as wb
-from workbench.plans import Config, register_config
+from workbench.plans import Config, Handler, register_config
 from workbench.precision import Cast, CastConv2d, CastEmbedding, CastLinear
 
 
@@ -24,7 +24,7 @@ def assert_unchanged(model, snap):
 
 
 # A test-only technique: records the calibration inputs it was given, fails on a chosen layer.
-class _Probe:
+class _Probe(Handler):
     seen: dict = {}
 
     def supports(self, module, config):

@@ -1,5 +1,5 @@
 """Smoke tests: every benchmark runs (tiny settings) so none can rot."""
-from benchmarks.measure import bench_measure
+from workbench.benchmarks.measure import bench_measure
 
 
 def test_bench_measure_smoke():
@@ -8,7 +8,7 @@ def test_bench_measure_smoke():
 
 
 def test_bench_quantization_smoke():
-    from benchmarks.quantization import bench_quantization
+    from workbench.benchmarks.quantization import bench_quantization
 
     df = bench_quantization(models=("tiny-lm",), calib=8, quick=True, threads=1, bits_list=(4,), methods=("rtn",),
                             pipelines=("sequential", "original"))
@@ -18,7 +18,7 @@ def test_bench_quantization_smoke():
 
 
 def test_bench_analysis_smoke():
-    from benchmarks.analysis import bench_analysis
+    from workbench.benchmarks.analysis import bench_analysis
 
     timings, predicted, df = bench_analysis("digits-mlp", "digits", layers=None, threads=1, budget_fraction=0.5,
                                             quick_verify=True, compare_replay=True)
@@ -30,14 +30,14 @@ def test_bench_analysis_smoke():
 
 
 def test_bench_ui_smoke():
-    from benchmarks.ui import bench_ui
+    from workbench.benchmarks.ui import bench_ui
 
     df = bench_ui(cases=(("digits-mlp", "digits"),), threads=1, edits=2)
     assert df.loc[0, "points"] == 3 and df.loc[0, "one_layer_median_s"] > 0
 
 
 def test_bench_honest_smoke():
-    from benchmarks.honest import bench_honest
+    from workbench.benchmarks.honest import bench_honest
 
     df = bench_honest(models=("digits-mlp",), threads=1, repeats=1)
     assert len(df) == 4 and (df["median_s"] > 0).all() and (df["budget_s"] == 2.0).all()
@@ -46,7 +46,7 @@ def test_bench_honest_smoke():
 
 
 def test_bench_inplace_memory_smoke():
-    from benchmarks.memory import bench_inplace_memory
+    from workbench.benchmarks.memory import bench_inplace_memory
 
     r = bench_inplace_memory(layers=1, hidden=64, intermediate=128, threads=1, timeout=300)
     assert r["model_bytes"] > 0 and r["peak_after"] >= r["peak_before"] and r["seconds"] > 0

@@ -2,7 +2,7 @@
 
 
 def test_bench_recurrent_smoke():
-    from benchmarks.recurrent import bench_recurrent
+    from workbench.benchmarks.recurrent import bench_recurrent
 
     df = bench_recurrent(batches=(2,), seq=4, hidden=16, layers=2, threads=1, warmup=1, rounds=2,
                          kernel="reference")
@@ -11,7 +11,7 @@ def test_bench_recurrent_smoke():
 
 
 def test_bench_fold_smoke():
-    from benchmarks.fold import bench_fold
+    from workbench.benchmarks.fold import bench_fold
 
     df = bench_fold("tiny", batches=(2,), threads=1, warmup=1, rounds=2)
     assert df.loc[0, "bn_folded"] == df.loc[0, "bn_total"] == 3 and df.loc[0, "method"] == "fx"

@@ -125,20 +125,20 @@ SHELL_SUBSTITUTIONS = [   # (regex, replacement, why), applied in order to every
     (r"^workbench goldens NAME \.\.\.$", "workbench goldens app", "NAME -> the app notebook, the quickest golden"),
     (r"^python -m workbench\.models\.train NAME$", "python -m workbench.models.train digits-mlp --out weights",
      "NAME -> digits-mlp, written to a temporary folder (never over the shipped weights)"),
-    (r"^python -m benchmarks\.measure$", "python -m benchmarks.measure --model digits-mlp --repeats 1",
+    (r"^python -m workbench\.benchmarks\.measure$", "python -m workbench.benchmarks.measure --model digits-mlp --repeats 1",
      "MiniLM -> digits-mlp, one repeat"),
 ]
 
 PARSED_ONLY = {   # command -> why it is not run; its arguments are parsed by the module's own main()
-    "python -m benchmarks.quantization --calib 64": "tiny-lm and MiniLM x 11 plans: minutes",
-    "python -m benchmarks.pruning": "timing rounds on 4096-wide layers: a minute",
-    "python -m benchmarks.analysis": "MiniLM sensitivity, cold: 95 s",
-    "python -m benchmarks.ui": "MiniLM in the workbench: a minute",
-    "python -m benchmarks.fold": "EfficientNet-Lite0 timing rounds: a minute",
-    "python -m benchmarks.recurrent": "LSTM / GRU timing rounds: a minute",
-    "python -m benchmarks.honest": "five models x interleaved rounds: a minute",
-    "python -m kernels.bench": "every kernel at Llama sizes (GPU) or MiniLM W8A8 (CPU): minutes",
-    "python -m kernels.bench --cpu": "MiniLM W8A8 at 32 x 128 tokens, one thread, 8 interleaved runs: minutes",
+    "python -m workbench.benchmarks.quantization --calib 64": "tiny-lm and MiniLM x 11 plans: minutes",
+    "python -m workbench.benchmarks.pruning": "timing rounds on 4096-wide layers: a minute",
+    "python -m workbench.benchmarks.analysis": "MiniLM sensitivity, cold: 95 s",
+    "python -m workbench.benchmarks.ui": "MiniLM in the workbench: a minute",
+    "python -m workbench.benchmarks.fold": "EfficientNet-Lite0 timing rounds: a minute",
+    "python -m workbench.benchmarks.recurrent": "LSTM / GRU timing rounds: a minute",
+    "python -m workbench.benchmarks.honest": "five models x interleaved rounds: a minute",
+    "python -m workbench.kernels.bench": "every kernel at Llama sizes (GPU) or MiniLM W8A8 (CPU): minutes",
+    "python -m workbench.kernels.bench --cpu": "MiniLM W8A8 at 32 x 128 tokens, one thread, 8 interleaved runs: minutes",
 }
 
 EXCLUDED = {   # command -> why it is neither run nor parsed here
@@ -150,7 +150,7 @@ EXCLUDED = {   # command -> why it is neither run nor parsed here
     "make test-fast": "installs, then runs the suite (this test is marked slow, but the rest is minutes)",
     "make report": "installs first; its command `workbench report notebooks/00_start_here.ipynb` is the start "
                    "notebook's report, which runs below on digits-cnn",
-    "make bench": "installs first; its command `python -m benchmarks.measure` runs below",
+    "make bench": "installs first; its command `python -m workbench.benchmarks.measure` runs below",
     "make weights": "installs first, then retrains every zoo model over the shipped weights; "
                     "`python -m workbench.models.train NAME` runs below into a temporary folder",
     "workbench report": "the command's name in prose; its full forms run below",

@@ -73,7 +73,7 @@ def test_calibration_estimate_is_close_to_the_measured_run(method, pipeline):
 
 def test_apply_refuses_a_calibration_that_does_not_fit(monkeypatch):
     model, task = wb.models.load("digits-mlp"), wb.tasks.load("digits")
-    monkeypatch.setattr("workbench.analysis.estimate.available_memory", lambda device="cpu": 1024)
+    monkeypatch.setattr("workbench.plans.estimate.available_memory", lambda device="cpu": 1024)
     plan = {"*": wb.quant.WeightOnly(bits=4, group_size=16, method="gptq")}
     with pytest.raises(MemoryError, match="EXCEEDS"):
         wb.apply(model, plan, calibration=task.calibration(64), estimate=True, progress=False)

@@ -1,10 +1,10 @@
-"""kernels/fake_quant.py: fused fake quantization (forward and straight-through backward) against QAT's
+"""workbench/kernels/fake_quant.py: fused fake quantization (forward and straight-through backward) against QAT's
 `fake_quantize_ste`, exactly in fp32; per channel and per group, signed and unsigned grids."""
 import pytest
 import torch
 
-from kernels import fake_quant as fq
-from kernels._common import INTERPRET, triton_available
+from workbench.kernels import fake_quant as fq
+from workbench.kernels._common import INTERPRET, triton_available
 from workbench.quantization.primitives import choose_qparams, qrange
 from workbench.quantization.qat import fake_quantize_ste
 

@@ -1,4 +1,4 @@
-"""kernels/int4_weight_only.py: the Triton kernel against its PyTorch reference, the reference against the
+"""workbench/kernels/int4_weight_only.py: the Triton kernel against its PyTorch reference, the reference against the
 package's `formats.decode`, input checks, and the ``workbench::int4_weight_only_mm`` custom op.
 
 Without a GPU the kernel runs under the Triton interpreter (``tests/conftest.py`` sets ``TRITON_INTERPRET=1``),
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import int4_weight_only as k4
-from kernels._common import INTERPRET, triton_available
+from workbench.kernels import int4_weight_only as k4
+from workbench.kernels._common import INTERPRET, triton_available
 from workbench.quantization import formats as fm
 from workbench.quantization import packing
 
@@ -189,7 +189,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import int4_weight_only as k4
+from workbench.kernels import int4_weight_only as k4
 
 kernel, out = k4._int4_weight_only_mm_kernel, []
 for case in json.loads(sys.argv[1]):

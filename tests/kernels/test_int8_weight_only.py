@@ -1,4 +1,4 @@
-"""kernels/int8_weight_only.py: the Triton kernel against its PyTorch reference, the reference against the
+"""workbench/kernels/int8_weight_only.py: the Triton kernel against its PyTorch reference, the reference against the
 package's `formats.decode`, input checks, and the ``workbench::int8_weight_only_mm`` custom op.
 
 Without a GPU the kernel runs under the Triton interpreter (``tests/conftest.py`` sets ``TRITON_INTERPRET=1``),
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import int8_weight_only as k8
-from kernels._common import INTERPRET, triton_available
+from workbench.kernels import int8_weight_only as k8
+from workbench.kernels._common import INTERPRET, triton_available
 from workbench.quantization import formats as fm
 
 
@@ -201,7 +201,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import int8_weight_only as k8
+from workbench.kernels import int8_weight_only as k8
 
 kernel, out = k8._int8_weight_only_mm_kernel, []
 for case in json.loads(sys.argv[1]):

@@ -1,12 +1,12 @@
-"""Smoke tests of `python -m kernels.bench`: the functions run and produce well-formed tables (tiny sizes;
+"""Smoke tests of `python -m workbench.kernels.bench`: the functions run and produce well-formed tables (tiny sizes;
 under the Triton interpreter on CPU the kernel times mean nothing, only the plumbing is checked)."""
 import math
 
 import pytest
 import torch
 
-from kernels import bench
-from kernels._common import triton_available
+from workbench.kernels import bench
+from workbench.kernels._common import triton_available
 
 
 @pytest.mark.skipif(not triton_available(), reason="no CUDA GPU and TRITON_INTERPRET is not set")
@@ -54,9 +54,9 @@ def test_gpu_results_filters_by_timing(tmp_path):
 
 
 def test_e2e_rows_plumbing():
-    """`kernels.bench_e2e` on a tiny Llama on the CPU: bf16 rows are timed; a path that cannot run there (2:4
+    """`workbench.kernels.bench_e2e` on a tiny Llama on the CPU: bf16 rows are timed; a path that cannot run there (2:4
     needs CUDA) is a row with its error, not a crash."""
-    from kernels import bench_e2e
+    from workbench.kernels import bench_e2e
 
     df = bench_e2e.model_rows(kinds=("llama",), paths=("bf16", "2:4 sparse"), device="cpu", tiny=True)
     bf16 = df[df["path"] == "bf16"]

@@ -1,11 +1,11 @@
-"""kernels.weight_only_cpu against its PyTorch reference: every format it takes, ragged shapes (K, N and group
+"""workbench.kernels.weight_only_cpu against its PyTorch reference: every format it takes, ragged shapes (K, N and group
 sizes that are not multiples of the vector width, short last groups), both paths (decode: fp32 within 1e-5;
 prefill: bit for bit the reference's decoded weight times the same GEMM), each ISA this CPU has, two threads,
-fp16 / bf16 inputs, bad inputs refused by name; plus smoke runs of the benchmarks in kernels.bench_cpu."""
+fp16 / bf16 inputs, bad inputs refused by name; plus smoke runs of the benchmarks in workbench.kernels.bench_cpu."""
 import pytest
 import torch
 
-from kernels import weight_only_cpu as wk
+from workbench.kernels import weight_only_cpu as wk
 from workbench.quantization import formats as fm
 
 FORMATS = [fm.IntFormat(4, 128), fm.IntFormat(4, 32, symmetric=False), fm.IntFormat(4, 48, False, float_zero=True),
@@ -86,7 +86,7 @@ def test_a_failed_build_says_what_is_missing(monkeypatch):
 
 
 def test_layer_benchmark_smoke():
-    from kernels import bench_cpu
+    from workbench.kernels import bench_cpu
 
     df = bench_cpu.weight_only_table(256, 64, ms=(1, 20), rounds=1)
     assert set(df["M"]) == {1, 20} and (df["ms"] > 0).all() and (df["ms_min"] <= df["ms_max"]).all()
@@ -101,7 +101,7 @@ def test_decode_benchmark_smoke_on_a_hugging_face_llama():
     """Any causal LM: a Hugging Face model from a small random config generates with its KV cache."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kernels import bench_cpu
+    from workbench.kernels import bench_cpu
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

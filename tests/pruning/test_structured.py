@@ -76,7 +76,7 @@ def test_structured_errors(digits):
 
 
 def test_structured_benchmark_smoke():
-    from benchmarks.pruning import bench_structured
+    from workbench.benchmarks.pruning import bench_structured
 
     df = bench_structured(batch=4, threads=1, mlp=(32, 64), cnn_size=16)
     assert len(df) == 3 and (df["pruned_ms"] > 0).all()

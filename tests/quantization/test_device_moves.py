@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import workbench as wb
-from kernels._common import INTERPRET, triton_available
+from workbench.kernels._common import INTERPRET, triton_available
 from workbench.quantization.modules import W8A8Linear, WeightOnlyLinear
 
 

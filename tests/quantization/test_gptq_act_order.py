@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import workbench as wb
-from kernels._common import triton_available
+from workbench.kernels._common import triton_available
 from workbench.quantization import formats as fm
 from workbench.quantization.gptq import gptq_quantize
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from torch.utils._pytree import tree_map
 
-from workbench.plans.registry import Config, register_config
+from workbench.plans.registry import Config, Handler, register_config
 
 __all__ = ["SVD", "LowRankLinear", "FactoredWeight", "summary"]
 
@@ -90,7 +90,7 @@ def choose_rank(singular_values: torch.Tensor, energy: float) -> int:
     return int(torch.searchsorted(cum, torch.tensor(energy, dtype=cum.dtype)).item()) + 1
 
 
-class _SVDHandler:
+class _SVDHandler(Handler):
     def why_not(self, module: nn.Module, config) -> str | None:
         if not isinstance(module, nn.Linear):
             return "SVD factorises an nn.Linear's weight"

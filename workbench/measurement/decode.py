@@ -12,7 +12,7 @@ Two entry points: `tokens_per_second` (Hugging Face models, prefill and decode r
 tiny-llama task and its tests) and `tokens_per_s` (any causal LM, one number: Hugging Face models through
 ``generate``; other causal LMs - the zoo's TinyLM: ``model(ids) -> (B, T, vocab)`` logits - run their forward over
 the whole context, cut to ``model.cfg.block_size``, for each new token). `wb.measure(..., generate_tokens=n)`
-records `tokens_per_s` as ``Metrics.tokens_per_s``; `kernels.bench_cpu` compares paths with it.
+records `tokens_per_s` as ``Metrics.tokens_per_s``; `workbench.kernels.bench_cpu` compares paths with it.
 """
 from __future__ import annotations
 

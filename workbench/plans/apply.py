@@ -131,7 +131,7 @@ def apply(model: nn.Module, plan: Plan | Mapping[str, Config | None], calibratio
                          f"{', ...' if len(needing) > 5 else ''}; pass calibration=task.calibration(n)")
 
     if estimate and needing:
-        from workbench.analysis.estimate import estimate_calibration
+        from workbench.plans.estimate import estimate_calibration
 
         found = estimate_calibration(model, plan, batches, inplace=inplace, pipeline=pipeline)
         tqdm.write(str(found))
@@ -256,8 +256,7 @@ def _apply_sequential(target: nn.Module, assignments, needing, blocks: BlockList
 def _statistics(name: str, module: nn.Module, config: Config):
     """What the sequential pipeline keeps of a layer's inputs: the handler's accumulator (statistics built batch
     by batch, e.g. GPTQ's Hessian) or, for a technique without one, a list of the recorded inputs."""
-    make = getattr(handler_for(config), "accumulator", None)
-    found = make(name, module, config) if make is not None else None
+    found = handler_for(config).accumulator(name, module, config)
     return [] if found is None else found
 
 

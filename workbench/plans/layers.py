@@ -68,8 +68,7 @@ def transform_layer(name: str, module: nn.Module, config: Config,
         raise ApplyError(name, config, e) from e
     if not isinstance(new, nn.Module):
         raise ApplyError(name, config, TypeError(f"handler returned {type(new).__name__}, not a module"))
-    resolved = getattr(handler, "resolved", None)
-    concrete = resolved(config, new) if resolved is not None else config
+    concrete = handler.resolved(config, new)
     return Transformed(name, new, config, concrete, str(getattr(new, "note", "") or ""))
 
 

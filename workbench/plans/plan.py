@@ -172,8 +172,7 @@ class Plan(Mapping[str, Config | None]):
             handler = handler_for(config)
             if not handler.supports(module, config):
                 if next(module.parameters(recurse=False), None) is not None:
-                    why = getattr(handler, "why_not", None)
-                    reason = (why(module, config) if why is not None else None) or \
+                    reason = handler.why_not(module, config) or \
                         f"{type(config).__name__} does not handle {type(module).__name__}"
                     own = dict(module.named_parameters(recurse=False))   # a layer's weight matrix, not a
                     matrix = any(p.dim() >= 2 for n, p in own.items() if "weight" in n)   # token or table

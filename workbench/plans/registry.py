@@ -10,10 +10,11 @@ A config class is registered with `@register_config(handler)`; its JSON name is 
 """
 from __future__ import annotations
 
+import abc
 import dataclasses
 import enum
 import typing
-from typing import Any, Callable, ClassVar, Protocol, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 from torch import nn
@@ -40,34 +41,53 @@ class Config:
     kind: ClassVar[str] = ""
 
 
-class Handler(Protocol):
-    """What a technique provides for its config type."""
+class Handler(abc.ABC):
+    """What a technique provides for its config type: one subclass per config type, registered with it.
 
+    ``supports``, ``apply`` and ``skeleton`` must be written; the other hooks have no-op defaults that a
+    technique overrides where it has something to say (the core calls every hook directly, never looking
+    for it)."""
+
+    @abc.abstractmethod
     def supports(self, module: nn.Module, config: Config) -> bool:
         """Whether this technique, with this config, can replace ``module`` (e.g. only nn.Linear)."""
 
-    def needs_calibration(self, config: Config) -> bool:
-        """Whether ``apply`` needs the layer's calibration inputs."""
-
+    @abc.abstractmethod
     def apply(self, name: str, module: nn.Module, config: Config,
               inputs: Sequence[tuple[torch.Tensor, ...]] | None) -> nn.Module:
         """Return a *new* module implementing ``config`` for ``module`` (never mutate ``module``).
 
-        ``inputs`` are the layer's recorded calibration inputs when ``needs_calibration`` is true.
-        """
+        ``inputs`` are the layer's recorded calibration inputs when ``needs_calibration`` is true (or what its
+        ``accumulator`` kept of them)."""
 
+    @abc.abstractmethod
     def skeleton(self, name: str, module: nn.Module, config: Config) -> nn.Module:
         """Return a module with the compressed structure (shapes, dtypes, buffers) but no computation
         of its values: `wb.load` fills it from a file. Must not need calibration data."""
 
-    # Optional: ``calibration_cost(module, config, tokens) -> (bytes, flops)`` - the working memory and the
-    # arithmetic of calibrating one layer on ``tokens`` input rows, for `wb.analysis.estimate_calibration`.
-    # Optional: ``accumulator(name, module, config) -> object with add(batch) | None`` - what the technique
-    # keeps of the layer's inputs when fed one batch at a time (GPTQ's Hessian, an activation observer); the
-    # sequential pipeline then passes that object to ``apply`` as ``inputs`` instead of the recorded batches.
-    # None (or no method): the inputs themselves are recorded and passed.
-    # Optional: ``resolved(config, new_module) -> Config`` - the concrete config that rebuilds exactly the
-    # structure of ``new_module`` (e.g. SVD(energy=0.9) -> SVD(rank=37)); `apply` records it per layer.
+    def needs_calibration(self, config: Config) -> bool:
+        """Whether ``apply`` needs the layer's calibration inputs (default: no)."""
+        return False
+
+    def accumulator(self, name: str, module: nn.Module, config: Config) -> Any | None:
+        """What the technique keeps of the layer's inputs when fed one batch at a time (an object with
+        ``add(batch)``: GPTQ's Hessian, an activation observer); the sequential pipeline then passes it to
+        ``apply`` as ``inputs``. None (default): the input batches themselves are recorded and passed."""
+        return None
+
+    def calibration_cost(self, module: nn.Module, config: Config, tokens: int) -> tuple[int, float] | None:
+        """(working bytes, floating-point operations) of calibrating one layer on ``tokens`` input rows, for
+        `wb.analysis.estimate_calibration`; None (default): no cost model, only the measured baseline."""
+        return None
+
+    def resolved(self, config: Config, new_module: nn.Module) -> Config:
+        """The concrete config that rebuilds exactly the structure of ``new_module`` (e.g. SVD(energy=0.9) ->
+        SVD(rank=37)); `apply` records it per layer. Default: ``config`` itself."""
+        return config
+
+    def why_not(self, module: nn.Module, config: Config) -> str | None:
+        """Why ``supports`` refused ``module`` (shown to the user), or None (default) for a generic sentence."""
+        return None
 
 
 _HANDLERS: dict[type, Handler] = {}
@@ -76,6 +96,10 @@ _KINDS: dict[str, type] = {}
 
 def register_config(handler: Handler, kind: str | None = None) -> Callable[[type], type]:
     """Class decorator: register a frozen-dataclass config type with its handler."""
+
+    if not isinstance(handler, Handler):
+        raise TypeError(f"register_config needs a Handler instance (a subclass of workbench.plans.registry.Handler), "
+                        f"got {type(handler).__name__}")
 
     def deco(cls: type) -> type:
         if not (dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen):

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workbench.plans.registry import Config, register_config
+from workbench.plans.registry import Config, Handler, register_config
 
 __all__ = ["Cast", "CastLinear", "CastConv1d", "CastConv2d", "CastConv3d", "CastEmbedding", "CastParameter"]
 
@@ -133,7 +133,7 @@ def cast_module(module: nn.Module, dtype: torch.dtype, values: bool = True, name
     return new
 
 
-class _CastHandler:
+class _CastHandler(Handler):
     def supports(self, module: nn.Module, config: "Cast") -> bool:
         from workbench.quantization.modules import FORWARD_BYPASSED, selectable
 

@@ -36,7 +36,7 @@ from torch import nn
 
 from workbench.plans.layers import applied_plans, record_plan, swap_layers
 from workbench.plans.plan import Plan
-from workbench.plans.registry import Config, register_config
+from workbench.plans.registry import Config, Handler, register_config
 from workbench.pruning import masks
 from workbench.pruning.modules import (
     PRUNABLE, Pruned, SemiStructuredLinear, SparseLinear, freeze_zeros, pruned_class,
@@ -161,7 +161,7 @@ def _check_reads_weight(name: str, original: nn.Module, pruned: nn.Module) -> No
                          f"silent no-op")
 
 
-class _PruneHandler:
+class _PruneHandler(Handler):
     def why_not(self, module: nn.Module, config) -> str | None:
         base = _plain_class(module)
         if config.storage in ("csr", "2:4"):

@@ -30,7 +30,7 @@ from torch import nn
 
 from workbench.plans.layers import applied_plans, record_plan
 from workbench.plans.plan import Plan
-from workbench.plans.registry import Config, register_config
+from workbench.plans.registry import Config, Handler, register_config
 from workbench.pruning.structured import _is_layer, _take, is_conv1d_hf, out_in, run
 
 __all__ = ["KeptHeads", "attention_heads", "head_importance", "LAYOUTS"]
@@ -289,7 +289,7 @@ def attention_heads(model: nn.Module, heads: int, calibration, importance: dict[
     return target
 
 
-class _KeptHeadsHandler:
+class _KeptHeadsHandler(Handler):
     """Rebuilds the blocks `attention_heads` cut, so `wb.load` can restore them (the file holds the values)."""
 
     def why_not(self, module: nn.Module, config) -> str | None:

@@ -22,6 +22,7 @@
 """
 from __future__ import annotations
 
+import enum
 import functools
 import warnings
 
@@ -199,7 +200,14 @@ def _unpack_positions(meta: torch.Tensor, groups: int) -> torch.Tensor:
     return torch.stack([codes & 3, codes >> 2], dim=-1)
 
 
-SEMI_STRUCTURED_KERNELS = ("reference", "semi_structured")
+class SemiStructuredKernel(enum.StrEnum):
+    """The path a `SemiStructuredLinear` runs, chosen once by `set_kernel` (a `StrEnum`: equals its name)."""
+
+    REFERENCE = "reference"               # decompress to dense, then F.linear; runs anywhere
+    SEMI_STRUCTURED = "semi_structured"   # torch.sparse.to_sparse_semi_structured (CUDA, fp16 / bf16)
+
+
+SEMI_STRUCTURED_KERNELS = tuple(k.value for k in SemiStructuredKernel)
 
 
 class SemiStructuredLinear(nn.Module):
@@ -216,7 +224,7 @@ class SemiStructuredLinear(nn.Module):
                                                  device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
         self._sparse = None  # (version key, torch semi-structured weight) for kernel="semi_structured"
-        self.kernel = "reference"
+        self.kernel = SemiStructuredKernel.REFERENCE
         if kernel != "reference":
             self.set_kernel(kernel)
 
@@ -249,7 +257,8 @@ class SemiStructuredLinear(nn.Module):
     def set_kernel(self, kernel: str) -> "SemiStructuredLinear":
         if kernel not in SEMI_STRUCTURED_KERNELS:
             raise ValueError(f"SemiStructuredLinear: kernel must be one of {SEMI_STRUCTURED_KERNELS}, got {kernel!r}")
-        if kernel == "semi_structured":
+        kernel = SemiStructuredKernel(kernel)
+        if kernel is SemiStructuredKernel.SEMI_STRUCTURED:
             self._semi_structured_weight()   # raises here, not at the first forward, if it cannot run
         self.kernel = kernel
         return self
@@ -276,7 +285,7 @@ class SemiStructuredLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., in)
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        if self.kernel == "semi_structured":
+        if self.kernel is SemiStructuredKernel.SEMI_STRUCTURED:
             return F.linear(x, self._semi_structured_weight(), bias)
         return F.linear(x, self.dense_weight().to(x.dtype), bias)
 

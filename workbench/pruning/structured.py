@@ -43,7 +43,7 @@ from torch import nn
 
 from workbench.plans.layers import applied_plans, record_plan, swap_layers
 from workbench.plans.plan import Plan, _matcher
-from workbench.plans.registry import Config, register_config
+from workbench.plans.registry import Config, Handler, register_config
 
 __all__ = ["Kept", "channels", "channel_importance", "transformer_ffn_consumers", "FFN_LAYOUTS", "main_output", "run",
            "out_in", "hf_conv1d"]
@@ -477,7 +477,7 @@ def transformer_ffn_consumers(model: nn.Module) -> dict[str, list[str]]:
     return out
 
 
-class _KeptHandler:
+class _KeptHandler(Handler):
     """Rebuilds the shapes structured pruning left, so `wb.load` can restore a structurally pruned model."""
 
     def supports(self, module: nn.Module, config) -> bool:

@@ -21,16 +21,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 import torch
 from torch import nn
 
-from workbench.plans.registry import Config, register_config
+from workbench.plans.registry import Config, Handler, register_config
 from workbench.quantization import formats as fm
 from workbench.quantization.modules import (
     CONV_TYPES, FORWARD_BYPASSED, KERNELS, LAYER_TYPES, W8A8Linear, WeightOnlyEmbedding, WeightOnlyLinear, conv_args,
-    input_padding_of, layer_type, selectable, triton_weight_kind, w8a8_conv, weight_only_conv,
+    input_padding_of, layer_type, selectable, w8a8_conv, weight_only_conv,
 )
 from workbench.quantization.observers import OBSERVERS, ObserverAccumulator
 
@@ -54,7 +54,7 @@ def _divisors(K: int, limit: int = 4) -> str:
 
 def _check_whole_groups(name: str, config, K: int) -> None:
     """AWQ and HQQ work group by group on whole groups: refuse a short last group with fixes that work."""
-    g = getattr(config, "group_size", None)
+    g = config.group_size
     if g is not None and K % g:
         raise ValueError(f"group_size {g} does not divide the input dimension {K} of {name!r}, and "
                          f"method={config.method.value!r} needs whole groups; use group_size=None (per channel), a "
@@ -81,45 +81,33 @@ def _computation(name: str, module: nn.Module, technique: str):
                      f"with {{{name!r}: None}} in the plan)")
 
 
-class _WeightHandler:
-    """Shared by WeightOnly, NF4 and FP8: build the module for Linear / Conv1d / Conv2d / ConvTranspose2d /
-    Embedding (and subclasses computing the same, see `modules.layer_type`)."""
+class _FormatHandler(Handler):
+    """Round-to-nearest weight storage in the config's format (`NF4`, `FP8`; the base of `WeightOnly`'s handler):
+    builds the module for Linear / Conv1d / Conv2d / ConvTranspose2d / Embedding (and subclasses computing the
+    same, see `modules.layer_type`). The hooks below the Handler ones are what `WeightOnly` adds."""
 
     def supports(self, module: nn.Module, config) -> bool:
-        if getattr(config, "method", Method.RTN) is not Method.RTN:  # the algorithms are written for Linear
-            return selectable(module, (nn.Linear,))
-        if getattr(config, "kernel", "auto") in ("cpu", "triton"):   # the fast paths are matmuls
-            return selectable(module, (nn.Linear,))
         return selectable(module)
 
-    def needs_calibration(self, config) -> bool:
-        return getattr(config, "method", Method.RTN) in _CALIBRATED
-
-    def accumulator(self, name: str, module: nn.Module, config):
-        """What GPTQ keeps of a layer's calibration inputs, fed batch by batch: the Hessian (AWQ searches
-        on the inputs themselves: None, keep them)."""
-        if getattr(config, "method", Method.RTN) is Method.GPTQ:
-            from workbench.quantization.gptq import HessianAccumulator
-
-            return HessianAccumulator(module.weight[0].numel(), name)
-        return None
-
-    def calibration_cost(self, module: nn.Module, config, tokens: int) -> tuple[int, float]:
-        """(peak working bytes, floating-point operations) of calibrating ``module`` on ``tokens`` inputs."""
-        N, K = module.weight.shape[0], module.weight[0].numel()
-        method = getattr(config, "method", Method.RTN)
-        if method is Method.GPTQ:  # float64 Hessian and its inverse, fp32 weight copies, error block
-            return 2 * 8 * K * K + 4 * 4 * N * K, 2.0 * tokens * K * K + 2.0 * K ** 3 + 2.0 * N * K * K
-        if method is Method.AWQ:   # inputs (tokens, K), reference and candidate outputs (tokens, N), 21+20 steps
-            return 4 * (2 * tokens * K + 2 * tokens * N + 3 * N * K), 2.0 * tokens * K * N * (1 + 21 + 20)
-        return 4 * 3 * N * K, 20.0 * N * K
-
     def _check(self, name: str, module: nn.Module, config):
-        kind, padding = _computation(name, module, type(config).__name__)
-        method = getattr(config, "method", Method.RTN)
-        if method not in (Method.RTN, Method.GPTQ):
-            _check_whole_groups(name, config, _weight_rows(module))
-        return kind, padding
+        """(the layer type ``module`` computes as, its input padding); raises naming the layer."""
+        return _computation(name, module, type(config).__name__)
+
+    def _linear_tensors(self, name: str, module: nn.Module, config, fmt: fm.WeightFormat, inputs):
+        """(tensors, smooth) for a Linear's weight; (None, None): round to nearest."""
+        return None, None
+
+    def _kernel(self, config) -> str:
+        """The matmul path asked for (a `KERNELS` string)."""
+        return "auto"
+
+    def _smooth(self, config) -> bool:
+        """Whether the stored weight is scaled per input channel (AWQ)."""
+        return False
+
+    def _permuted(self, config) -> bool:
+        """Whether the stored weight has permuted input columns (GPTQ act-order with dynamic groups)."""
+        return False
 
     def apply(self, name: str, module: nn.Module, config, inputs: Sequence[tuple[torch.Tensor, ...]] | None):
         kind, padding = self._check(name, module, config)
@@ -129,25 +117,11 @@ class _WeightHandler:
         if kind in CONV_TYPES:
             args = conv_args(module, padding)
             return weight_only_conv(args["op"]).from_float(module, fmt, name, input_padding=padding)
-        method = getattr(config, "method", Method.RTN)
         fm.check_finite(name, module.weight)
-        tensors = smooth = None
-        if method is Method.GPTQ:
-            from workbench.quantization.gptq import gptq_quantize
-
-            tensors = gptq_quantize(module.weight.detach(), inputs, fmt, damp=config.damp,
-                                    act_order=config.act_order, static_groups=config.static_groups, name=name)
-        elif method is Method.AWQ:
-            from workbench.quantization.awq import awq_search
-
-            tensors, smooth, _ = awq_search(module.weight.detach(), inputs, fmt, name=name)
-        elif method is Method.HQQ:
-            from workbench.quantization.hqq import hqq_quantize
-
-            tensors = hqq_quantize(module.weight.detach(), fmt)
+        tensors, smooth = self._linear_tensors(name, module, config, fmt, inputs)
         perm = tensors.pop("perm", None) if tensors is not None else None
         return WeightOnlyLinear.from_float(module, fmt, name, tensors=tensors, smooth=smooth,
-                                           kernel=getattr(config, "kernel", "auto"), perm=perm)
+                                           kernel=self._kernel(config), perm=perm)
 
     def skeleton(self, name: str, module: nn.Module, config):
         kind, padding = self._check(name, module, config)
@@ -161,15 +135,80 @@ class _WeightHandler:
                                                 weight_dtype=module.weight.dtype)
         return WeightOnlyLinear(module.in_features, module.out_features, fmt, module.bias is not None,
                                 device=module.weight.device, bias_dtype=module.weight.dtype,
-                                smooth=getattr(config, "method", Method.RTN) is Method.AWQ,
-                                kernel=getattr(config, "kernel", "auto"),
-                                perm=_permuted(config))
+                                smooth=self._smooth(config), kernel=self._kernel(config),
+                                perm=self._permuted(config))
 
 
-def _permuted(config) -> bool:
-    """Whether ``config`` stores its weight with permuted input columns (GPTQ act-order with dynamic groups)."""
-    return (getattr(config, "method", Method.RTN) is Method.GPTQ and config.act_order and not config.static_groups
-            and config.group_size is not None)
+class _NF4Handler(_FormatHandler):
+    """`NF4`: round to nearest into `formats.NF4Format`, every weight layer; the CPU kernel where it runs."""
+
+
+class _FP8Handler(_FormatHandler):
+    """`FP8`: round to nearest into `formats.FP8Format`, every weight layer (reference path)."""
+
+
+class _WeightOnlyHandler(_FormatHandler):
+    """`WeightOnly`: integer formats with a method (GPTQ / AWQ calibrated, HQQ data-free; nn.Linear only) and a
+    kernel choice (the fast paths are matmuls: nn.Linear only)."""
+
+    def supports(self, module: nn.Module, config) -> bool:
+        if config.method is not Method.RTN or config.kernel in ("cpu", "triton"):
+            return selectable(module, (nn.Linear,))
+        return selectable(module)
+
+    def needs_calibration(self, config) -> bool:
+        return config.method in _CALIBRATED
+
+    def accumulator(self, name: str, module: nn.Module, config):
+        """What GPTQ keeps of a layer's calibration inputs, fed batch by batch: the Hessian (AWQ searches
+        on the inputs themselves: None, keep them)."""
+        if config.method is Method.GPTQ:
+            from workbench.quantization.gptq import HessianAccumulator
+
+            return HessianAccumulator(module.weight[0].numel(), name)
+        return None
+
+    def calibration_cost(self, module: nn.Module, config, tokens: int) -> tuple[int, float]:
+        """(peak working bytes, floating-point operations) of calibrating ``module`` on ``tokens`` inputs."""
+        N, K = module.weight.shape[0], module.weight[0].numel()
+        if config.method is Method.GPTQ:  # float64 Hessian and its inverse, fp32 weight copies, error block
+            return 2 * 8 * K * K + 4 * 4 * N * K, 2.0 * tokens * K * K + 2.0 * K ** 3 + 2.0 * N * K * K
+        if config.method is Method.AWQ:   # inputs (tokens, K), reference and candidate outputs (tokens, N), 21+20 steps
+            return 4 * (2 * tokens * K + 2 * tokens * N + 3 * N * K), 2.0 * tokens * K * N * (1 + 21 + 20)
+        return 4 * 3 * N * K, 20.0 * N * K
+
+    def _check(self, name: str, module: nn.Module, config):
+        found = super()._check(name, module, config)
+        if config.method not in (Method.RTN, Method.GPTQ):
+            _check_whole_groups(name, config, _weight_rows(module))
+        return found
+
+    def _linear_tensors(self, name: str, module: nn.Module, config, fmt: fm.WeightFormat, inputs):
+        if config.method is Method.GPTQ:
+            from workbench.quantization.gptq import gptq_quantize
+
+            return gptq_quantize(module.weight.detach(), inputs, fmt, damp=config.damp, act_order=config.act_order,
+                                 static_groups=config.static_groups, name=name), None
+        if config.method is Method.AWQ:
+            from workbench.quantization.awq import awq_search
+
+            tensors, smooth, _ = awq_search(module.weight.detach(), inputs, fmt, name=name)
+            return tensors, smooth
+        if config.method is Method.HQQ:
+            from workbench.quantization.hqq import hqq_quantize
+
+            return hqq_quantize(module.weight.detach(), fmt), None
+        return None, None
+
+    def _kernel(self, config) -> str:
+        return config.kernel
+
+    def _smooth(self, config) -> bool:
+        return config.method is Method.AWQ
+
+    def _permuted(self, config) -> bool:
+        return (config.method is Method.GPTQ and config.act_order and not config.static_groups
+                and config.group_size is not None)
 
 
 class _DefaultGroupSize(int):
@@ -180,7 +219,7 @@ class _DefaultGroupSize(int):
 _DEFAULT_GROUP = _DefaultGroupSize(64)
 
 
-@register_config(_WeightHandler(), kind="quant.WeightOnly")
+@register_config(_WeightOnlyHandler(), kind="quant.WeightOnly")
 @dataclass(frozen=True)
 class WeightOnly(Config):
     """Integer weight-only quantization: ``bits`` in {2, 3, 4, 8}; ``group_size`` along the input dimension
@@ -214,7 +253,7 @@ class WeightOnly(Config):
         fm.validate(self.format())
         if self.kernel not in KERNELS:
             raise ValueError(f"WeightOnly.kernel must be one of {KERNELS}, got {self.kernel!r}")
-        if self.kernel == "triton" and triton_weight_kind(self.format()) is None:
+        if self.kernel == "triton" and self.format().triton_kind is None:
             raise ValueError(f"WeightOnly(kernel='triton') serves int8 per-channel symmetric (group_size=None) and "
                              f"int4 weights; bits={self.bits}, group_size={self.group_size}, "
                              f"symmetric={self.symmetric} has only 'reference' and 'cpu'")
@@ -225,7 +264,7 @@ class WeightOnly(Config):
         return fm.IntFormat(self.bits, self.group_size, self.symmetric, float_zero=self.method is Method.HQQ)
 
 
-@register_config(_WeightHandler(), kind="quant.NF4")
+@register_config(_NF4Handler(), kind="quant.NF4")
 @dataclass(frozen=True)
 class NF4(Config):
     """4-bit NormalFloat weights (QLoRA codebook) with an absmax scale per ``group_size`` values (None: one
@@ -240,7 +279,7 @@ class NF4(Config):
         return fm.NF4Format(self.group_size)
 
 
-@register_config(_WeightHandler(), kind="quant.FP8")
+@register_config(_FP8Handler(), kind="quant.FP8")
 @dataclass(frozen=True)
 class FP8(Config):
     """float8 weights (e4m3fn or e5m2) with one fp32 scale per output channel."""
@@ -258,21 +297,24 @@ class FP8(Config):
         return fm.FP8Format(self.dtype)
 
 
-class _W8A8Handler:
-    """Dynamic and Static W8A8 of nn.Linear (optionally SmoothQuant-smoothed); Static (without smoothing, reference
-    kernel) also of nn.Conv1d / Conv2d / ConvTranspose2d. Layers are chosen as `_WeightHandler` chooses them."""
+class _W8A8Handler(Handler):
+    """W8A8 of nn.Linear (optionally SmoothQuant-smoothed); the base of `Dynamic`'s and `Static`'s handlers, which
+    differ in ``static``. Static (without smoothing, reference kernel) also takes nn.Conv1d / Conv2d /
+    ConvTranspose2d, Dynamic nn.LSTM / nn.GRU. Layers are chosen as `_FormatHandler` chooses them."""
+
+    static: ClassVar[bool]
 
     def supports(self, module: nn.Module, config) -> bool:
         if isinstance(module, FORWARD_BYPASSED):  # e.g. MultiheadAttention's out_proj: activations never pass
             return False                          # through its forward, so they could not be quantized there
         if _recurrent(module) is not None:   # Dynamic W8A8 of nn.LSTM / nn.GRU (workbench.quantization.recurrent)
-            return isinstance(config, Dynamic) and config.smooth_alpha is None
-        if isinstance(config, Static) and config.smooth_alpha is None and config.kernel in ("reference", "auto"):
+            return not self.static and config.smooth_alpha is None
+        if self.static and config.smooth_alpha is None and config.kernel in ("reference", "auto"):
             return selectable(module, (nn.Linear, *CONV_TYPES))
         return selectable(module, (nn.Linear,))
 
     def needs_calibration(self, config) -> bool:
-        return isinstance(config, Static) or config.smooth_alpha is not None
+        return self.static or config.smooth_alpha is not None
 
     def accumulator(self, name: str, module: nn.Module, config):
         """What is kept of a layer's calibration inputs, fed batch by batch: the activation observer (Static) or
@@ -282,10 +324,9 @@ class _W8A8Handler:
 
         if _recurrent(module) is not None:
             return None
-        static = isinstance(config, Static)
-        if static and config.smooth_alpha is None:
+        if self.static and config.smooth_alpha is None:
             return ObserverAccumulator(OBSERVERS[config.observer]())
-        if not static and config.smooth_alpha is not None:
+        if not self.static and config.smooth_alpha is not None:
             return AbsMaxAccumulator(module.in_features, name)
         return None
 
@@ -309,7 +350,7 @@ class _W8A8Handler:
         if config.smooth_alpha is not None:
             smooth = smoothing_factors(activation_absmax(inputs, module.in_features, name), module.weight,
                                        config.smooth_alpha).to(module.weight.device)
-        act_scale = self._act_scale(name, config, inputs, smooth) if isinstance(config, Static) else None
+        act_scale = self._act_scale(name, config, inputs, smooth) if self.static else None
         return W8A8Linear.from_float(module, name, kernel=config.kernel, act_scale=act_scale, smooth=smooth)
 
     @staticmethod
@@ -340,7 +381,7 @@ class _W8A8Handler:
             args = conv_args(module, padding)
             return w8a8_conv(args["op"])(args, module.bias is not None, device=module.weight.device)
         return W8A8Linear(module.in_features, module.out_features, module.bias is not None,
-                          static=isinstance(config, Static), smooth=config.smooth_alpha is not None,
+                          static=self.static, smooth=config.smooth_alpha is not None,
                           device=module.weight.device, kernel=config.kernel)
 
 
@@ -370,10 +411,15 @@ def _check_w8a8(config) -> None:
         raise ValueError(f"{type(config).__name__}.smooth_alpha must be in [0, 1] or None, got {config.smooth_alpha!r}")
 
 
-_W8A8 = _W8A8Handler()
+class _DynamicHandler(_W8A8Handler):
+    static = False
 
 
-@register_config(_W8A8, kind="quant.Dynamic")
+class _StaticHandler(_W8A8Handler):
+    static = True
+
+
+@register_config(_DynamicHandler(), kind="quant.Dynamic")
 @dataclass(frozen=True)
 class Dynamic(Config):
     """W8A8 of a Linear: int8 per-channel weights, int8 activations quantized per token at run time.
@@ -387,7 +433,7 @@ class Dynamic(Config):
         _check_w8a8(self)
 
 
-@register_config(_W8A8, kind="quant.Static")
+@register_config(_StaticHandler(), kind="quant.Static")
 @dataclass(frozen=True)
 class Static(Config):
     """W8A8 of a Linear (or, without smoothing, a Conv2d) with one per-tensor activation scale calibrated by

@@ -9,9 +9,14 @@ A format encodes a 2-D weight ``(rows, K)`` (Linear: ``(out, in)``; Embedding: `
 | `NF4Format(group_size)` | ``qweight`` uint8, two codes per byte; ``scale`` fp16 absmax per group | 0.5 + 2/g |
 | `FP8Format(dtype)` | ``qweight`` float8; ``scale`` fp32 per row | 1 + 4/K |
 
+Each format is one class derived from `WeightFormat` that implements the whole protocol - ``validate``,
+``encode``, ``empty``, ``decode``, and which kernels read it (``triton_kind``, ``cpu_layout``) - and is
+registered in `FORMATS`: a new format is a new class, not a branch in four functions. The module-level
+`encode` / `decode` / `empty` / `validate` call the format's methods.
+
 Integer codes are stored unsigned (``u = q - qmin``), with the zero point in the same unsigned space;
 3-bit codes sit in 4-bit slots (there is no byte-aligned 3-bit layout), so they cost 4 bits. Scales are
-rounded to fp16 *before* the codes are computed, so stored scales and codes are consistent.
+rounded to fp16 *before* the codes are computed (`primitives.fp16_scale`), so stored scales and codes agree.
 
 When ``group_size`` does not divide K, the last group of each row is short (``K % group_size`` values):
 scales and zero points are ``(rows, ceil(K / g))`` and the codes are still exactly K per row. The short
@@ -20,65 +25,74 @@ this is the same as a padded last group without storing the padding. `short_grou
 """
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from workbench.quantization import packing
 from workbench.quantization.primitives import (
-    FLOAT8_DTYPES, PerChannel, choose_qparams, float8_quantize, nf4_codebook, qrange, quantize,
+    FLOAT8_DTYPES, PerChannel, choose_qparams, float8_quantize, fp16_scale, nf4_codebook, nf4_codes,
+    nf4_dequantize, qrange, quantize,
 )
 
-__all__ = ["IntFormat", "NF4Format", "FP8Format", "WeightFormat", "encode", "decode", "empty",
-           "validate", "check_finite", "int_qparams", "int_codes", "pack_int", "groups", "short_group_note"]
+__all__ = ["WeightFormat", "IntFormat", "NF4Format", "FP8Format", "FORMATS", "register_format", "encode", "decode",
+           "empty", "validate", "check_finite", "int_qparams", "int_codes", "pack_int", "groups", "short_group_note"]
+
+FORMATS: dict[str, type["WeightFormat"]] = {}   # name -> format class, filled by `register_format`
 
 
-@dataclass(frozen=True)
-class IntFormat:
-    bits: int = 4
-    group_size: int | None = 64  # None: one group per row (per-channel)
-    symmetric: bool = True
-    float_zero: bool = False     # HQQ: a real-valued (fp16) zero point per group instead of an integer code
+def register_format(cls: type["WeightFormat"]) -> type["WeightFormat"]:
+    """Class decorator: add a `WeightFormat` subclass to `FORMATS` under its ``name``."""
+    if cls.name in FORMATS:
+        raise ValueError(f"weight format name {cls.name!r} is taken by {FORMATS[cls.name].__name__}")
+    FORMATS[cls.name] = cls
+    return cls
+
+
+class WeightFormat(abc.ABC):
+    """How one kind of low-bit weight is stored. Subclasses are frozen dataclasses (hashable, comparable)."""
+
+    name: ClassVar[str]
+    cpu_kernel: ClassVar[bool] = False   # `workbench.kernels.weight_only_cpu` reads it (see ``cpu_layout``)
+    group_size: int | None = None   # values per scale along K; None: one group per row
+
+    @abc.abstractmethod
+    def validate(self) -> None:
+        """Raise ValueError naming the bad field."""
+
+    @abc.abstractmethod
+    def encode(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Round-to-nearest encoding of a 2-D float weight ``(rows, K)`` (checked by the module-level `encode`)."""
+
+    @abc.abstractmethod
+    def empty(self, shape: tuple[int, int], device=None) -> dict[str, torch.Tensor]:
+        """Correctly shaped and typed, uninitialised tensors (what `wb.load` fills)."""
+
+    @abc.abstractmethod
+    def decode(self, t: dict[str, torch.Tensor], K: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The rows held in ``t`` (all rows, or a gathered subset for embeddings) as float ``(rows, K)``."""
 
     @property
-    def slot_bits(self) -> int:
-        return 4 if self.bits == 3 else self.bits
-
-
-@dataclass(frozen=True)
-class NF4Format:
-    group_size: int | None = 64  # None: one absmax scale per row
-
-
-@dataclass(frozen=True)
-class FP8Format:
-    dtype: torch.dtype = torch.float8_e4m3fn
-
-
-WeightFormat = IntFormat | NF4Format | FP8Format
-
-
-def check_finite(name: str, w: torch.Tensor) -> None:
-    if not torch.isfinite(w).all():
-        bad = int((~torch.isfinite(w)).sum())
-        raise ValueError(f"weight of {name!r} contains {bad} NaN/Inf value(s); refusing to quantize it")
-
-
-def groups(fmt, K: int) -> tuple[int, int]:
-    """(values per group g, groups per row G = ceil(K / g)) of a K-wide row in ``fmt``."""
-    g = K if getattr(fmt, "group_size", None) is None else fmt.group_size
-    return g, -(-K // g)
-
-
-def short_group_note(fmt, K: int) -> str | None:
-    """A sentence for a layer whose rows end in a short group (None when ``group_size`` divides K)."""
-    g, G = groups(fmt, K)
-    if K % g == 0:
+    def triton_kind(self) -> str | None:
+        """Which Triton weight-only GEMM serves this format: "int8", "int4" or None (none does)."""
         return None
-    if G == 1:
-        return f"input size {K} is smaller than group_size {g}: one group per row (per channel)"
-    return (f"group_size {g} does not divide the input size {K}: the last group of each row holds {K % g} values "
-            f"({G} groups, the last one zero-padded)")
+
+    def cpu_layout(self, t: dict[str, torch.Tensor], K: int) -> dict | None:
+        """The stored tensors as `workbench.kernels.weight_only_cpu` reads them (its `CpuWeight` fields:
+        codes as stored, fp32 scale and zero or a lookup table); None when ``cpu_kernel`` is False."""
+        return None
+
+    def groups(self, K: int) -> tuple[int, int]:
+        """(values per group g, groups per row G = ceil(K / g)) of a K-wide row."""
+        g = K if self.group_size is None else self.group_size
+        return g, -(-K // g)
+
+
+def _check_group_size(group_size) -> None:
+    if group_size is not None and (not isinstance(group_size, int) or group_size < 1):
+        raise ValueError(f"group_size must be a positive int or None (per channel), got {group_size!r}")
 
 
 def _padded(w: torch.Tensor, g: int) -> torch.Tensor:
@@ -89,13 +103,174 @@ def _padded(w: torch.Tensor, g: int) -> torch.Tensor:
     return w.reshape(-1, g)
 
 
+def _unpack_padded(q: torch.Tensor, bits: int, K: int, width: int) -> torch.Tensor:
+    """K codes per row, padded with zeros to ``width`` (a whole number of groups); no copy when K == width."""
+    codes = packing.unpack(q, bits, K)
+    return codes if width == K else torch.nn.functional.pad(codes, (0, width - K))
+
+
+@register_format
+@dataclass(frozen=True)
+class IntFormat(WeightFormat):
+    """Integer codes of 2, 3, 4 or 8 bits with an fp16 scale (and, asymmetric, a zero point) per group."""
+
+    name: ClassVar[str] = "int"
+    cpu_kernel: ClassVar[bool] = True
+    bits: int = 4
+    group_size: int | None = 64  # None: one group per row (per-channel)
+    symmetric: bool = True
+    float_zero: bool = False     # HQQ: a real-valued (fp16) zero point per group instead of an integer code
+
+    @property
+    def slot_bits(self) -> int:
+        return 4 if self.bits == 3 else self.bits
+
+    def validate(self) -> None:
+        if self.bits not in (2, 3, 4, 8):
+            raise ValueError(f"weight-only integer quantization supports 2, 3, 4 and 8 bits, got {self.bits!r}")
+        _check_group_size(self.group_size)
+        if self.float_zero and self.symmetric:
+            raise ValueError("a float zero point needs asymmetric quantization (symmetric=False)")
+
+    def encode(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        scale, zero = int_qparams(w, self)
+        return pack_int(int_codes(w, scale, zero, self), scale, zero, self)
+
+    def empty(self, shape: tuple[int, int], device=None) -> dict[str, torch.Tensor]:
+        rows, K = shape
+        _, G = self.groups(K)
+        out = {"qweight": torch.empty(packing.packed_shape((rows, K), self.slot_bits), dtype=torch.uint8,
+                                      device=device),
+               "scale": torch.empty(rows, G, dtype=torch.float16, device=device)}
+        if not self.symmetric:
+            out["zero"] = torch.empty(rows, G, dtype=torch.float16 if self.float_zero else torch.uint8, device=device)
+        return out
+
+    def _zero(self, t: dict[str, torch.Tensor], scale: torch.Tensor) -> torch.Tensor:
+        """The zero points in fp32, ``(rows, G)``: stored, or the symmetric mid-point 2^(bits-1)."""
+        return t["zero"].float() if "zero" in t else torch.full_like(scale, float(1 << (self.bits - 1)))
+
+    def decode(self, t: dict[str, torch.Tensor], K: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        q = t["qweight"]
+        rows = q.shape[0]
+        scale = t["scale"].float()                                                 # (rows, G)
+        g, G = self.groups(K)
+        codes = _unpack_padded(q, self.slot_bits, K, G * g)                        # (rows, G * g) uint8
+        zero = self._zero(t, scale)
+        w = (codes.reshape(rows, G, g).float() - zero.unsqueeze(-1)) * scale.unsqueeze(-1)
+        return w.reshape(rows, G * g)[:, :K].to(dtype)
+
+    @property
+    def triton_kind(self) -> str | None:
+        if self.bits == 8 and self.group_size is None and self.symmetric:
+            return "int8"
+        return "int4" if self.bits == 4 else None
+
+    def cpu_layout(self, t: dict[str, torch.Tensor], K: int) -> dict:
+        scale = t["scale"].float().contiguous()
+        return {"qweight": t["qweight"].contiguous(), "scale": scale, "zero": self._zero(t, scale).contiguous(),
+                "lut": None, "bits": self.slot_bits, "group_size": self.groups(K)[0], "K": K}
+
+
+@register_format
+@dataclass(frozen=True)
+class NF4Format(WeightFormat):
+    """QLoRA's 4-bit normal-float codes (two per byte) with an fp16 absmax scale per group."""
+
+    name: ClassVar[str] = "nf4"
+    cpu_kernel: ClassVar[bool] = True
+    group_size: int | None = 64  # None: one absmax scale per row
+
+    def validate(self) -> None:
+        _check_group_size(self.group_size)
+
+    def encode(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        rows, K = w.shape
+        g, G = self.groups(K)
+        wg = _padded(w.float(), g)                                                  # (rows * G, g)
+        scale = fp16_scale(wg.abs().amax(dim=1, keepdim=True))                      # (rows * G, 1)
+        codes = nf4_codes(wg, scale)                                                # (rows * G, g)
+        return {"qweight": packing.pack(codes.reshape(rows, -1)[:, :K], 4), "scale": scale.reshape(rows, G).half()}
+
+    def empty(self, shape: tuple[int, int], device=None) -> dict[str, torch.Tensor]:
+        rows, K = shape
+        _, G = self.groups(K)
+        return {"qweight": torch.empty(packing.packed_shape((rows, K), 4), dtype=torch.uint8, device=device),
+                "scale": torch.empty(rows, G, dtype=torch.float16, device=device)}
+
+    def decode(self, t: dict[str, torch.Tensor], K: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        q = t["qweight"]
+        rows = q.shape[0]
+        g, G = self.groups(K)
+        codes = _unpack_padded(q, 4, K, G * g).reshape(rows * G, g)
+        w = nf4_dequantize(codes, t["scale"].float().reshape(-1, 1), None)        # (rows * G, g)
+        return w.reshape(rows, G * g)[:, :K].to(dtype)
+
+    def cpu_layout(self, t: dict[str, torch.Tensor], K: int) -> dict:
+        return {"qweight": t["qweight"].contiguous(), "scale": t["scale"].float().contiguous(), "zero": None,
+                "lut": nf4_codebook().float().contiguous(), "bits": 4, "group_size": self.groups(K)[0], "K": K}
+
+
+@register_format
+@dataclass(frozen=True)
+class FP8Format(WeightFormat):
+    """float8 values (e4m3fn or e5m2) with an fp32 scale per row."""
+
+    name: ClassVar[str] = "fp8"
+    dtype: torch.dtype = torch.float8_e4m3fn
+
+    def validate(self) -> None:
+        if self.dtype not in FLOAT8_DTYPES:
+            raise ValueError(f"fp8 dtype must be one of {FLOAT8_DTYPES}, got {self.dtype!r}")
+
+    def encode(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        q, scale = float8_quantize(w, PerChannel(0), self.dtype)
+        return {"qweight": q, "scale": scale}
+
+    def empty(self, shape: tuple[int, int], device=None) -> dict[str, torch.Tensor]:
+        rows, K = shape
+        return {"qweight": torch.empty(rows, K, dtype=self.dtype, device=device),
+                "scale": torch.empty(rows, 1, dtype=torch.float32, device=device)}
+
+    def decode(self, t: dict[str, torch.Tensor], K: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (t["qweight"].float() * t["scale"]).to(dtype)
+
+
+def _format(fmt) -> WeightFormat:
+    if not isinstance(fmt, WeightFormat):
+        raise TypeError(f"unknown weight format {fmt!r} (expected one of {sorted(c.__name__ for c in FORMATS.values())})")
+    return fmt
+
+
+def check_finite(name: str, w: torch.Tensor) -> None:
+    if not torch.isfinite(w).all():
+        bad = int((~torch.isfinite(w)).sum())
+        raise ValueError(f"weight of {name!r} contains {bad} NaN/Inf value(s); refusing to quantize it")
+
+
+def groups(fmt: WeightFormat, K: int) -> tuple[int, int]:
+    """(values per group g, groups per row G = ceil(K / g)) of a K-wide row in ``fmt``."""
+    return _format(fmt).groups(K)
+
+
+def short_group_note(fmt: WeightFormat, K: int) -> str | None:
+    """A sentence for a layer whose rows end in a short group (None when ``group_size`` divides K)."""
+    g, G = groups(fmt, K)
+    if K % g == 0:
+        return None
+    if G == 1:
+        return f"input size {K} is smaller than group_size {g}: one group per row (per channel)"
+    return (f"group_size {g} does not divide the input size {K}: the last group of each row holds {K % g} values "
+            f"({G} groups, the last one zero-padded)")
+
+
 def int_qparams(w: torch.Tensor, fmt: IntFormat) -> tuple[torch.Tensor, torch.Tensor]:
     """fp16-representable scale and unsigned zero point, each ``(rows, K // g)``."""
     rows, K = w.shape
-    g, G = groups(fmt, K)
+    g, G = fmt.groups(K)
     wg = _padded(w.float(), g)                                        # (rows * G, g)
     scale, zp = choose_qparams(wg, fmt.bits, fmt.symmetric, signed=True)
-    scale = scale.to(torch.float16).float().clamp(min=torch.finfo(torch.float16).tiny)
+    scale = fp16_scale(scale)
     qmin, _ = qrange(fmt.bits, True)
     return scale.reshape(rows, G), (zp - qmin).reshape(rows, G)
 
@@ -103,7 +278,7 @@ def int_qparams(w: torch.Tensor, fmt: IntFormat) -> tuple[torch.Tensor, torch.Te
 def int_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: IntFormat) -> torch.Tensor:
     """Unsigned codes ``(rows, K)`` of ``w`` for given per-group scale / zero (used by RTN and GPTQ)."""
     rows, K = w.shape
-    g, _ = groups(fmt, K)                                             # (the last group may be short)
+    g, _ = fmt.groups(K)                                              # (the last group may be short)
     u = quantize(_padded(w.float(), g), scale.reshape(-1, 1), zero.reshape(-1, 1), 0, (1 << fmt.bits) - 1,
                  torch.uint8)
     return u.reshape(rows, -1)[:, :K]
@@ -117,86 +292,22 @@ def pack_int(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: 
 
 
 def encode(w: torch.Tensor, fmt: WeightFormat) -> dict[str, torch.Tensor]:
-    """Round-to-nearest encoding of a 2-D weight."""
+    """Round-to-nearest encoding of a 2-D weight in ``fmt``."""
+    fmt = _format(fmt)
     if w.ndim != 2:
         raise ValueError(f"expected a 2-D weight, got shape {tuple(w.shape)}")
-    if isinstance(fmt, IntFormat):
-        scale, zero = int_qparams(w, fmt)
-        return pack_int(int_codes(w, scale, zero, fmt), scale, zero, fmt)
-    if isinstance(fmt, NF4Format):
-        rows, K = w.shape
-        g, G = groups(fmt, K)
-        wg = _padded(w.float(), g)                                                  # (rows * G, g)
-        scale = wg.abs().amax(dim=1, keepdim=True).to(torch.float16).float().clamp(min=torch.finfo(torch.float16).tiny)
-        book = nf4_codebook().to(w.device)
-        codes = ((wg / scale).unsqueeze(-1) - book).abs().argmin(dim=-1).to(torch.uint8)   # (rows * G, g)
-        return {"qweight": packing.pack(codes.reshape(rows, -1)[:, :K], 4), "scale": scale.reshape(rows, G).half()}
-    if isinstance(fmt, FP8Format):
-        q, scale = float8_quantize(w, PerChannel(0), fmt.dtype)
-        return {"qweight": q, "scale": scale}
-    raise TypeError(f"unknown weight format {fmt!r}")
+    return fmt.encode(w)
 
 
 def empty(shape: tuple[int, int], fmt: WeightFormat, device=None) -> dict[str, torch.Tensor]:
     """Correctly shaped and typed, uninitialised tensors of ``fmt`` (what `wb.load` fills)."""
-    rows, K = shape
-    if isinstance(fmt, IntFormat):
-        _, G = groups(fmt, K)
-        out = {"qweight": torch.empty(packing.packed_shape((rows, K), fmt.slot_bits), dtype=torch.uint8, device=device),
-               "scale": torch.empty(rows, G, dtype=torch.float16, device=device)}
-        if not fmt.symmetric:
-            out["zero"] = torch.empty(rows, G, dtype=torch.float16 if fmt.float_zero else torch.uint8, device=device)
-        return out
-    if isinstance(fmt, NF4Format):
-        _, G = groups(fmt, K)
-        return {"qweight": torch.empty(packing.packed_shape((rows, K), 4), dtype=torch.uint8, device=device),
-                "scale": torch.empty(rows, G, dtype=torch.float16, device=device)}
-    if isinstance(fmt, FP8Format):
-        return {"qweight": torch.empty(rows, K, dtype=fmt.dtype, device=device),
-                "scale": torch.empty(rows, 1, dtype=torch.float32, device=device)}
-    raise TypeError(f"unknown weight format {fmt!r}")
+    return _format(fmt).empty(shape, device)
 
 
 def decode(t: dict[str, torch.Tensor], fmt: WeightFormat, K: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Dequantize the rows held in ``t`` (all rows, or a gathered subset for embeddings) to ``(rows, K)``."""
-    q = t["qweight"]
-    rows = q.shape[0]
-    if isinstance(fmt, IntFormat):
-        scale = t["scale"].float()                                                 # (rows, G)
-        g, G = groups(fmt, K)
-        codes = _unpack_padded(q, fmt.slot_bits, K, G * g)                         # (rows, G * g) uint8
-        zero = t["zero"].float() if "zero" in t else torch.full_like(scale, float(1 << (fmt.bits - 1)))
-        w = (codes.reshape(rows, G, g).float() - zero.unsqueeze(-1)) * scale.unsqueeze(-1)
-        return w.reshape(rows, G * g)[:, :K].to(dtype)
-    if isinstance(fmt, NF4Format):
-        scale = t["scale"].float()
-        g, G = groups(fmt, K)
-        codes = _unpack_padded(q, 4, K, G * g)
-        w = nf4_codebook().to(q.device)[codes.long()].reshape(rows, G, g) * scale.unsqueeze(-1)
-        return w.reshape(rows, G * g)[:, :K].to(dtype)
-    if isinstance(fmt, FP8Format):
-        return (q.float() * t["scale"]).to(dtype)
-    raise TypeError(f"unknown weight format {fmt!r}")
-
-
-def _unpack_padded(q: torch.Tensor, bits: int, K: int, width: int) -> torch.Tensor:
-    """K codes per row, padded with zeros to ``width`` (a whole number of groups); no copy when K == width."""
-    codes = packing.unpack(q, bits, K)
-    return codes if width == K else torch.nn.functional.pad(codes, (0, width - K))
+    return _format(fmt).decode(t, K, dtype)
 
 
 def validate(fmt: WeightFormat) -> None:
-    if isinstance(fmt, IntFormat):
-        if fmt.bits not in (2, 3, 4, 8):
-            raise ValueError(f"weight-only integer quantization supports 2, 3, 4 and 8 bits, got {fmt.bits!r}")
-        if fmt.group_size is not None and (not isinstance(fmt.group_size, int) or fmt.group_size < 1):
-            raise ValueError(f"group_size must be a positive int or None (per-channel), got {fmt.group_size!r}")
-        if fmt.float_zero and fmt.symmetric:
-            raise ValueError("a float zero point needs asymmetric quantization (symmetric=False)")
-    elif isinstance(fmt, NF4Format):
-        if fmt.group_size is not None and (not isinstance(fmt.group_size, int) or fmt.group_size < 1):
-            raise ValueError(f"group_size must be a positive int or None (per channel), got {fmt.group_size!r}")
-    elif isinstance(fmt, FP8Format):
-        if fmt.dtype not in FLOAT8_DTYPES:
-            raise ValueError(f"fp8 dtype must be one of {FLOAT8_DTYPES}, got {fmt.dtype!r}")
-
+    _format(fmt).validate()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from workbench.quantization import formats as fm
-from workbench.quantization.primitives import choose_qparams
+from workbench.quantization.primitives import choose_qparams, fp16_scale
 
 __all__ = ["hqq_quantize"]
 
@@ -35,7 +35,7 @@ def hqq_quantize(weight: torch.Tensor, fmt: fm.IntFormat, iters: int = 20, p: fl
     Wg = W.reshape(-1, g)                                                      # (G, g)
     maxq = (1 << fmt.bits) - 1
     scale, zp = choose_qparams(Wg, fmt.bits, symmetric=False, signed=False)  # unsigned codes 0..maxq
-    scale = scale.to(torch.float16).float().clamp(min=torch.finfo(torch.float16).tiny)
+    scale = fp16_scale(scale)
     zero = zp.float()
     best_err, best_zero = float("inf"), zero
     for _ in range(iters):

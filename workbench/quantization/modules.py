@@ -22,8 +22,8 @@ an int8 dot-product instruction), the reference otherwise, once when the module 
 
 | module | ``"cpu"`` (CPU tensors) | ``"triton"`` (CUDA, or ``TRITON_INTERPRET=1``) |
 |---|---|---|
-| `WeightOnlyLinear` | `kernels.weight_only_cpu` (integer formats, NF4): decode rows in registers for few rows of x, blocks of decoded rows + fp32 GEMM for many | int8 per-channel (`kernels.int8_weight_only`), int4 any group / zero (`kernels.int4_weight_only`) |
-| `W8A8Linear` | per block of rows: one fused quantization pass, ``torch._int_mm``, one fused rescale pass (``torch.compile``) | dynamic: fused per-token quantization + int8 GEMM + rescale (`kernels.w8a8`) |
+| `WeightOnlyLinear` | `workbench.kernels.weight_only_cpu` (integer formats, NF4): decode rows in registers for few rows of x, blocks of decoded rows + fp32 GEMM for many | int8 per-channel (`workbench.kernels.int8_weight_only`), int4 any group / zero (`workbench.kernels.int4_weight_only`) |
+| `W8A8Linear` | per block of rows: one fused quantization pass, ``torch._int_mm``, one fused rescale pass (``torch.compile``) | dynamic: fused per-token quantization + int8 GEMM + rescale (`workbench.kernels.w8a8`) |
 """
 from __future__ import annotations
 
@@ -37,14 +37,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from workbench.quantization import formats as fm
-from workbench.quantization.primitives import EPS, PerToken, choose_qparams, quantize, to_groups
+from workbench.quantization.primitives import (
+    PerToken, choose_qparams, quantize, quantize_per_tensor, quantize_per_token, to_groups,
+)
 
 __all__ = ["conv_args", "WeightOnlyLinear", "WeightOnlyEmbedding", "WeightOnlyConv1d", "WeightOnlyConv2d",
            "WeightOnlyConvTranspose2d", "W8A8Linear", "W8A8Conv1d", "W8A8Conv2d", "W8A8ConvTranspose2d",
            "weight_only_conv", "w8a8_conv", "DecodedWeight", "ConvOp", "InputPadding", "layer_type",
-           "input_padding_of", "selectable", "FORWARD_BYPASSED", "LAYER_TYPES", "CONV_TYPES", "KERNELS", "PATHS",
-           "choose_kernel",
-           "triton_weight_kind"]
+           "input_padding_of", "selectable", "FORWARD_BYPASSED", "LAYER_TYPES", "CONV_TYPES", "KERNELS", "PATHS", "KernelPath",
+           "choose_kernel"]
 
 
 # --- drop-in weights ----------------------------------------------------------------------------------------
@@ -221,52 +222,53 @@ def input_padding_of(name: str, conv: nn.Module) -> InputPadding | None:
                      f"convolution nor an input padding (fixed or 'same') followed by one; it is not compressed "
                      f"(exclude it from the plan with {{{name!r}: None}})")
 
-PATHS = ("reference", "cpu", "triton")
-KERNELS = PATHS + ("auto",)
+class KernelPath(enum.StrEnum):
+    """Which implementation a quantized module runs. Chosen once, when the module is built or `set_kernel` is
+    called (`choose_kernel` turns the user's string, "auto" included, into one of these), kept in
+    ``module.kernel`` and compared by identity in ``forward``; `wb.measure` reports it. A `StrEnum`, so it
+    prints and serialises as its name ("cpu") and equals that string."""
+
+    REFERENCE = "reference"   # PyTorch ops: decode / quantize, then a float matmul; runs anywhere
+    CPU = "cpu"               # the C++ CPU kernels (`workbench.kernels.*_cpu`)
+    TRITON = "triton"         # the Triton kernels (CUDA, or TRITON_INTERPRET=1)
+
+
+PATHS = tuple(p.value for p in KernelPath)
+KERNELS = PATHS + ("auto",)   # what the API accepts
 
 
 def choose_kernel(owner: str, kernel: str, supported: tuple[str, ...], device: torch.device,
-                  int8_gemm: bool = False) -> str:
+                  int8_gemm: bool = False) -> KernelPath:
     """The path to run: ``kernel`` itself if it is one of ``supported`` and can run on ``device`` here (else an
     error naming ``owner``), or for ``"auto"`` the device's fast path - "triton" on a CUDA GPU, "cpu" on the
     CPU - where ``supported`` has it, and "reference" otherwise. ``int8_gemm``: the CPU path is an int8 GEMM,
-    which "auto" takes only on a CPU with an int8 dot-product instruction (`kernels.w8a8_cpu.int8_dot_product`:
+    which "auto" takes only on a CPU with an int8 dot-product instruction (`workbench.kernels.w8a8_cpu.int8_dot_product`:
     without one oneDNN's int8 GEMM is tens of times slower than the reference)."""
     if kernel not in KERNELS:
         raise ValueError(f"{owner}: kernel must be one of {KERNELS}, got {kernel!r}")
     if kernel == "auto":
-        from kernels._common import triton_available
+        from workbench.kernels._common import triton_available
 
         if device.type == "cuda" and "triton" in supported and triton_available(device):
-            return "triton"
+            return KernelPath.TRITON
         if device.type == "cpu" and "cpu" in supported:
             if int8_gemm:
-                from kernels.w8a8_cpu import int8_dot_product
+                from workbench.kernels.w8a8_cpu import int8_dot_product
 
-                return "cpu" if int8_dot_product() else "reference"
-            return "cpu"
-        return "reference"
+                return KernelPath.CPU if int8_dot_product() else KernelPath.REFERENCE
+            return KernelPath.CPU
+        return KernelPath.REFERENCE
     if kernel not in supported:
         raise ValueError(f"{owner} has no {kernel!r} kernel; it supports {supported}")
     if kernel == "cpu" and device.type not in ("cpu", "meta"):
         raise ValueError(f"{owner}: kernel='cpu' needs the module on the CPU, it is on {device}")
     if kernel == "triton" and device.type != "meta":
-        from kernels._common import triton_available
+        from workbench.kernels._common import triton_available
 
         if not triton_available(device):
             raise RuntimeError(f"{owner}: kernel='triton' needs a CUDA GPU (or TRITON_INTERPRET=1 for testing); the "
                                f"module is on {device}. Use kernel='cpu' or 'reference' here.")
-    return kernel
-
-
-def triton_weight_kind(fmt: fm.WeightFormat) -> str | None:
-    """Which Triton weight-only GEMM serves ``fmt``: "int8" (per-channel, symmetric), "int4" or None."""
-    if isinstance(fmt, fm.IntFormat):
-        if fmt.bits == 8 and fmt.group_size is None and fmt.symmetric:
-            return "int8"
-        if fmt.bits == 4:
-            return "int4"
-    return None
+    return KernelPath(kernel)
 
 
 def _conv_repr(m: nn.Module, what: str) -> str:
@@ -386,17 +388,17 @@ class WeightOnlyLinear(_FollowsDevice, _PackedWeight):
             self.register_buffer("smooth", torch.ones(in_features, device=device))
         if perm:  # GPTQ act-order: the stored weight is W[:, perm]; inputs are gathered the same way
             self.register_buffer("perm", torch.arange(in_features, dtype=torch.int32, device=device))
-        self.kernel = self.kernel_request = "reference"
+        self.kernel, self.kernel_request = KernelPath.REFERENCE, "reference"
         if kernel != "reference":
             self.set_kernel(kernel)
 
     def set_kernel(self, kernel: str) -> "WeightOnlyLinear":
         """Choose the matmul path (see the module docstring); raises if it cannot serve this format here."""
-        from kernels import weight_only_cpu
+        from workbench.kernels import weight_only_cpu
 
         whole_groups = self.K % fm.groups(self.fmt, self.K)[0] == 0   # the Triton kernels need whole groups
         supported = ("reference",) + (("cpu",) if weight_only_cpu.supports(self.fmt) else ()) + (
-            ("triton",) if triton_weight_kind(self.fmt) and whole_groups else ())
+            ("triton",) if self.fmt.triton_kind and whole_groups else ())
         self.kernel = choose_kernel(f"WeightOnlyLinear({self.fmt})", kernel, supported, self.qweight.device)
         self.kernel_request = kernel
         return self
@@ -405,9 +407,9 @@ class WeightOnlyLinear(_FollowsDevice, _PackedWeight):
         return self.qweight.device
 
     def _cpu_weight(self):
-        """The stored weight as `kernels.weight_only_cpu` reads it (fp32 scales / zeros), made once and made
+        """The stored weight as `workbench.kernels.weight_only_cpu` reads it (fp32 scales / zeros), made once and made
         again only when the stored tensors change (loading a state dict, ``copy_``, moving the module)."""
-        from kernels import weight_only_cpu
+        from workbench.kernels import weight_only_cpu
 
         zero = getattr(self, "zero", None)
         # (inference tensors - a module built under torch.inference_mode - have no version counter; loading a
@@ -445,22 +447,22 @@ class WeightOnlyLinear(_FollowsDevice, _PackedWeight):
         if hasattr(self, "perm"):   # every path below computes with the stored (permuted) K order
             x = x.index_select(-1, self.perm)
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        if self.kernel == "triton":
+        if self.kernel is KernelPath.TRITON:
             return self._triton(x, bias)
-        if self.kernel == "cpu" and not (x.requires_grad and torch.is_grad_enabled()):
+        if self.kernel is KernelPath.CPU and not (x.requires_grad and torch.is_grad_enabled()):
             # an inference kernel (fp32 math, result in x's dtype); when autograd needs the input's gradient
             # (training through the layer) the reference's differentiable math below runs instead
-            from kernels import weight_only_cpu
+            from workbench.kernels import weight_only_cpu
 
             return weight_only_cpu.linear_unchecked(x, self._cpu_weight(), None if bias is None else bias.detach())
         return F.linear(x, self.dequantized_weight(x.dtype), bias)
 
     def _triton(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if triton_weight_kind(self.fmt) == "int8":
-            from kernels.int8_weight_only import int8_weight_only_mm
+        if self.fmt.triton_kind == "int8":
+            from workbench.kernels.int8_weight_only import int8_weight_only_mm
 
             return int8_weight_only_mm(x, self.qweight, self.scale, bias)
-        from kernels.int4_weight_only import int4_weight_only_mm
+        from workbench.kernels.int4_weight_only import int4_weight_only_mm
 
         return int4_weight_only_mm(x, self.qweight, self.scale, getattr(self, "zero", None),
                                    self.K // self.scale.shape[1], bias)
@@ -489,7 +491,7 @@ class WeightOnlyEmbedding(_PackedWeight):
         self.output_dtype = output_dtype
         self.weight_shape, self.weight_dtype = (num_embeddings, embedding_dim), output_dtype
         self._init_weight(num_embeddings, embedding_dim, fmt, tensors, device)
-        self.kernel = "reference"
+        self.kernel = KernelPath.REFERENCE
 
     @classmethod
     def from_float(cls, emb: nn.Embedding, fmt: fm.WeightFormat, name: str = "embedding") -> "WeightOnlyEmbedding":
@@ -523,7 +525,7 @@ class _WeightOnlyConv(_PackedWeight):
         self.weight_shape, self.weight_dtype = shape, weight_dtype
         self._init_weight(shape[0], math.prod(shape[1:]), fmt, tensors, device)
         self.bias = nn.Parameter(torch.zeros(self.out_channels, device=device)) if bias else None
-        self.kernel = "reference"
+        self.kernel = KernelPath.REFERENCE
 
     @classmethod
     def from_float(cls, conv: nn.Module, fmt: fm.WeightFormat, name: str = "conv",
@@ -566,37 +568,6 @@ def weight_only_conv(op: ConvOp) -> type[_WeightOnlyConv]:
     return _WEIGHT_ONLY_CONV[op]
 
 
-_ROUND_MAGIC = 12582912.0  # 1.5 * 2**23
-
-
-def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per-token quantization of activations: (codes (M, K) int8, scale (M, 1) fp32).
-
-    The same numbers as ``choose_qparams(x, 8, symmetric=True)`` + ``quantize`` (a test checks), in fewer
-    passes over the activations: scale = max|x| / 127.5 per row, codes = clamp(round(x / scale))."""
-    xg = to_groups(x, PerToken()).float()                          # (M, K)
-    lo, hi = xg.amin(dim=1, keepdim=True), xg.amax(dim=1, keepdim=True)  # (aminmax(dim) is 10x slower here)
-    amax = torch.maximum(-lo, hi)
-    # divided by a tensor, not the Python number: CUDA's division by a scalar multiplies by its rounded
-    # reciprocal (1 ulp off IEEE division on some rows, so codes off by one); the CPU and the kernels divide
-    scale = (amax / torch.full_like(amax, 127.5)).clamp_(min=EPS)
-    scale = torch.where(torch.isfinite(scale), scale, float("nan"))   # a NaN / Inf row: NaN scale, NaN outputs
-    r = xg * (1.0 / scale)                                         # |r| <= 127.5
-    # round half to even by adding and removing 1.5 * 2^23 (fp32's ulp is 1 there): the same result as
-    # torch.round for |r| < 2^22, and several times faster than aten::round on the CPU
-    r.add_(_ROUND_MAGIC).sub_(_ROUND_MAGIC)
-    return r.clamp_(-128, 127).to(torch.int8), scale
-
-
-def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 quantization of activations with a calibrated scale: (codes (M, K), scale (M, 1)); a row
-    holding NaN or Inf gets a NaN scale (so NaN outputs), as in the per-token case."""
-    xg = to_groups(x, PerToken()).float()                          # (M, K)
-    scale = scale.float().reshape(1, 1)                            # fp32 even after module.half()
-    q = quantize(xg, scale, torch.zeros(1, 1, dtype=torch.int32), -128, 127, torch.int8)
-    return q, torch.where(torch.isfinite(xg).all(dim=1, keepdim=True), scale, float("nan"))
-
-
 class W8A8Linear(_FollowsDevice, nn.Module):
     """W8A8 Linear: int8 per-output-channel weights and int8 activations.
 
@@ -606,7 +577,7 @@ class W8A8Linear(_FollowsDevice, nn.Module):
     module computes ``(x / smooth) (W * smooth)^T``: the same product, with activation outliers migrated into
     the weights, which quantize more easily. (Here the division is applied in the module rather than folded
     into the previous LayerNorm, so it works on any Linear; the numerics are those of the folded form.)
-    ``kernel="cpu"`` runs `kernels.w8a8_cpu` (quantization, ``torch._int_mm``'s oneDNN int8 GEMM and the
+    ``kernel="cpu"`` runs `workbench.kernels.w8a8_cpu` (quantization, ``torch._int_mm``'s oneDNN int8 GEMM and the
     rescale fused block by block in C++, bit-identical to the reference); ``"triton"`` the Triton kernel on a GPU;
     ``"reference"`` the same math in fp32.
     """
@@ -655,12 +626,12 @@ class W8A8Linear(_FollowsDevice, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., in)
         xs = x / self.smooth if hasattr(self, "smooth") else x
-        if self.kernel == "triton":
-            from kernels.w8a8 import w8a8_mm
+        if self.kernel is KernelPath.TRITON:
+            from workbench.kernels.w8a8 import w8a8_mm
 
             bias = None if self.bias is None else self.bias.detach()   # an inference kernel: no autograd
             return w8a8_mm(xs.contiguous(), self.qweight_t, self.scale, bias)
-        if self.kernel == "cpu":
+        if self.kernel is KernelPath.CPU:
             return self._cpu(xs)
         else:
             qx, sx = self._quantize(to_groups(xs, PerToken()))            # (M, in) int8, (M, 1)
@@ -684,9 +655,9 @@ class W8A8Linear(_FollowsDevice, nn.Module):
         return quantize_per_tensor(x2d, self.act_scale) if self.static else quantize_per_token(x2d)
 
     def _cpu(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out) in x's dtype
-        """`kernels.w8a8_cpu` without its per-call argument checks (the module's own tensors are known good);
+        """`workbench.kernels.w8a8_cpu` without its per-call argument checks (the module's own tensors are known good);
         under ``torch.compile`` the checked custom op."""
-        from kernels import w8a8_cpu
+        from workbench.kernels import w8a8_cpu
 
         act = self.act_scale if self.static else None
         bias = None if self.bias is None else self.bias.detach()   # an inference path: no autograd
@@ -723,7 +694,7 @@ class _W8A8Conv(nn.Module):
                                                   device=device))
         self.register_buffer("act_scale", torch.empty((), dtype=torch.float32, device=device))
         self.bias = nn.Parameter(torch.zeros(self.out_channels, device=device)) if bias else None
-        self.kernel = "reference"
+        self.kernel = KernelPath.REFERENCE
 
     @classmethod
     def from_float(cls, conv: nn.Module, act_scale: torch.Tensor, name: str = "conv",

@@ -18,6 +18,10 @@ Granularity says which values share a (scale, zero_point):
 Every granularity is a view of the tensor as ``(groups, values_per_group)``; the qparams are computed
 on that view (``to_groups`` / ``from_groups``). Floating formats: float8 e4m3fn / e5m2 with a scale, and
 NF4 (QLoRA's 16-value normal-float codebook, derived here from normal quantiles).
+
+Activations of W8A8 layers are quantized to int8 by `quantize_per_token` (dynamic) or `quantize_per_tensor`
+(a calibrated scale); the modules' reference paths and every kernel's PyTorch reference call these two.
+Weight formats store their scales rounded to fp16 (`fp16_scale`).
 """
 from __future__ import annotations
 
@@ -30,7 +34,8 @@ __all__ = [
     "PerTensor", "PerChannel", "PerGroup", "PerToken", "Granularity",
     "qrange", "to_groups", "from_groups", "choose_qparams", "quantize", "dequantize", "fake_quantize",
     "quantize_affine", "dequantize_affine", "float8_quantize", "float8_dequantize", "FLOAT8_DTYPES",
-    "nf4_codebook", "nf4_quantize", "nf4_dequantize", "sqnr",
+    "nf4_codebook", "nf4_codes", "nf4_quantize", "nf4_dequantize", "fp16_scale",
+    "quantize_per_token", "quantize_per_tensor", "sqnr",
 ]
 
 EPS = torch.finfo(torch.float32).eps
@@ -134,6 +139,13 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
     return ((q.to(torch.int32) - zero_point).float() * scale).to(dtype)
 
 
+def fp16_scale(scale: torch.Tensor) -> torch.Tensor:
+    """``scale`` as a weight format stores it: rounded to fp16, held in fp32, and at least fp16's smallest
+    normal (an all-zero group must not get a zero scale). Codes are computed from this rounded scale, so the
+    stored scale and the codes agree."""
+    return scale.to(torch.float16).float().clamp(min=torch.finfo(torch.float16).tiny)
+
+
 def _storage_dtype(qmin: int) -> torch.dtype:
     return torch.int8 if qmin < 0 else torch.uint8
 
@@ -176,7 +188,9 @@ def float8_quantize(x: torch.Tensor, granularity: Granularity = PerChannel(0),
         raise ValueError(f"float8 dtype must be one of {FLOAT8_DTYPES}, got {dtype}")
     fmax = torch.finfo(dtype).max
     xg = to_groups(x.float(), granularity)
-    scale = torch.clamp(xg.abs().amax(dim=1, keepdim=True) / fmax, min=EPS)
+    # divided by a tensor: on CUDA a Python-number divisor becomes a multiplication by its rounded reciprocal
+    # (1 ulp off IEEE division on some rows); the Triton kernels divide exactly, as the CPU does
+    scale = torch.clamp(xg.abs().amax(dim=1, keepdim=True) / torch.tensor(fmax, device=x.device), min=EPS)  # (G, 1)
     q = torch.clamp(xg / scale, -fmax, fmax).to(dtype)
     return from_groups(q, x.shape, granularity), scale
 
@@ -202,23 +216,63 @@ def nf4_codebook() -> torch.Tensor:
     return (values / values.abs().max()).float()
 
 
+def nf4_codes(xg: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """uint8 codes 0..15 of grouped values ``xg`` ``(G, g)`` with absmax scales ``(G, 1)``: the index of the
+    nearest codebook entry to ``x / scale``."""
+    book = nf4_codebook().to(xg.device)
+    normed = (xg.float() / scale).unsqueeze(-1)                   # (G, g, 1)
+    return (normed - book).abs().argmin(dim=-1).to(torch.uint8)   # (G, g)
+
+
 def nf4_quantize(x: torch.Tensor, group_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """(uint8 codes 0..15 shaped like ``x``, absmax scale ``(groups, 1)``); per-group along the last axis."""
     gran = PerGroup(group_size)
     xg = to_groups(x.float(), gran)
     scale = torch.clamp(xg.abs().amax(dim=1, keepdim=True), min=EPS)
-    book = nf4_codebook().to(x.device)
-    normed = (xg / scale).unsqueeze(-1)                           # (G, K, 1)
-    codes = (normed - book).abs().argmin(dim=-1).to(torch.uint8)  # (G, K): nearest codebook entry
-    return from_groups(codes, x.shape, gran), scale
+    return from_groups(nf4_codes(xg, scale), x.shape, gran), scale
 
 
-def nf4_dequantize(codes: torch.Tensor, scale: torch.Tensor, group_size: int = 64,
+def nf4_dequantize(codes: torch.Tensor, scale: torch.Tensor, group_size: int | None = 64,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Codebook values times the group's scale; ``group_size=None``: ``codes`` are already grouped ``(G, g)``."""
+    if group_size is None:
+        return (nf4_codebook().to(codes.device)[codes.long()] * scale).to(dtype)
     gran = PerGroup(group_size)
-    book = nf4_codebook().to(codes.device)
-    values = book[to_groups(codes, gran).long()] * scale
-    return from_groups(values.to(dtype), codes.shape, gran)
+    return from_groups(nf4_dequantize(to_groups(codes, gran), scale, None, dtype), codes.shape, gran)
+
+
+# --- int8 activations (W8A8) ----------------------------------------------------------------------------
+
+_ROUND_MAGIC = 12582912.0  # 1.5 * 2**23
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per-token quantization of activations: (codes (M, K) int8, scale (M, 1) fp32).
+
+    The same numbers as ``choose_qparams(x, 8, symmetric=True)`` + ``quantize`` (a test checks), in fewer
+    passes over the activations: scale = max|x| / 127.5 per row, codes = clamp(round(x / scale)). A row
+    holding NaN or Inf gets a NaN scale (so NaN outputs)."""
+    xg = to_groups(x, PerToken()).float()                          # (M, K)
+    lo, hi = xg.amin(dim=1, keepdim=True), xg.amax(dim=1, keepdim=True)  # (aminmax(dim) is 10x slower here)
+    amax = torch.maximum(-lo, hi)
+    # divided by a tensor, not the Python number: CUDA's division by a scalar multiplies by its rounded
+    # reciprocal (1 ulp off IEEE division on some rows, so codes off by one); the CPU and the kernels divide
+    scale = (amax / torch.full_like(amax, 127.5)).clamp_(min=EPS)
+    scale = torch.where(torch.isfinite(scale), scale, float("nan"))
+    r = xg * (1.0 / scale)                                         # |r| <= 127.5
+    # round half to even by adding and removing 1.5 * 2^23 (fp32's ulp is 1 there): the same result as
+    # torch.round for |r| < 2^22, and several times faster than aten::round on the CPU
+    r.add_(_ROUND_MAGIC).sub_(_ROUND_MAGIC)
+    return r.clamp_(-128, 127).to(torch.int8), scale
+
+
+def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 quantization of activations with a calibrated scale: (codes (M, K), scale (M, 1)); a row
+    holding NaN or Inf gets a NaN scale (so NaN outputs), as in the per-token case."""
+    xg = to_groups(x, PerToken()).float()                          # (M, K)
+    scale = scale.float().reshape(1, 1)                            # fp32 even after module.half()
+    q = quantize(xg, scale, torch.zeros(1, 1, dtype=torch.int32), -128, 127, torch.int8)
+    return q, torch.where(torch.isfinite(xg).all(dim=1, keepdim=True), scale, float("nan"))
 
 
 def sqnr(reference: torch.Tensor, approx: torch.Tensor) -> float:

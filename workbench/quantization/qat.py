@@ -14,7 +14,7 @@ scaling); `convert` then stores those learned scales. Fake quantization uses exa
 stores (fp16 scales included), so the converted model computes what was trained. Supported layers: those
 post-training quantization takes - nn.Linear, nn.Conv1d, nn.Conv2d (a "same"-padding subclass keeps its
 padding), nn.ConvTranspose2d and nn.Embedding for `WeightOnly`; nn.Linear for `Dynamic` - chosen the same way
-(`configs._WeightHandler`), with the same short last group where ``group_size`` does not divide the input size.
+(`configs._FormatHandler`), with the same short last group where ``group_size`` does not divide the input size.
 """
 from __future__ import annotations
 
@@ -32,9 +32,9 @@ from workbench.plans.plan import Plan
 from workbench.quantization import formats as fm
 from workbench.quantization.configs import Dynamic, Method, WeightOnly, _computation
 from workbench.quantization.modules import (
-    W8A8Linear, WeightOnlyEmbedding, WeightOnlyLinear, conv_args, weight_only_conv,
+    KernelPath, W8A8Linear, WeightOnlyEmbedding, WeightOnlyLinear, conv_args, weight_only_conv,
 )
-from workbench.quantization.primitives import choose_qparams, qrange
+from workbench.quantization.primitives import choose_qparams, fp16_scale, qrange
 
 __all__ = ["prepare", "convert", "fake_quantize_ste", "QATLinear", "QATConv1d", "QATConv2d", "QATConvTranspose2d",
            "QATEmbedding"]
@@ -61,7 +61,7 @@ class _QATMixin:
 
     def _setup(self, config, learnable_scales: bool, kernel: str = "reference") -> None:
         self.qconfig = config
-        self.kernel = kernel
+        self.kernel = KernelPath(kernel)   # chosen once; compared by identity in forward
         w2d = self.weight.detach().reshape(self.weight.shape[0], -1)
         if isinstance(config, WeightOnly):
             self.bits, self.group_size, self.symmetric = config.bits, config.group_size, config.symmetric
@@ -91,8 +91,7 @@ class _QATMixin:
         if self.weight_scale is not None:
             scale = _grad_scale(self.weight_scale.abs() + 1e-12, 1.0 / math.sqrt(wg.shape[1] * qmax))
         if not self.act_quant:  # weight-only formats store fp16 scales: train on exactly that grid (STE)
-            scale = scale + (scale.to(torch.float16).float().clamp(min=torch.finfo(torch.float16).tiny)
-                             - scale).detach()
+            scale = scale + (fp16_scale(scale) - scale).detach()
         fake = self._fake(wg, scale, zero.float(), qmin, qmax).reshape(rows, -1)[:, :K]
         return fake.reshape(self.weight.shape)
 
@@ -106,8 +105,8 @@ class _QATMixin:
     def _fake(self, xg, scale, zero, qmin, qmax) -> torch.Tensor:
         """Fake quantization of grouped values: the fused Triton kernel (forward + straight-through backward)
         or the PyTorch expression; the same numbers (tests compare them bit for bit)."""
-        if self.kernel == "triton":
-            from kernels.fake_quant import fake_quantize
+        if self.kernel is KernelPath.TRITON:
+            from workbench.kernels.fake_quant import fake_quantize
 
             return fake_quantize(xg.contiguous(), scale.detach().contiguous(), zero.contiguous(), qmin, qmax)
         return fake_quantize_ste(xg, scale, zero, qmin, qmax)
@@ -221,7 +220,7 @@ QAT_PLAN_ATTR = "_workbench_qat_plan"
 def prepare(model: nn.Module, plan: Plan, learnable_scales: bool = False, kernel: str = "reference") -> nn.Module:
     """A copy of ``model`` with fake quantization on the layers ``plan`` selects (ready to train).
 
-    ``kernel``: "reference" (PyTorch ops, any device) or "triton" (`kernels.fake_quant`: forward and
+    ``kernel``: "reference" (PyTorch ops, any device) or "triton" (`workbench.kernels.fake_quant`: forward and
     straight-through backward fused, on a CUDA GPU; not with ``learnable_scales``, whose scale gradients
     the PyTorch path computes)."""
     if not isinstance(model, nn.Module):
@@ -229,7 +228,7 @@ def prepare(model: nn.Module, plan: Plan, learnable_scales: bool = False, kernel
     if kernel not in ("reference", "triton"):
         raise ValueError(f"qat.prepare: kernel must be 'reference' or 'triton', got {kernel!r}")
     if kernel == "triton":
-        from kernels._common import triton_available
+        from workbench.kernels._common import triton_available
 
         if learnable_scales:
             raise ValueError("qat.prepare: learnable_scales trains the scales through the PyTorch path; "
@@ -263,8 +262,7 @@ def _real_module(name: str, qat: nn.Module) -> nn.Module:
         else:  # store the learned scales (rounded to fp16, as every stored scale is)
             w2d = plain.weight.reshape(plain.weight.shape[0], -1)
             rows, K = w2d.shape
-            scale = qat.weight_scale.detach().abs().reshape(rows, -1).to(torch.float16).float()
-            scale = scale.clamp(min=torch.finfo(torch.float16).tiny)
+            scale = fp16_scale(qat.weight_scale.detach().abs().reshape(rows, -1))
             _, zero = fm.int_qparams(w2d, fmt)
             if fmt.symmetric:
                 zero = torch.full_like(zero, 1 << (fmt.bits - 1))

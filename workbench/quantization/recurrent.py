@@ -13,11 +13,11 @@ Both quantize their input per token (per row) at run time. The LSTM's gate rows 
 biases are summed into the input projection. A GRU keeps both biases where ``nn.GRU`` has them (``b_hn`` sits
 inside the reset gate's product).
 
-``kernel="cpu"`` runs `kernels.w8a8_cpu` (oneDNN's int8 GEMM with fused quantization and rescale),
+``kernel="cpu"`` runs `workbench.kernels.w8a8_cpu` (oneDNN's int8 GEMM with fused quantization and rescale),
 ``"reference"`` the same math in fp32 anywhere; ``"auto"`` picks "cpu" for CPU modules. The step loop is
 Python: per step one int8 GEMM of ``B`` rows and ~7 element-wise ops, so at small batches the fixed cost of each
 GEMM call, not its arithmetic, sets the speed (torch.ao's fbgemm LSTM runs its whole loop in C++ and is faster;
-``python -m benchmarks.recurrent`` measures both). ``torch._int_mm`` is fast only on CPUs with VNNI (AVX-512 VNNI
+``python -m workbench.benchmarks.recurrent`` measures both). ``torch._int_mm`` is fast only on CPUs with VNNI (AVX-512 VNNI
 or AVX-VNNI); on AVX2-only CPUs oneDNN runs a generic loop and "cpu" is far slower than fp32.
 
 Supported: ``num_layers``, ``bidirectional``, ``batch_first``, ``bias``, unbatched inputs, initial states
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
-from workbench.quantization.modules import W8A8Linear, choose_kernel
+from workbench.quantization.modules import KernelPath, W8A8Linear, choose_kernel
 
 __all__ = ["DynamicQuantLSTM", "DynamicQuantGRU"]
 
@@ -112,9 +112,9 @@ class _DynamicQuantRNN(nn.Module):
 
     def _matmul(self, lin: W8A8Linear):
         """``x -> lin(x)`` without the module call's overhead on the CPU path (it runs once per step)."""
-        if self.kernel != "cpu":
+        if self.kernel is not KernelPath.CPU:
             return lin
-        from kernels.w8a8_cpu import linear_unchecked
+        from workbench.kernels.w8a8_cpu import linear_unchecked
 
         qw, scale = lin.qweight_t, lin.scale.float()
         bias = None if lin.bias is None else lin.bias.detach().float()

@@ -242,7 +242,7 @@ class Session:
 
     def estimate(self):
         """The calibration estimate (`wb.analysis.estimate_calibration`) of the layers that need one now."""
-        from workbench.analysis.estimate import estimate_calibration
+        from workbench.plans.estimate import estimate_calibration
 
         plan = Plan([(n, self.assigned[n]) for n in self.changed if n in self.assigned])
         needing = [n for n, c in plan.items() if handler_for(c).needs_calibration(c)]

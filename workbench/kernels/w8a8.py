@@ -46,7 +46,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels._common import INTERPRET, cdiv, check, check_same_device, configs, graph_bench, require_triton
+from workbench.kernels._common import INTERPRET, cdiv, check, check_same_device, configs, graph_bench, require_triton
+from workbench.quantization.primitives import EPS
+from workbench.quantization.primitives import quantize_per_token as _per_token
 
 try:
     import triton
@@ -57,7 +59,6 @@ except ImportError:  # the references and op registrations still work; launching
 
 __all__ = ["quantize_per_token", "quantize_per_token_reference", "w8a8_mm", "reference", "FUSED_MAX_M"]
 
-EPS = torch.finfo(torch.float32).eps
 FUSED_MAX_M = 64  # fused=None picks the one-kernel path up to this many rows (see the docstring)
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -296,13 +297,9 @@ def _(x, qweight_t, scale, bias=None, fused=None):
 # --- references ------------------------------------------------------------------------------------------
 
 def quantize_per_token_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's math in PyTorch: ``(codes int8 (M, K), scale fp32 (M, 1))``."""
-    x2 = x.reshape(-1, x.shape[-1]).float()                              # (M, K)
-    amax = x2.abs().amax(dim=1, keepdim=True)                            # (M, 1)
-    # divided by a tensor, not the Python number: PyTorch's CUDA division by a scalar multiplies by its
-    # rounded reciprocal (1 ulp off IEEE division for some rows), the CPU's divides; the kernel divides
-    scale = (amax / torch.full_like(amax, 127.5)).clamp(min=EPS)
-    return torch.round(x2 * (1.0 / scale)).clamp(-128, 127).to(torch.int8), scale
+    """The kernel's math in PyTorch: ``(codes int8 (M, K), scale fp32 (M, 1))`` - the package's one per-token
+    quantizer, `workbench.quantization.primitives.quantize_per_token`."""
+    return _per_token(x)
 
 
 def reference(x: torch.Tensor, qweight_t: torch.Tensor, scale: torch.Tensor,

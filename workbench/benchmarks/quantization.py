@@ -1,4 +1,4 @@
-"""Quantization results on the zoo: ``python -m benchmarks.quantization [--models tiny-lm minilm] [--calib 64]
+"""Quantization results on the zoo: ``python -m workbench.benchmarks.quantization [--models tiny-lm minilm] [--calib 64]
 [--pipelines sequential original] [--group 64]``
 
 For each model: fp32, then weight-only int4/int3 g64 with RTN, GPTQ, AWQ and HQQ on every Linear of the

@@ -213,3 +213,20 @@ def launch_split_k(op: str, x: torch.Tensor, N: int, K: int, bias: torch.Tensor 
     with device_guard:
         call(kernel, x2, c, M)
     return c.to(x.dtype).reshape(*x.shape[:-1], N)
+
+
+def extension_build_dir(name: str, source) -> str:
+    """The build folder of the C++ kernel ``name`` compiled from ``source``: torch's extensions folder for
+    ``name``, then one sub-folder per checkout (the source's absolute path and the torch version, hashed). Two
+    checkouts of the package on one machine (worktrees, a venv per project) then neither rebuild each other's
+    library - ninja rebuilds whenever the source path in its build file changes - nor wait on each other's build
+    lock."""
+    import hashlib
+    from pathlib import Path
+
+    from torch.utils.cpp_extension import _get_build_directory   # torch's own rule for the folder of ``name``
+
+    key = hashlib.sha256(f"{Path(source).resolve()}|{torch.__version__}".encode()).hexdigest()[:12]
+    path = Path(_get_build_directory(name, False)) / key
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path)

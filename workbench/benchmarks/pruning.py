@@ -1,4 +1,4 @@
-"""Does structured pruning make models faster? ``python -m benchmarks.pruning [--threads 1] [--batch 64]``
+"""Does structured pruning make models faster? ``python -m workbench.benchmarks.pruning [--threads 1] [--batch 64]``
 
 Side by side in one process, one thread by default, median latency of timed runs:
 - a wide MLP 1024 -> 4096 -> 1024 with 50 % of its hidden neurons removed;

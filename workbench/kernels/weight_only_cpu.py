@@ -16,7 +16,7 @@ Two paths, picked per call by the number of rows M of x (``prefill_rows``, defau
 - **prefill** (M > prefill_rows): the whole weight is decoded (the same per-row routine, all threads) into an
   fp32 matrix and multiplied by PyTorch's fp32 GEMM. The decode is bit for bit the reference's, so this path
   returns exactly the reference's result for fp32 inputs; the decode is a pass over N x K values against the
-  GEMM's M x N x K multiply-adds (measured in ``kernels/README.md``).
+  GEMM's M x N x K multiply-adds (measured in ``workbench/kernels/README.md``).
 
 Numerics: activations are computed in fp32 whatever their dtype (bf16 / fp16 inputs are converted, the result is
 converted back): on CPUs without native bf16 arithmetic (AVX2) an fp32 GEMM is several times faster than a bf16
@@ -27,11 +27,11 @@ Why not PyTorch's packed kernels (``aten._weight_int4pack_mm_for_cpu``, ``aten._
 bf16 activations (fp32 ones fall to a scalar loop), keep scales and zeros in bf16 (our fp16 scales lose 3 bits),
 take int4 with groups that are multiples of 32 only (no asymmetric uint8 zero as such, no NF4 / int2), and on this
 AVX2 machine run at 2.6 ms (int4) / 2.4 ms (int8) for a 4096 x 4096 layer at M = 1 where this kernel is faster
-(`kernels.bench.cpu_weight_only` measures all of them side by side).
+(`workbench.kernels.bench.cpu_weight_only` measures all of them side by side).
 
 Vector code: AVX2 + FMA chosen at run time (``cpu_isa()``), a scalar loop elsewhere; ``isa=`` forces one for
 tests. AVX-512 machines run the AVX2 code (correct; not tuned for them). Built on first use with
-``torch.utils.cpp_extension`` like `kernels.w8a8_cpu` (~20 s once, cached); no ``-march=native``.
+``torch.utils.cpp_extension`` like `workbench.kernels.w8a8_cpu` (~20 s once, cached); no ``-march=native``.
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ ISAS = ("auto", "avx2", "scalar")
 _OP = "weight_only_linear_cpu"
 _NAME = "workbench_weight_only_cpu"
 # Rows of x above which the whole weight is decoded once and an fp32 GEMM runs. Measured on this machine's
-# 4096 x 4096 layer, one thread (kernels/README.md): the decode path costs ~0.35 ms per extra row of x, the fp32
+# 4096 x 4096 layer, one thread (workbench/kernels/README.md): the decode path costs ~0.35 ms per extra row of x, the fp32
 # GEMM ~0.6 ms per row plus the decode (~25 ms for int4): the paths cross near 16 rows (a per-row dot product
 # that streams x from L2 cannot match a blocked GEMM).
 PREFILL_ROWS = 16
@@ -86,28 +86,19 @@ class CpuWeight:
 
 
 def supports(fmt) -> bool:
-    """Whether `pack` takes weights of ``fmt`` (every integer format and NF4; not fp8)."""
-    from workbench.quantization import formats as fm
-
-    return isinstance(fmt, (fm.IntFormat, fm.NF4Format))
+    """Whether `pack` takes weights of ``fmt``, a `workbench.quantization.formats.WeightFormat` (every integer
+    format and NF4; not fp8): the format says so (``cpu_kernel``)."""
+    return fmt.cpu_kernel
 
 
 def pack(tensors: dict[str, torch.Tensor], fmt, K: int) -> CpuWeight:
-    """The kernel's view of a format's tensors (``qweight``, ``scale``, optional ``zero``; see
-    `workbench.quantization.formats`): scales and zero points widened to fp32 (the values the reference
-    computes with), the codes untouched."""
-    from workbench.quantization import formats as fm
-    from workbench.quantization.primitives import nf4_codebook
-
-    if not supports(fmt):
+    """The kernel's view of a format's tensors (``qweight``, ``scale``, optional ``zero``): what the format's
+    ``cpu_layout`` gives - scales and zero points widened to fp32 (the values the reference computes with), or
+    a lookup table, and the codes untouched."""
+    layout = fmt.cpu_layout(tensors, K)
+    if layout is None:
         raise ValueError(f"{_OP}: no CPU kernel for {fmt} (integer formats and NF4 only)")
-    g, G = fm.groups(fmt, K)
-    scale = tensors["scale"].float().contiguous()
-    if isinstance(fmt, fm.NF4Format):
-        return CpuWeight(tensors["qweight"].contiguous(), scale, None, nf4_codebook().float().contiguous(), 4, g, K)
-    zero = tensors["zero"].float().contiguous() if "zero" in tensors else torch.full_like(
-        scale, float(1 << (fmt.bits - 1)))
-    return CpuWeight(tensors["qweight"].contiguous(), scale, zero, None, fmt.slot_bits, g, K)
+    return CpuWeight(**layout)
 
 
 @functools.cache
@@ -115,13 +106,15 @@ def _build():
     """(extension module, None) or (None, the error): a failed build is not retried in this process."""
     from torch.utils.cpp_extension import load
 
-    from kernels.w8a8_cpu import ensure_ninja_on_path
+    from workbench.kernels._common import extension_build_dir
+    from workbench.kernels.w8a8_cpu import ensure_ninja_on_path
 
     try:
         ensure_ninja_on_path()
-        print("kernels.weight_only_cpu: loading the CPU weight-only kernel (compiled on first use on this machine, "
+        print("workbench.kernels.weight_only_cpu: loading the CPU weight-only kernel (compiled on first use on this machine, "
               "~20 s; cached afterwards) ...", file=sys.stderr, flush=True)
-        ext = load(name=_NAME, sources=[str(SOURCE)], extra_cflags=["-O3", "-ffp-contract=off"], verbose=False)
+        ext = load(name=_NAME, sources=[str(SOURCE)], extra_cflags=["-O3", "-ffp-contract=off"], verbose=False,
+                   build_directory=extension_build_dir(_NAME, SOURCE))
         return ext, None
     except Exception as e:  # no compiler, no ninja, no Python headers: reported by load_extension
         return None, e
@@ -189,9 +182,9 @@ def weight_only_linear_cpu(x: torch.Tensor, w: CpuWeight, bias: torch.Tensor | N
 
 def reference(x: torch.Tensor, w: CpuWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The same math in PyTorch: decode every weight row in fp32, then an fp32 matmul."""
-    from workbench.quantization import packing
+    from workbench.quantization.packing import unpack
 
-    codes = packing.unpack(w.qweight, w.bits, w.K)                          # (N, K) uint8
+    codes = unpack(w.qweight, w.bits, w.K)                                  # (N, K) uint8
     pad = w.scale.shape[1] * w.group_size - w.K                             # a short last group
     c = F.pad(codes, (0, pad)).reshape(w.N, -1, w.group_size)               # (N, G, g)
     if w.lut is not None:

@@ -1,8 +1,8 @@
-"""CPU benchmarks of the weight-only paths: ``python -m kernels.bench_cpu [--model tiny-lm] [--threads 1]``
+"""CPU benchmarks of the weight-only paths: ``python -m workbench.kernels.bench_cpu [--model tiny-lm] [--threads 1]``
 
 1. `weight_only_table`: one Linear (default 4096 x 4096) at M = 1, 16, 256 rows of x: fp32 and bf16 ``F.linear``;
    int8 per-channel and int4 g128 weight-only layers as the package builds them (``kernel="auto"``, the default:
-   `kernels.weight_only_cpu` on the CPU) and on ``kernel="reference"``; PyTorch's packed CPU kernels
+   `workbench.kernels.weight_only_cpu` on the CPU) and on ``kernel="reference"``; PyTorch's packed CPU kernels
    ``aten._weight_int8pack_mm`` / ``aten._weight_int4pack_mm_for_cpu`` with bf16 activations (their fast path)
    on weights of the same shape. Interleaved rounds after a warm-up, one thread by default: the median, the
    fastest and slowest round (spread), the speedup over fp32 and bf16, and the roofline ceiling of each path
@@ -161,7 +161,7 @@ def decode_tokens_per_s(model: nn.Module | str = "tiny-lm", new_tokens: int = 64
 
 
 def main(argv=None) -> None:
-    from kernels.bench import environment
+    from workbench.kernels.bench import environment
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny-lm", help="causal-LM zoo name for the decode benchmark")

@@ -55,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import (
+from workbench.kernels._common import (
     INTERPRET, SMALL_M, check, check_same_device, fit_m_bucket, graph_bench, launch_split_k, m_bucket,
     split_k_configs,
 )

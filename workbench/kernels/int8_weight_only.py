@@ -48,8 +48,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import (
-    GEMV_M, INTERPRET, SMALL_M, check, check_same_device, fit_m_bucket, gemv_configs, graph_bench, launch_split_k,
+from workbench.kernels._common import (
+    INTERPRET, SMALL_M, check, check_same_device, fit_m_bucket, gemv_configs, graph_bench, launch_split_k,
     m_bucket, split_k_configs,
 )
 

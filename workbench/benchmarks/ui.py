@@ -1,4 +1,4 @@
-"""How long from "Apply & measure" to the new chart point? ``python -m benchmarks.ui [--threads 2]``
+"""How long from "Apply & measure" to the new chart point? ``python -m workbench.benchmarks.ui [--threads 2]``
 
 For each model, the workbench (widgets included, no browser) measures the reference, then one layer at a time
 is changed (int8 weight-only) and "Apply & measure" clicked; the time until the charts hold the new point is

@@ -1,4 +1,4 @@
-"""Peak memory of an in-place calibrated compression: ``python -m benchmarks.memory [--layers 12 --hidden 256
+"""Peak memory of an in-place calibrated compression: ``python -m workbench.benchmarks.memory [--layers 12 --hidden 256
 --intermediate 512] [--pipeline sequential]``
 
 A random-init bf16 Llama (``LlamaForCausalLM`` from a config; parameters created in bf16, never as an fp32
@@ -45,7 +45,7 @@ print(json.dumps({"model_bytes": model_bytes, "rss": rss, "peak_before": peak_be
 
 def bench_inplace_memory(layers: int = 12, hidden: int = 256, intermediate: int = 512,
                          pipeline: str = "sequential", threads: int = 2, timeout: float = 3600) -> dict:
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]   # the repository (workbench/benchmarks/memory.py)
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": str(threads)}
     out = subprocess.run([sys.executable, "-c", SCRIPT, str(layers), str(hidden), str(intermediate), pipeline],
                          capture_output=True, text=True, env=env, timeout=timeout)

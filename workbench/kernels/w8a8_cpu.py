@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from kernels._common import check, check_same_device
+from workbench.kernels._common import check, check_same_device, extension_build_dir
 
 __all__ = ["w8a8_linear_cpu", "linear_unchecked", "reference", "cpu_isa", "load_extension", "ISAS"]
 
@@ -72,16 +72,14 @@ def _ninja_on_path() -> None:
     os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
 
-ensure_ninja_on_path = _ninja_on_path   # shared with the other C++ kernels (kernels.weight_only_cpu)
+ensure_ninja_on_path = _ninja_on_path   # shared with the other C++ kernels (workbench.kernels.weight_only_cpu)
 
 
 def _looks_built() -> bool:
     """Whether a compiled library is already in the extension's build directory (then loading takes ~0.1 s,
     else ~30 s: worth a line of notice). A guess: a changed source is rebuilt under a new name."""
     try:
-        from torch.utils.cpp_extension import _get_build_directory
-
-        return any(Path(_get_build_directory(_NAME, False)).glob(f"{_NAME}*.so"))
+        return any(Path(extension_build_dir(_NAME, SOURCE)).glob(f"{_NAME}*.so"))
     except Exception:  # a private helper of torch: no notice rather than an error
         return True
 
@@ -94,9 +92,10 @@ def _build():
     try:
         _ninja_on_path()
         if not _looks_built():
-            print("kernels.w8a8_cpu: compiling the CPU W8A8 kernel (first use on this machine, ~30 s; cached "
+            print("workbench.kernels.w8a8_cpu: compiling the CPU W8A8 kernel (first use on this machine, ~30 s; cached "
                   "afterwards) ...", file=sys.stderr, flush=True)
         ext = load(name=_NAME, sources=[str(SOURCE)], extra_cflags=["-O3", "-ffp-contract=off"],
+                   build_directory=extension_build_dir(_NAME, SOURCE),
                    verbose=False)
         return ext, None
     except Exception as e:  # no compiler, no ninja, no Python headers: reported by load_extension
@@ -223,7 +222,7 @@ def reference(x: torch.Tensor, qweight_t: torch.Tensor, scale: torch.Tensor, bia
               act_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The same math in PyTorch: the module's reference path (its quantization functions, then an fp32 matmul
     of the integer codes)."""
-    from workbench.quantization.modules import quantize_per_tensor, quantize_per_token
+    from workbench.quantization.primitives import quantize_per_tensor, quantize_per_token
 
     x2 = x.reshape(-1, x.shape[-1])                                        # (M, K)
     q, s = quantize_per_token(x2) if act_scale is None else quantize_per_tensor(x2, act_scale)

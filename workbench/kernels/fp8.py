@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._common import INTERPRET, cdiv, check, check_same_device, configs, graph_bench, require_triton
+from workbench.kernels._common import INTERPRET, cdiv, check, check_same_device, configs, graph_bench, require_triton
+from workbench.quantization.primitives import EPS, FLOAT8_DTYPES, PerChannel, float8_quantize
 
 try:
     import triton
@@ -41,8 +42,7 @@ except ImportError:  # the references and op registrations still work; launching
 __all__ = ["fp8_scaled_mm", "fp8_linear", "quantize_rowwise", "quantize_rowwise_kernel", "reference",
            "uses_cublas", "MIN_CAPABILITY"]
 
-EPS = torch.finfo(torch.float32).eps
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_DTYPES = FLOAT8_DTYPES
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MIN_CAPABILITY = (9, 0)
 
@@ -186,7 +186,7 @@ def _require_sm90(op: str, device: torch.device) -> None:
         if cap < MIN_CAPABILITY:
             raise RuntimeError(f"{op}: the fp8 kernel targets Hopper (sm_90) or newer; {device} is "
                                f"sm_{cap[0]}{cap[1]}. Dequantize and use a float matmul there "
-                               f"(kernels.fp8.reference computes the same numbers).")
+                               f"(workbench.kernels.fp8.reference computes the same numbers).")
 
 
 @torch.library.custom_op("workbench::fp8_scaled_mm", mutates_args=())
@@ -278,11 +278,7 @@ def quantize_rowwise(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) 
     if dtype not in FP8_DTYPES:
         raise ValueError(f"quantize_rowwise: dtype must be one of {FP8_DTYPES}, got {dtype}")
     check("x", x, ndim=2, contiguous=False, op="quantize_rowwise")
-    fmax = torch.finfo(dtype).max
-    xf = x.float()                                                         # (R, K)
-    # divided by a tensor: on CUDA a Python-number divisor becomes a multiplication by its rounded reciprocal
-    scale = torch.clamp(xf.abs().amax(dim=1, keepdim=True) / torch.tensor(fmax, device=x.device), min=EPS)  # (R, 1)
-    return torch.clamp(xf / scale, -fmax, fmax).to(dtype), scale
+    return float8_quantize(x, PerChannel(0), dtype)
 
 
 def reference(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,

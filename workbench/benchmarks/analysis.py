@@ -1,4 +1,4 @@
-"""Sensitivity, search and sweep at full size: ``python -m benchmarks.analysis [--threads 2] [--out DIR]``
+"""Sensitivity, search and sweep at full size: ``python -m workbench.benchmarks.analysis [--threads 2] [--out DIR]``
 
 1. `wb.sensitivity` over every encoder Linear of MiniLM (36 layers) x 3 candidates (int8 per channel,
    int4 g64, 50 % magnitude sparsity) on the quick fidelity subset: cold (empty cache) and again from the

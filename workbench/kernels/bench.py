@@ -1,4 +1,4 @@
-"""Kernel benchmarks: ``python -m kernels.bench [--cpu] [--gpu] [--csv kernels/results.csv]``
+"""Kernel benchmarks: ``python -m workbench.kernels.bench [--cpu] [--gpu] [--csv workbench/kernels/results.csv]``
 
 GPU (CUDA): every Triton kernel against ``torch.matmul`` in bf16 (cuBLAS) and against torchao's matching
 configuration where torchao is installed, on weight shapes from real models (MiniLM 384x1536 and 1536x384;
@@ -9,7 +9,7 @@ the speedup beside the measurement: ``16 / (bits + scale bits per weight)`` for 
 by reading the weight at small M) and 2x for the int8 / fp8 tensor-core GEMMs (twice bf16's peak).
 
 CPU: W8A8 on MiniLM (every encoder Linear) at batch 1 and 32 x 128 tokens, one thread: our
-``Dynamic(kernel="cpu")`` path (`kernels.w8a8_cpu`) vs fp32 vs ``torch.ao.quantization.quantize_dynamic`` on
+``Dynamic(kernel="cpu")`` path (`workbench.kernels.w8a8_cpu`) vs fp32 vs ``torch.ao.quantization.quantize_dynamic`` on
 the same layers (and the reference path and bf16 weight-only int8 for context); timed in interleaved rounds,
 medians, with the median minor page faults per forward beside each time. ``--malloc-keep`` re-runs the
 benchmark with glibc told to keep freed memory (`MALLOC_KEEP`): with the default settings a 32 x 128 forward
@@ -47,7 +47,7 @@ def _median_ms(fn, device: torch.device, runs: int = 20, warmup: int = 3, eager:
     if device.type == "cuda":
         import triton.testing
 
-        from kernels._common import graph_bench
+        from workbench.kernels._common import graph_bench
 
         if eager:
             return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
@@ -125,23 +125,23 @@ def _kernel_call(name: str, x: torch.Tensor, W: dict):
     N = W["linear"].out_features
     K = W["linear"].in_features
     if name == "int8_weight_only":
-        from kernels.int8_weight_only import int8_weight_only_mm
+        from workbench.kernels.int8_weight_only import int8_weight_only_mm
 
         t = W["int8"]
         return (lambda: int8_weight_only_mm(x, t["qweight"], t["scale"])), N * K + 2 * N, 16 / (8 + 16 / K)
     if name == "int4_g128":
-        from kernels.int4_weight_only import int4_weight_only_mm
+        from workbench.kernels.int4_weight_only import int4_weight_only_mm
 
         t, g = W["int4"], W["int4_g"]
         return ((lambda: int4_weight_only_mm(x, t["qweight"], t["scale"], None, g)), N * K // 2 + 2 * N * K // g,
                 16 / (4 + 16 / g))
     if name in ("w8a8", "w8a8_kmajor"):
-        from kernels.w8a8 import w8a8_mm
+        from workbench.kernels.w8a8 import w8a8_mm
 
         qw, s = W[name]
         return (lambda: w8a8_mm(x, qw, s)), N * K + 4 * N, 2.0
     if name == "fp8":
-        from kernels.fp8 import fp8_linear
+        from workbench.kernels.fp8 import fp8_linear
 
         t = W["fp8"]
         return (lambda: fp8_linear(x, t["qweight"], t["scale"])), N * K + 4 * N, 2.0
@@ -244,7 +244,7 @@ def gpu_table(shapes: dict | None = None, ms=MS, kernels=KERNELS, device: str | 
 
 def cpu_minilm(batch_sizes=(1, 32), threads: int = 1, rounds: int = 7, layers: str = "encoder.*"):
     """W8A8 on MiniLM on the CPU: fp32, ours (``Dynamic(kernel="cpu")``), the reference path,
-    ``quantize_dynamic`` on the same Linears, and weight-only int8 (`kernels.weight_only_cpu`); one row per (batch, path)."""
+    ``quantize_dynamic`` on the same Linears, and weight-only int8 (`workbench.kernels.weight_only_cpu`); one row per (batch, path)."""
     import warnings
 
     import pandas as pd
@@ -292,7 +292,7 @@ def cpu_layer_table(shapes: dict | None = None, ms=(1, 32, 512), threads: int = 
     over fp32, the bytes of the stored weight, the byte-ratio ceiling (fp32 weight bytes / the path's), the
     arithmetic intensity (FLOPs per byte moved: weight + input + output) and achieved GFLOP/s and GB/s.
     Paths: fp32 and bf16 ``F.linear``; ``Dynamic(kernel="cpu")``; weight-only int8 per channel on the CPU
-    kernel (`kernels.weight_only_cpu`); int4 g64 weight-only on the reference path (decode, then fp32 matmul)."""
+    kernel (`workbench.kernels.weight_only_cpu`); int4 g64 weight-only on the reference path (decode, then fp32 matmul)."""
     import pandas as pd
 
     import workbench as wb
@@ -329,7 +329,7 @@ def cpu_layer_table(shapes: dict | None = None, ms=(1, 32, 512), threads: int = 
 
 
 def gpu_results(path: str | Path | None = None, timing: str | None = None):
-    """The GPU rows of a results CSV written by ``python -m kernels.bench`` (default: kernels/results.csv);
+    """The GPU rows of a results CSV written by ``python -m workbench.kernels.bench`` (default: workbench/kernels/results.csv);
     an empty frame when none were recorded (no GPU run yet). ``timing``: keep the rows whose ``timing`` column
     starts with it (``"CUDA-graph"``: GPU time; ``"eager"``: Python calls, host launch overhead included)."""
     import pandas as pd
@@ -381,13 +381,13 @@ def main(argv=None) -> None:
     p.add_argument("--ms", nargs="+", type=int, default=list(MS))
     p.add_argument("--kernels", nargs="+", choices=list(KERNELS), default=list(KERNELS))
     p.add_argument("--threads", type=int, default=1, help="CPU threads for --cpu (default 1)")
-    p.add_argument("--csv", default="kernels/results.csv")
+    p.add_argument("--csv", default="workbench/kernels/results.csv")
     p.add_argument("--malloc-keep", action="store_true",
                    help="re-run under glibc settings that keep freed memory (see MALLOC_KEEP); Linux only")
     a = p.parse_args(argv)
     if a.malloc_keep and not _malloc_kept():
         args = [x for x in (sys.argv[1:] if argv is None else argv) if x != "--malloc-keep"]
-        os.execve(sys.executable, [sys.executable, "-m", "kernels.bench", *args, "--malloc-keep"],
+        os.execve(sys.executable, [sys.executable, "-m", "workbench.kernels.bench", *args, "--malloc-keep"],
                   {**os.environ, **MALLOC_KEEP})
     run_gpu = a.gpu or (not a.cpu and torch.cuda.is_available())
     run_cpu = a.cpu or not torch.cuda.is_available()

@@ -111,3 +111,13 @@ def test_entropy_and_restoring_factor_checkers_reject_plausible_mistakes():
     fb = D.check_restoring_factor(16.0, grads, 4.0)          # Hinton's T², taken as exact
     assert not fb.passed and "high-temperature limit" in fb.hint
     assert "other way round" in D.check_restoring_factor(1 / measured, grads, 4.0).hint
+
+
+def test_lesson_50_ceiling_divides_weight_bytes_by_weight_bytes():
+    """The bench's byte-ratio ceiling leaves the bias out of both sides: int4 with an fp16 scale per 64 weights
+    is 32 / 4.25 = 7.53 (not fp32 weight bytes over quantized bytes with bias)."""
+    from kernels.bench import cpu_layer_table
+
+    t = cpu_layer_table({"small": (128, 64)}, ms=(1,), rounds=1, paths=("fp32", "int4 g64 weight-only"))
+    ceiling = t.set_index("path")["ceiling"]
+    assert ceiling["fp32"] == 1.0 and ceiling["int4 g64 weight-only"] == pytest.approx(32 / 4.25)

@@ -121,3 +121,16 @@ def test_lesson_50_ceiling_divides_weight_bytes_by_weight_bytes():
     t = cpu_layer_table({"small": (128, 64)}, ms=(1,), rounds=1, paths=("fp32", "int4 g64 weight-only"))
     ceiling = t.set_index("path")["ceiling"]
     assert ceiling["fp32"] == 1.0 and ceiling["int4 g64 weight-only"] == pytest.approx(32 / 4.25)
+
+
+def test_int4_pack_checker_rejects_swapped_nibbles_and_wrong_dtype():
+    from workbench.quantization.packing import pack, unpack
+    from workbench.teach import kernels as K
+
+    codes = torch.randint(0, 16, (4, 16), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    right = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+    assert K.check_int4_pack(right, codes).passed and torch.equal(unpack(pack(codes, 4), 4, 16), codes)
+    swapped = (codes[:, 0::2] << 4) | codes[:, 1::2]
+    assert "swapped" in K.check_int4_pack(swapped, codes).hint
+    assert "uint8" in K.check_int4_pack(right.to(torch.int32), codes).hint
+    assert "adding" in K.check_int4_pack(codes[:, 0::2] + codes[:, 1::2], codes).hint

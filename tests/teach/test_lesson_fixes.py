@@ -134,3 +134,18 @@ def test_int4_pack_checker_rejects_swapped_nibbles_and_wrong_dtype():
     assert "swapped" in K.check_int4_pack(swapped, codes).hint
     assert "uint8" in K.check_int4_pack(right.to(torch.int32), codes).hint
     assert "adding" in K.check_int4_pack(codes[:, 0::2] + codes[:, 1::2], codes).hint
+
+
+def test_group_quantizer_checker_rejects_a_per_row_scale_a_qmax_scale_and_a_missing_clamp():
+    from workbench.teach import basics as B
+
+    torch.manual_seed(0)
+    w = torch.randn(8, 256)
+    g = w.reshape(-1, 64)
+    s = g.abs().amax(dim=1, keepdim=True) / 7.5
+    assert B.check_group_quantizer(((g / s).round().clamp(-8, 7) * s).reshape(w.shape), w).passed
+    row = w.abs().amax(dim=1, keepdim=True) / 7.5
+    assert "one scale per row" in B.check_group_quantizer((w / row).round().clamp(-8, 7) * row, w).hint
+    s7 = g.abs().amax(dim=1, keepdim=True) / 7
+    assert "divides by" in B.check_group_quantizer(((g / s7).round().clamp(-8, 7) * s7).reshape(w.shape), w).hint
+    assert "no clamp" in B.check_group_quantizer(((g / s).round() * s).reshape(w.shape), w).hint

@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install lab test test-fast report bench weights clean
+.PHONY: install lab test test-fast report bench weights strip clean
 
 # torch first: keep an existing torch (GPU machines: the venv sees the system site-packages), otherwise
 # the local CPU wheel torch==2.13.0, so a CPU-only machine never downloads CUDA packages. Then triton
@@ -39,6 +39,10 @@ bench: install
 
 weights: install
 	$(BIN)/python -m workbench.models.train all
+
+# after editing a lesson in JupyterLab: drop outputs / execution counts before committing (the suite checks)
+strip: install
+	$(BIN)/python -m workbench.teach.strip notebooks
 
 clean:
 	rm -rf $(VENV) reports .pytest_cache

@@ -14,6 +14,7 @@ import pytest
 
 from workbench import goldens
 from workbench.reports import recorded
+from workbench.teach import strip
 from workbench.cli import main
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
@@ -28,17 +29,12 @@ def test_every_notebook_has_a_golden_file():
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_rules(path):
+    """The committed notebook is the lesson's source: stripped (no outputs, no execution counts, no run-time
+    metadata), one `parameters` cell, no definitions (workbench.teach.strip checks and fixes)."""
+    broken = strip.problems(path)
+    assert not broken, "\n".join(broken) + "\n(after editing in JupyterLab: python -m workbench.teach.strip notebooks)"
     nb = nbformat.read(str(path), as_version=4)
     params = [c for c in nb.cells if "parameters" in c.get("metadata", {}).get("tags", [])]
-    assert len(params) == 1, f"{path.name}: expected exactly one cell tagged 'parameters', found {len(params)}"
-    for cell in nb.cells:
-        if cell.cell_type != "code":
-            continue
-        tree = ast.parse(cell.source)
-        defs = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef,
-                                                             ast.Lambda))]
-        assert not defs, f"{path.name}: notebooks only call the package; found a definition in:\n{cell.source}"
-        assert not cell.get("outputs"), f"{path.name}: commit notebooks without outputs"
     golden = goldens.load(path.stem)
     declared = {t.id for n in ast.walk(ast.parse(params[0].source)) if isinstance(n, ast.Assign) for t in n.targets
                 if isinstance(t, ast.Name)}

@@ -150,6 +150,7 @@ EXCLUDED = {   # command -> why it is neither run nor parsed here
     "make test-fast": "installs, then runs the suite (this test is marked slow, but the rest is minutes)",
     "make report": "installs first; its command `workbench report notebooks/00_start_here.ipynb` is the start "
                    "notebook's report, which runs below on digits-cnn",
+    "make strip": "installs first; its command `python -m workbench.teach.strip notebooks` runs below (on a copy)",
     "make bench": "installs first; its command `python -m workbench.benchmarks.measure` runs below",
     "make weights": "installs first, then retrains every zoo model over the shipped weights; "
                     "`python -m workbench.models.train NAME` runs below into a temporary folder",

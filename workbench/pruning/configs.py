@@ -2,7 +2,7 @@
 
     wb.prune.Magnitude(sparsity=0.5)                  # unstructured, smallest |w| first
     wb.prune.Random(sparsity=0.5, seed=0)             # the baseline
-    wb.prune.NM(n=2, m=4)                             # semi-structured along the input dimension
+    wb.prune.NM(n=2, m=4)                             # semi-structured along the input channels
     wb.prune.Wanda(sparsity=0.5)                      # |w| x input norm (calibrated; nn.Linear); nm=(2, 4) too
     wb.prune.SparseGPT(nm=(2, 4))                     # OBS pruning with error feedback (calibrated; nn.Linear)
     wb.prune.global_plan(model, ["fc*", "conv*"], 0.7) # one magnitude threshold across layers
@@ -47,12 +47,13 @@ __all__ = ["Magnitude", "Random", "NM", "Wanda", "SparseGPT", "global_plan", "fi
 STORAGES = ("mask", "dense", "csr", "2:4")
 
 
-def _mask_for(config, w2d: torch.Tensor) -> torch.Tensor:
+def _mask_for(config, w: torch.Tensor, name: str) -> torch.Tensor:
+    """A keep-mask of ``w``'s shape (N:M groups run along the input channels, at each kernel position)."""
     if isinstance(config, Magnitude):
-        return masks.magnitude_mask(w2d, config.sparsity)
+        return masks.magnitude_mask(w, config.sparsity)
     if isinstance(config, Random):
-        return masks.random_mask(w2d, config.sparsity, config.seed)
-    return masks.nm_mask(w2d, config.n, config.m)
+        return masks.random_mask(w, config.sparsity, config.seed)
+    return masks.nm_mask(w, config.n, config.m, name)
 
 
 def _nm(config) -> tuple[int, int] | None:
@@ -77,15 +78,14 @@ def _completed(config, mask: torch.Tensor) -> torch.Tensor:
     """``mask`` (kept = True) with zero-valued positions added, in index order, until it keeps exactly what
     ``config`` keeps (a kept weight may be exactly 0.0, and a pruned layer's mask is its zero pattern): the
     structure of a csr / 2:4 layer then follows from the plan alone, and its values are unchanged."""
-    rows = _rows(mask).clone()
     if (nm := _nm(config)) is not None:
-        groups = rows.reshape(-1, nm[1])                                      # (groups, m)
+        groups = masks.nm_groups(mask, nm[1])                                 # (groups, m)
         short = nm[0] - groups.sum(1, keepdim=True)                           # (groups, 1)
         if bool((short < 0).any()):
             return mask   # more than n kept in a group: not N:M, which the 2:4 storage reports
         fill = (~groups).cumsum(1) <= short
-        return (groups | (fill & ~groups)).reshape(mask.shape)
-    flat = rows.reshape(-1)
+        return masks.nm_ungroup(groups | (fill & ~groups), mask.shape)
+    flat = _rows(mask).clone().reshape(-1)
     short = _kept(config, flat.numel()) - int(flat.sum())
     if short > 0:
         flat[(~flat).nonzero().flatten()[:short]] = True
@@ -182,10 +182,9 @@ class _PruneHandler(Handler):
         w = module.weight.detach()
         if not torch.isfinite(w).all():
             raise ValueError(f"weight of {name!r} contains NaN or Inf")
-        w2d = _rows(w)
-        mask = _mask_for(config, w2d)          # a pruned layer's zeros score 0: they stay pruned (Random: below)
+        mask = _mask_for(config, w, name)      # a pruned layer's zeros score 0: they stay pruned (Random: below)
         if isinstance(module, Pruned):
-            mask &= _rows(module.mask)
+            mask &= module.mask.reshape(mask.shape)
         plain = _plain(module)
         new = _build(plain, config, mask)
         if config.storage in ("mask", "dense") and _own_forward(type(plain)):
@@ -246,7 +245,10 @@ class Random(Config):
 @register_config(_HANDLER, kind="prune.NM")
 @dataclass(frozen=True)
 class NM(Config):
-    """N:M semi-structured magnitude pruning along the input dimension (2:4 by default)."""
+    """N:M semi-structured magnitude pruning (2:4 by default): keep the n largest |w| of every m consecutive input
+    channels - along a Linear's inputs, at each kernel position of a convolution (as sparse tensor cores and
+    NVIDIA's ASP group them). A layer whose input channels (per group) are not a multiple of m is refused,
+    naming it (a depthwise or first convolution: prune it another way or leave it out of the plan)."""
 
     n: int = 2
     m: int = 4

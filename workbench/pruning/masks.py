@@ -2,15 +2,16 @@
 
 - `magnitude_mask(w, sparsity)`: prune the ``round(sparsity * numel)`` smallest |w| (ties broken by position).
 - `random_mask(w, sparsity, seed)`: the same count, chosen uniformly at random (the baseline).
-- `nm_mask(w, n, m)`: N:M semi-structured - keep the ``n`` largest |w| of every ``m`` consecutive weights
-  along the input (last) dimension, e.g. 2:4 for sparse tensor cores.
+- `nm_mask(w, n, m)`: N:M semi-structured - keep the ``n`` largest |w| of every ``m`` consecutive input channels
+  (for a convolution: at each kernel position, as sparse tensor cores need), e.g. 2:4; `nm_groups` /
+  `nm_ungroup` give those groups.
 - `global_sparsities(weights, sparsity)`: one magnitude threshold across many layers -> each layer's sparsity.
 """
 from __future__ import annotations
 
 import torch
 
-__all__ = ["check_sparsity", "magnitude_mask", "random_mask", "nm_mask", "global_sparsities"]
+__all__ = ["check_sparsity", "magnitude_mask", "random_mask", "nm_mask", "nm_groups", "nm_ungroup", "global_sparsities"]
 
 
 def check_sparsity(sparsity: float, what: str = "sparsity") -> float:
@@ -40,16 +41,41 @@ def random_mask(w: torch.Tensor, sparsity: float, seed: int = 0) -> torch.Tensor
     return _keep_largest(scores, round(sparsity * w.numel())).to(w.device)
 
 
-def nm_mask(w: torch.Tensor, n: int = 2, m: int = 4) -> torch.Tensor:
+def nm_groups(x: torch.Tensor, m: int) -> torch.Tensor:
+    """``x`` (a weight or mask, ``(out, in)`` or a convolution's ``(out, in/groups, *kernel)``) as ``(groups, m)``:
+    ``m`` consecutive input channels at one output and one kernel position per row - the groups sparse tensor
+    cores (and NVIDIA's ASP) use, never a mix of kernel positions. `nm_ungroup` is its inverse."""
+    inputs_last = x.movedim(1, -1) if x.ndim > 2 else x                           # (out, *kernel, in)
+    return inputs_last.reshape(-1, m)                                            # (groups, m)
+
+
+def nm_ungroup(groups: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """The inverse of `nm_groups`: ``(groups, m)`` back to a tensor of ``shape``."""
+    if len(shape) <= 2:
+        return groups.reshape(shape)
+    inputs_last = groups.reshape(shape[0], *shape[2:], shape[1])                 # (out, *kernel, in)
+    return inputs_last.movedim(-1, 1).contiguous()
+
+
+def nm_mask(w: torch.Tensor, n: int = 2, m: int = 4, name: str = "") -> torch.Tensor:
+    """Keep the ``n`` largest |w| of every ``m`` consecutive input channels (dim 1): along the inputs of a Linear,
+    and at each kernel position of a convolution. The input channels (per group, for a grouped convolution)
+    must be a multiple of ``m``; ``name`` (the layer) goes into the error otherwise."""
     if not (isinstance(n, int) and isinstance(m, int) and 0 < n < m):
         raise ValueError(f"N:M needs integers 0 < n < m, got {n}:{m}")
-    K = w.shape[-1]
+    if w.ndim < 2:
+        raise ValueError(f"N:M needs a weight of 2 or more dimensions, got shape {tuple(w.shape)}")
+    K = w.shape[1]
     if K % m:
-        raise ValueError(f"N:M {n}:{m} needs the input dimension to be a multiple of {m}, got {K}")
-    groups = w.detach().abs().float().reshape(-1, m)                               # (groups, m)
+        where = f"{name!r}: " if name else ""
+        what = "input channels per group" if w.ndim > 2 else "input dimension"
+        raise ValueError(f"{where}N:M {n}:{m} needs the input dimension to be a multiple of {m}, got {K} ({what} of "
+                         f"weight {tuple(w.shape)}; groups of {m} run along the input channels at each kernel "
+                         f"position): prune this layer another way or leave it dense")
+    groups = nm_groups(w.detach().abs().float(), m)                              # (groups, m)
     top = torch.topk(groups, n, dim=1).indices
     mask = torch.zeros_like(groups, dtype=torch.bool).scatter_(1, top, True)
-    return mask.reshape(w.shape)
+    return nm_ungroup(mask, w.shape)
 
 
 def global_sparsities(weights: dict[str, torch.Tensor], sparsity: float) -> dict[str, float]:

@@ -27,7 +27,8 @@ from workbench.teach.formats import layer_inputs
 __all__ = ["layer_inputs", "mse", "bytes_per_weight", "granularity_table", "granularity_figure",
            "symmetry_table", "symmetry_figure", "clip_mse", "clipping_curve", "fit_observer", "observer_table",
            "clipping_figure", "calibration_table", "calibration_figure", "OBSERVER_LABELS", "OBSERVER_KEYS",
-           "check_bytes_per_weight", "check_fake_quant", "check_best_clipping", "check_codes_used"]
+           "check_bytes_per_weight", "check_group_quantizer", "check_fake_quant", "check_best_clipping",
+           "check_codes_used"]
 
 
 def mse(x: torch.Tensor, x_hat: torch.Tensor) -> float:
@@ -304,6 +305,43 @@ def check_bytes_per_weight(answer, bits: int = 4, group_size: int = 64) -> Feedb
             return check(name, answer, expected, hint=why)
     return check(name, answer, expected, hint="codes: bits / 8 bytes each; plus one 2-byte scale per group, "
                                               "shared by group_size weights")
+
+
+def check_group_quantizer(answer, w: torch.Tensor, bits: int = 4, group_size: int = 64) -> Feedback:
+    """Exercise: ``w`` (out, in) fake-quantized with symmetric signed ``bits``-bit codes and one scale per
+    ``group_size`` consecutive inputs of a row (`primitives.fake_quantize` with `PerGroup`). A value on a
+    rounding boundary (w / s = k + 0.5, e.g. a group's largest |w| at exactly 7.5 steps) may round either way
+    (dividing by s or multiplying by 1 / s): those may differ by one step."""
+    w = w.detach().float()
+    expected = P.fake_quantize(w, bits, P.PerGroup(group_size), symmetric=True)
+    name = f"int{bits} group quantizer, g{group_size}"
+    hint = (f"reshape w to (-1, {group_size}); per group s = max|w| / ((qmax - qmin) / 2) with qmin, qmax = "
+            f"{-2 ** (bits - 1)}, {2 ** (bits - 1) - 1}; w_hat = clamp(round(w / s), qmin, qmax) * s, reshaped back")
+    got = answer.detach().float() if isinstance(answer, torch.Tensor) else None
+    if got is not None and got.shape == expected.shape:
+        step = (w.reshape(-1, group_size).abs().amax(1, keepdim=True) / ((2 ** bits - 1) / 2))   # (groups, 1)
+        ratio = (w.reshape(-1, group_size) / step).reshape(w.shape)                              # w / s
+        tie = ((ratio.abs() - ratio.abs().floor()) - 0.5).abs() < 1e-4     # on a rounding boundary (x.5)
+        off = ~torch.isclose(got, expected, rtol=1e-4, atol=1e-6)
+        one_step = torch.isclose((got - expected).abs(), step.expand(-1, group_size).reshape(w.shape), rtol=1e-3)
+        code = (got.reshape(-1, group_size) / step).round().reshape(w.shape)
+        on_grid = (code >= -2 ** (bits - 1)) & (code <= 2 ** (bits - 1) - 1)   # a tie may not leave the grid
+        if bool(off.any()) and bool((tie & one_step & on_grid)[off].all()):
+            return check(name, expected, expected)                        # boundary ties only: passed
+        qmin, qmax = -2 ** (bits - 1), 2 ** (bits - 1) - 1
+        g = w.reshape(-1, group_size)
+        known = [(P.fake_quantize(w, bits, P.PerChannel(0), symmetric=True),
+                  f"one scale per row: the exercise asks for one per {group_size} weights"),
+                 (((g / (g.abs().amax(1, keepdim=True) / qmax)).round().clamp(qmin, qmax)
+                   * (g.abs().amax(1, keepdim=True) / qmax)).reshape(w.shape),
+                  f"scale = max|w| / {qmax}: the symmetric rule divides by (qmax - qmin) / 2 = {(qmax - qmin) / 2:g}"),
+                 (((g / (g.abs().amax(1, keepdim=True) / ((qmax - qmin) / 2))).round()
+                   * (g.abs().amax(1, keepdim=True) / ((qmax - qmin) / 2))).reshape(w.shape),
+                  f"no clamp: max|w| / s = {(qmax - qmin) / 2:g} rounds to {qmax + 1}, outside the grid")]
+        for value, why in known:
+            if torch.allclose(got, value, rtol=1e-4, atol=1e-6):
+                return check(name, answer, expected, hint=why, rtol=1e-4, atol=1e-6)
+    return check(name, answer, expected, hint=hint, rtol=1e-4, atol=1e-6)
 
 
 def check_fake_quant(answer, x: torch.Tensor, scale: float, zero_point: int, bits: int = 4) -> Feedback:

@@ -26,9 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workbench.teach import Feedback, check
+from workbench.teach import Feedback, as_number, check
 
-__all__ = ["soft_targets", "entropy", "pick_example", "student", "soft_gradient_norms", "compare_kd",
+__all__ = ["soft_targets", "entropy", "pick_example", "student", "soft_gradient_norms", "logit_spread",
+           "t_squared_table", "t_squared_figure", "check_restoring_factor", "check_entropies", "compare_kd",
            "temperature_figure", "kd_figure", "check_softmax_t", "check_t_squared", "check_flattest"]
 
 _T_COLOURS = ["#08306b", "#2171b5", "#6baed6", "#c6dbef", "#fdae6b", "#e6550d"]
@@ -71,7 +72,8 @@ def student(hidden: Sequence[int] = (64, 32), seed: int = 0) -> nn.Module:
 def soft_gradient_norms(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
                         temperatures: Sequence[float] = (1, 2, 4, 8)):
     """Norm of the gradient of the KL term (batch mean) with respect to the student's logits, at each T, without
-    and with the T^2 factor (a DataFrame): the factor keeps the gradient scale roughly constant as T grows."""
+    and with the T^2 factor (a DataFrame). T^2 restores the T = 1 scale only approximately: it is the
+    high-temperature limit (see `t_squared_table`)."""
     import pandas as pd
 
     rows = []
@@ -84,6 +86,47 @@ def soft_gradient_norms(student_logits: torch.Tensor, teacher_logits: torch.Tens
         norm = float(grad.norm())
         rows.append({"T": T, "gradient norm (KL alone)": norm, "gradient norm (T² × KL)": norm * T * T})
     return pd.DataFrame(rows).set_index("T")
+
+
+def logit_spread(logits: torch.Tensor) -> float:
+    """Median over the batch of max_i |z_i - mean(z)|: Hinton's T² argument expands exp(z_i / T) to first order,
+    which holds when T is large against this spread."""
+    z = logits.detach().float()                                                        # (B, classes)
+    return float((z - z.mean(-1, keepdim=True)).abs().amax(-1).median())
+
+
+def t_squared_table(gradients):
+    """From `soft_gradient_norms`: how much the KL gradient really shrinks from T = 1 to each T, beside the T²
+    that the KD loss multiplies back, and the ratio of the two (1 only in the high-temperature limit)."""
+    import pandas as pd
+
+    norm = gradients["gradient norm (KL alone)"]
+    shrink = float(norm.iloc[0]) / norm
+    T = pd.Series(gradients.index, index=gradients.index, dtype=float)
+    step = norm.shift(1) / norm                                                   # shrink from the previous T
+    return pd.DataFrame({"measured shrink from T=1": shrink, "T²": T ** 2, "T² / measured": T ** 2 / shrink,
+                         "measured shrink from the previous T": step, "(T / previous T)²": (T / T.shift(1)) ** 2})
+
+
+def t_squared_figure(table, spread: float | None = None, title: str | None = None):
+    """Measured shrink of the KL gradient against T² on log-log axes; ``spread`` (`logit_spread`) marked, since
+    T² is the limit for T well above it."""
+    import plotly.graph_objects as go
+
+    T = list(table.index)
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=T, y=table["T²"], mode="lines+markers", name="T² (the KD loss's factor)",
+                             line=dict(color="#9aa0a6", dash="dash")))
+    fig.add_trace(go.Scatter(x=T, y=table["measured shrink from T=1"], mode="lines+markers",
+                             name="measured: |grad at T=1| / |grad at T|", line=dict(color="#1a73e8")))
+    if spread is not None:
+        fig.add_vline(x=spread, line=dict(color="#d93025", dash="dot"),
+                      annotation_text=f"logit spread {spread:.1f}", annotation_position="top left")
+    fig.update_layout(title=title or "T² is the high-temperature limit: the real shrink is smaller at small T",
+                      xaxis=dict(title="temperature T", type="log"),
+                      yaxis=dict(title="gradient shrink factor (log)", type="log"),
+                      template="plotly_white", height=420)
+    return fig
 
 
 def compare_kd(teacher: nn.Module, task, *, seeds: Sequence[int] = (0, 1, 2), hidden: Sequence[int] = (64, 32),
@@ -248,6 +291,46 @@ def check_t_squared(answer, temperature: float) -> Feedback:
         for known_value, why in known:
             if math.isclose(value, known_value, rel_tol=1e-6):
                 return check(name, answer, expected, hint=why, rtol=1e-6)
+    return fb
+
+
+def check_restoring_factor(answer, gradients, temperature: float) -> Feedback:
+    """Exercise: from the measured `soft_gradient_norms` table, the factor that brings the KL gradient at
+    ``temperature`` back to its T = 1 norm (T² is only the high-temperature limit of it)."""
+    norm = gradients["gradient norm (KL alone)"]
+    expected = float(norm.iloc[0]) / float(norm.loc[temperature])
+    name = f"the factor restoring the T = 1 gradient at T = {temperature:g}"
+    hint = "divide the gradient norm at T = 1 by the norm at this T (column 'gradient norm (KL alone)')"
+    fb = check(name, answer, expected, hint=hint, rtol=1e-4)
+    value = as_number(answer)
+    if fb.status == "failed" and value is not None:
+        known = [(float(temperature) ** 2, f"T² = {temperature ** 2:g} is Hinton's high-temperature limit; at this T "
+                                           f"the logits are not small against T, so measure it from the table"),
+                 (1 / expected, "that is the shrink the other way round: norm at T over norm at T = 1"),
+                 (float(temperature), "T undoes only one of the two 1/T factors, and only in the limit")]
+        for known_value, why in known:
+            if math.isclose(value, known_value, rel_tol=1e-4):
+                return check(name, answer, expected, hint=why, rtol=1e-4)
+    return fb
+
+
+def check_entropies(answer, logits: torch.Tensor, temperatures: Sequence[float]) -> Feedback:
+    """Exercise: the entropy in bits of softmax(logits / T) for each T in ``temperatures`` (a list or tensor)."""
+    z = logits.detach().double()
+    expected = [float(entropy(torch.softmax(z / T, dim=-1))) for T in temperatures]
+    name = "entropies of the soft targets"
+    hint = "for each T: p = softmax(logits / T); entropy = -(p * log2(p)).sum()"
+    fb = check(name, answer, expected, hint=hint, rtol=1e-4, atol=1e-6)
+    got = _tensor(answer)
+    if fb.status == "failed" and got is not None and got.shape == (len(expected),):
+        exp = torch.tensor(expected, dtype=torch.double)
+        plain = float(entropy(torch.softmax(z, dim=-1)))
+        known = [(exp * math.log(2), "those are nats (natural log): use log2 for bits"),
+                 (torch.full_like(exp, plain), "every value is the T = 1 entropy: divide the logits by each T"),
+                 (-exp, "entropy is minus the sum of p log p: mind the sign")]
+        for value, why in known:
+            if torch.allclose(got, value, rtol=1e-4, atol=1e-6):
+                return check(name, answer, expected, hint=why, rtol=1e-4, atol=1e-6)
     return fb
 
 

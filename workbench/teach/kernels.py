@@ -11,9 +11,11 @@ arithmetic (int8 dot products, fewer FLOPs) helps.
 """
 from __future__ import annotations
 
+import torch
+
 from workbench.teach import Feedback, check
 
-__all__ = ["byte_ratio_ceiling", "intensity", "roofline_chart", "speedup_chart", "check_ceiling",
+__all__ = ["byte_ratio_ceiling", "intensity", "roofline_chart", "speedup_chart", "check_ceiling", "check_int4_pack",
            "check_intensity", "check_bound"]
 
 
@@ -79,6 +81,29 @@ def check_ceiling(answer, bits: int, group_size: int | None, in_features: int, s
     return check(f"ceiling of int{bits} g{group_size}", answer, expected, rtol=1e-3,
                  hint=f"bf16 spends 16 bits per weight; int{bits} spends {bits} bits plus a {scale_bits}-bit scale "
                       f"shared by {group_size or in_features} weights")
+
+
+def check_int4_pack(answer, codes: torch.Tensor) -> Feedback:
+    """Exercise: unsigned 4-bit ``codes`` (rows of an even length) packed two per byte in the package's layout
+    (`workbench.quantization.packing`): byte j of a row holds code 2j in its low nibble, code 2j+1 in its high."""
+    from workbench.quantization.packing import pack
+
+    expected = pack(codes, 4)
+    name = "int4 packing"
+    hint = "low nibble = the even-indexed code, high nibble = the odd one shifted left by 4; the result is uint8"
+    if isinstance(answer, torch.Tensor) and answer.shape == expected.shape and answer.dtype != torch.uint8:
+        return check(name, answer, expected, hint=f"packed bytes are uint8, found {answer.dtype}: convert with "
+                                                  f".to(torch.uint8) (the values may be right)")
+    fb = check(name, answer, expected, hint=hint, rtol=0, atol=0)
+    if fb.status == "failed" and isinstance(answer, torch.Tensor) and answer.shape == expected.shape:
+        c = codes.to(torch.uint8)
+        known = [((c[..., 0::2] << 4) | c[..., 1::2], "the nibbles are swapped: the even-indexed code goes in the "
+                                                      "low 4 bits"),
+                 (c[..., 0::2] + c[..., 1::2], "adding the codes loses which is which: shift one of them by 4 bits")]
+        for value, why in known:
+            if torch.equal(answer.to(torch.uint8), value):
+                return check(name, answer, expected, hint=why, rtol=0, atol=0)
+    return fb
 
 
 def check_intensity(answer, M: int, K: int, N: int, weight_bytes_per_value: float, act_bytes: int = 4) -> Feedback:

@@ -29,6 +29,7 @@ from torch import nn
 from workbench.teach import Feedback, as_number, check
 
 __all__ = ["DTYPES", "smallest_subnormal", "format_table", "Autocast", "autocast_table", "gradient_magnitudes",
+           "autocast_gradients", "autocast_underflow",
            "underflow_fraction", "overflow_fraction", "scale_table", "scale_trace", "gradient_histogram",
            "scale_trace_figure", "check_bytes_saved", "check_underflows", "check_loss_scale"]
 
@@ -133,6 +134,62 @@ def gradient_magnitudes(model: nn.Module, inputs: torch.Tensor, targets: torch.T
         model.zero_grad(set_to_none=True)
         model.train(was_training)
     return {"activations": torch.cat(grads).float(), "weights": weights.float()}
+
+
+def autocast_gradients(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                       dtype: str | torch.dtype = torch.float16, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """Gradients of one real forward + backward of the cross-entropy under ``torch.autocast(cpu, dtype)`` (no
+    autocast for fp32), the loss multiplied by ``scale`` and the gradients divided by it again in fp32:
+    ``"weights"`` - every Linear / Conv weight's ``.grad`` (fp32, since the master weights are fp32, but computed
+    by the backward of the layer's 16-bit matmul, so it underflows there first), ``"activations"`` - the
+    gradients flowing into those layers' outputs (16-bit under autocast). Flattened fp32, in a fixed order."""
+    layers = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d))]
+    acts: list[torch.Tensor] = [torch.empty(0)] * len(layers)
+
+    def hook(i):
+        return lambda mod, gin, gout: acts.__setitem__(i, gout[0].detach().float().flatten())
+
+    handles = [m.register_full_backward_hook(hook(i)) for i, m in enumerate(layers)]
+    was_training = model.training
+    model.eval()
+    d = _dtype(dtype)
+    try:
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=d, enabled=d != torch.float32):
+            logits = model(inputs)                                               # (..., classes)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Full backward hook is firing", category=UserWarning)
+            (loss * scale).backward()
+        weights = torch.cat([m.weight.grad.detach().float().flatten() / scale for m in layers])
+    finally:
+        for h in handles:
+            h.remove()
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
+    return {"weights": weights, "activations": torch.cat(acts) / scale}
+
+
+def autocast_underflow(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                       dtype: str | torch.dtype = torch.float16, scales: Sequence[float] = (1.0, 2.0 ** 16)):
+    """Measured, not predicted: the same pass in fp32 and under ``dtype`` autocast at each loss scale. One row per
+    (gradient kind, scale): how many gradients are non-zero in fp32, how many of those came out exactly 0 under
+    autocast (count and fraction), and the median fp32 magnitude of the lost ones."""
+    import pandas as pd
+
+    ref = autocast_gradients(model, inputs, targets, torch.float32)
+    rows = []
+    for s in scales:
+        got = autocast_gradients(model, inputs, targets, dtype, s)
+        for kind in ("weights", "activations"):
+            r, g = ref[kind], got[kind]
+            nonzero = r != 0
+            lost = nonzero & (g == 0)
+            rows.append({"gradients": kind, "scale": f"2^{round(math.log2(s))}", "non-zero in fp32": int(nonzero.sum()),
+                         "lost (→ 0)": int(lost.sum()), "fraction lost": float(lost.sum() / nonzero.sum().clamp(min=1)),
+                         "median fp32 |g| of the lost": float(r.abs()[lost].median()) if bool(lost.any())
+                         else float("nan")})
+    return pd.DataFrame(rows).set_index(["gradients", "scale"])
 
 
 def underflow_fraction(values: torch.Tensor, dtype: str | torch.dtype = torch.float16, scale: float = 1.0) -> float:

@@ -7,7 +7,9 @@ Three ways to choose the weights ``W`` (out x in) to drop, all at the same 50 % 
 - **structured**: drop whole output rows (neurons / channels) with the smallest L1 norm ``sum_j |w_ij|`` - the
   layer (and the input of the next one) really becomes smaller, so dense kernels run faster;
 - **N:M semi-structured** (2:4): in every group of M = 4 consecutive inputs keep the N = 2 largest - a pattern
-  sparse tensor cores on recent GPUs run at up to 2x.
+  sparse tensor cores on recent GPUs run at up to 2x. For a convolution (out, in, kh, kw) the groups run along
+  the input channels at each kernel position (the GEMM's reduction dimension, as NVIDIA's ASP prunes), never
+  over the flattened (in, kh, kw), which would mix kernel positions in a group.
 
 Here: the masks of a real layer (`lesson_masks`, `row_mask`), the figures (`mask_heatmaps`, `channel_norms`,
 `sparsity_curves`) and the exercise checks (``check_*``), which compute their expected values themselves.
@@ -24,7 +26,8 @@ from workbench.pruning.structured import channel_importance
 from workbench.teach import Feedback, as_number, check
 
 __all__ = ["row_mask", "lesson_masks", "mask_sparsity", "mask_heatmaps", "channel_norms", "sparsity_curves",
-           "check_sparsity", "check_nm_kept", "check_removed_channels"]
+           "nm_grouping", "check_sparsity", "check_global_mask", "check_nm_kept", "check_nm_mask",
+           "check_removed_channels"]
 
 _COLOURS = {"magnitude": "#1f77b4", "magnitude + fine-tune": "#2ca02c", "random": "#d62728"}
 
@@ -68,6 +71,29 @@ def lesson_masks(weight: torch.Tensor, sparsity: float = 0.5) -> dict[str, torch
 def mask_sparsity(mask: torch.Tensor) -> float:
     """Fraction of the entries a keep-mask drops."""
     return 1.0 - float(mask.float().mean())
+
+
+def _flattened_nm_mask(weight: torch.Tensor, n: int, m: int) -> torch.Tensor:
+    """The mistaken N:M mask of a convolution: groups of ``m`` over the flattened (in, kh, kw) of each output."""
+    w2d = weight.detach().reshape(weight.shape[0], -1)                          # (out, in * kh * kw)
+    return M.nm_mask(w2d, n, m).reshape(weight.shape)
+
+
+def nm_grouping(weight: torch.Tensor, n: int = 2, m: int = 4):
+    """Measured on a convolution weight (out, in, kh, kw): the share of the groups sparse tensor cores read -
+    ``m`` consecutive input channels at one (output, kernel position) - that hold exactly ``n`` kept weights,
+    for the package's N:M mask and for the mistaken mask grouped over the flattened (in, kh, kw). A DataFrame."""
+    import pandas as pd
+
+    if weight.ndim < 3:
+        raise ValueError(f"nm_grouping takes a convolution weight (out, in, *kernel), got {tuple(weight.shape)}")
+    rows = []
+    for label, mask in (("along input channels (wb.prune.NM)", M.nm_mask(weight, n, m)),
+                        ("over flattened (in, kh, kw)", _flattened_nm_mask(weight, n, m))):
+        groups = M.nm_groups(mask, m)                                               # (groups, m)
+        rows.append({"grouping": label, "kept": int(mask.sum()),
+                     f"input-channel groups with exactly {n} of {m} kept": float((groups.sum(1) == n).float().mean())})
+    return pd.DataFrame(rows).set_index("grouping")
 
 
 # --- figures -------------------------------------------------------------------------------------------
@@ -159,6 +185,47 @@ def check_sparsity(answer, mask: torch.Tensor) -> Feedback:
         if math.isclose(value, mask.numel() - int(mask.sum()), abs_tol=0.5):
             return check(name, answer, expected, hint="that is the number of pruned weights; divide by the total",
                          atol=1e-6)
+    return fb
+
+
+def check_global_mask(answer, weights: dict[str, torch.Tensor], sparsity: float, layer: str) -> Feedback:
+    """Exercise: ``layer``'s keep-mask (True = kept) under one magnitude threshold shared by all ``weights``
+    that prunes ``sparsity`` of them together (what `wb.prune.global_plan` does)."""
+    per_layer = M.global_sparsities({k: w.detach() for k, w in weights.items()}, sparsity)
+    w = weights[layer].detach()
+    expected = M.magnitude_mask(w, per_layer[layer])
+    name = f"{layer}'s mask under a global threshold"
+    hint = (f"rank |w| of every layer together, find the value below which {sparsity:.0%} of them lie, and keep "
+            f"{layer}'s weights above it")
+    fb = check(name, answer, expected, hint=hint, rtol=0, atol=0)
+    got = answer if isinstance(answer, torch.Tensor) else None
+    if fb.status == "failed" and got is not None and got.shape == expected.shape:
+        known = [(M.magnitude_mask(w, sparsity), f"that prunes {layer} on its own at {sparsity:.0%}: the threshold "
+                                                 f"must come from all the layers' weights together"),
+                 (~expected, "True means kept: you marked the pruned weights")]
+        for value, why in known:
+            if torch.equal(got.bool(), value):
+                return check(name, answer, expected, hint=why, rtol=0, atol=0)
+    return fb
+
+
+def check_nm_mask(answer, weight: torch.Tensor, n: int = 2, m: int = 4) -> Feedback:
+    """Exercise: the N:M keep-mask of a convolution weight, groups of ``m`` input channels at each kernel
+    position (the package's `wb.prune.NM` mask)."""
+    expected = M.nm_mask(weight, n, m)
+    name = f"{n}:{m} mask along the input channels"
+    hint = (f"move the input channels (dim 1) last, group them by {m}, keep the {n} largest |w| of each group, "
+            f"and move them back")
+    fb = check(name, answer, expected, hint=hint, rtol=0, atol=0)
+    got = answer if isinstance(answer, torch.Tensor) else None
+    if fb.status == "failed" and got is not None and got.shape == expected.shape:
+        known = [(_flattened_nm_mask(weight, n, m), f"those groups of {m} run over the flattened (in, kh, kw): a "
+                                                   f"group mixes kernel positions; group input channels at each "
+                                                   f"kernel position"),
+                 (~expected, "True means kept: you marked the pruned weights")]
+        for value, why in known:
+            if torch.equal(got.bool(), value):
+                return check(name, answer, expected, hint=why, rtol=0, atol=0)
     return fb
 
 

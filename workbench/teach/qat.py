@@ -8,6 +8,8 @@ lives here, computed with the package's own pieces (`workbench.quantization.qat.
 - `train_with_curve`: exactly `wb.training.fit_classifier` (same optimizer, schedule, batches and seed; a test
   checks the weights are identical), also recording the loss of every step and the test accuracy every few
   steps, for the plot only (nothing is chosen by it: the number of epochs is fixed in advance);
+- `ptq_baselines`, `code_usage`: the strong PTQ baselines (asymmetric grid, GPTQ) and why a symmetric 2-bit
+  grid is nearly ternary;
 - `ptq_vs_qat`: PTQ (round-to-nearest) against QAT with and without learned scales, per bit width;
 - `lsq_scales`, `zero_gradient_fraction`: what learning the scales changed in a layer;
 - checks for the exercises, computing the expected values themselves.
@@ -27,7 +29,7 @@ from workbench.quantization.qat import fake_quantize_ste
 from workbench.teach import Feedback, check
 
 __all__ = ["fake_quantize", "ste_gradient", "ste_curve", "ste_figure", "Curve", "train_with_curve",
-           "curves_figure", "qat_plan", "ptq_vs_qat", "bits_figure", "lsq_scales", "lsq_scales_figure",
+           "curves_figure", "qat_plan", "ptq_baselines", "code_usage", "ptq_vs_qat", "bits_figure", "lsq_scales", "lsq_scales_figure",
            "zero_gradient_fraction", "check_fake_quantize", "check_ste_gradient", "check_recovered"]
 
 _COLOURS = {"fp32": "#5f6368", "ptq": "#d93025", "qat": "#1a73e8", "lsq": "#188038"}
@@ -187,16 +189,59 @@ def curves_figure(curves: list[Curve], fp32: float, ptq: float, title: str | Non
 
 # --- PTQ vs QAT per bit width --------------------------------------------------------------------------------
 
-def qat_plan(patterns, bits: int, group_size: int | None = None):
-    """``WeightOnly(bits, group_size)`` (round-to-nearest grid, symmetric) on every pattern."""
+def qat_plan(patterns, bits: int, group_size: int | None = None, symmetric: bool = True):
+    """``WeightOnly(bits, group_size, symmetric)`` (round-to-nearest grid) on every pattern."""
     from workbench.plans import Plan
     from workbench.quantization.configs import WeightOnly
 
-    return Plan({p: WeightOnly(bits, group_size) for p in patterns})
+    return Plan({p: WeightOnly(bits, group_size, symmetric=symmetric) for p in patterns})
+
+
+def ptq_baselines(model: nn.Module, task, patterns, bits: int, calibration=None, kernel: str = "auto"):
+    """The PTQ baselines QAT must beat, per output channel at ``bits``: round-to-nearest on a symmetric grid and
+    on an asymmetric one (a zero point per channel), and - with ``calibration`` batches - GPTQ (asymmetric) on
+    the nn.Linear layers with asymmetric round-to-nearest on the rest (the package's GPTQ serves nn.Linear only).
+    ``kernel``: the Linear matmul path of every config (`WeightOnly.kernel`). A DataFrame: accuracy and size
+    relative to fp32, one row per baseline."""
+    import pandas as pd
+
+    from workbench.measurement import size_bytes
+    from workbench.plans import Plan, apply
+    from workbench.quantization.configs import WeightOnly
+
+    rtn = {"RTN symmetric": True, "RTN asymmetric": False}
+    plans = {label: Plan({p: WeightOnly(bits, None, symmetric=sym, kernel=kernel) for p in patterns})
+             for label, sym in rtn.items()}
+    if calibration is not None:
+        asym = plans["RTN asymmetric"]
+        chosen = [(n, m) for n, m in model.named_modules()
+                  if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d)) and asym.match(n) is not None]
+        plans["GPTQ (Linear) + RTN asymmetric (conv)"] = Plan({
+            n: WeightOnly(bits, None, symmetric=False, method="gptq" if isinstance(m, nn.Linear) else "rtn",
+                          kernel=kernel)
+            for n, m in chosen})
+    rows = []
+    for label, plan in plans.items():
+        q = apply(model, plan, calibration=calibration if "GPTQ" in label else None, progress=False)
+        rows.append({"baseline": label, "accuracy": task.evaluate(q)["accuracy"],
+                     "size_ratio": size_bytes(q) / size_bytes(model)})
+    return pd.DataFrame(rows).set_index("baseline")
+
+
+def code_usage(weight: torch.Tensor, bits: int, symmetric: bool) -> dict[int, int]:
+    """How many weights of ``weight`` (per-output-channel min-max grid at ``bits``) land on each integer code:
+    a symmetric grid spends its most negative code on values nobody has."""
+    from workbench.quantization.primitives import quantize
+
+    w2d = weight.detach().float().reshape(weight.shape[0], -1)                              # (out, K)
+    scale, zp = choose_qparams(w2d, bits, symmetric)                                       # (out, 1) each
+    qmin, qmax = qrange(bits, True)
+    codes = quantize(w2d, scale, zp, qmin, qmax)
+    return {c: int((codes == c).sum()) for c in range(qmin, qmax + 1)}
 
 
 def ptq_vs_qat(model: nn.Module, task, patterns, bits_list, *, epochs: int, lr: float,
-               group_size: int | None = None):
+               group_size: int | None = None, symmetric: bool = True):
     """For each bit width: accuracy of the fp32 model, of RTN PTQ, of QAT with the STE and of QAT with learned
     scales (LSQ) after ``epochs`` of ``wb.training.fit_classifier``, both converted to real quantized modules;
     plus the converted model's size relative to fp32. A DataFrame, one row per bit width."""
@@ -210,7 +255,7 @@ def ptq_vs_qat(model: nn.Module, task, patterns, bits_list, *, epochs: int, lr: 
     fp32 = task.evaluate(model)["accuracy"]
     rows = []
     for bits in bits_list:
-        plan = qat_plan(patterns, bits, group_size)
+        plan = qat_plan(patterns, bits, group_size, symmetric)
         ptq_model = apply(model, plan, progress=False)
         row = {"bits": bits, "fp32": fp32, "ptq": task.evaluate(ptq_model)["accuracy"]}
         for key, learn in (("qat", False), ("lsq", True)):

@@ -244,7 +244,8 @@ def gpu_table(shapes: dict | None = None, ms=MS, kernels=KERNELS, device: str | 
 
 def cpu_minilm(batch_sizes=(1, 32), threads: int = 1, rounds: int = 7, layers: str = "encoder.*"):
     """W8A8 on MiniLM on the CPU: fp32, ours (``Dynamic(kernel="cpu")``), the reference path,
-    ``quantize_dynamic`` on the same Linears, and weight-only int8 (`kernels.weight_only_cpu`); one row per (batch, path)."""
+    ``quantize_dynamic`` on the same Linears, and weight-only int8 (`kernels.weight_only_cpu`); one row per
+    (batch, path)."""
     import warnings
 
     import pandas as pd

@@ -17,7 +17,7 @@ When ``group_size`` does not divide K, the last group of each row is short (``K 
 scales and zero points are ``(rows, ceil(K / g))`` and the codes are still exactly K per row. The short
 group is quantized as if zero-padded to ``g`` values, which changes nothing (every range includes 0), so
 this is the same as a padded last group without storing the padding. `short_group_note` says so in words.
-"""
+"""  # noqa: E501 - the table rows above are one line each (markdown)
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,7 +26,13 @@ import torch
 
 from workbench.quantization import packing
 from workbench.quantization.primitives import (
-    FLOAT8_DTYPES, PerChannel, choose_qparams, float8_quantize, nf4_codebook, qrange, quantize,
+    FLOAT8_DTYPES,
+    PerChannel,
+    choose_qparams,
+    float8_quantize,
+    nf4_codebook,
+    qrange,
+    quantize,
 )
 
 __all__ = ["IntFormat", "NF4Format", "FP8Format", "WeightFormat", "encode", "decode", "empty",

@@ -24,7 +24,7 @@ an int8 dot-product instruction), the reference otherwise, once when the module 
 |---|---|---|
 | `WeightOnlyLinear` | `kernels.weight_only_cpu` (integer formats, NF4): decode rows in registers for few rows of x, blocks of decoded rows + fp32 GEMM for many | int8 per-channel (`kernels.int8_weight_only`), int4 any group / zero (`kernels.int4_weight_only`) |
 | `W8A8Linear` | per block of rows: one fused quantization pass, ``torch._int_mm``, one fused rescale pass (``torch.compile``) | dynamic: fused per-token quantization + int8 GEMM + rescale (`kernels.w8a8`) |
-"""
+"""  # noqa: E501 - the table rows above are one line each (markdown)
 from __future__ import annotations
 
 import enum

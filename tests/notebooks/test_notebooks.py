@@ -16,7 +16,7 @@ from workbench import goldens
 from workbench.reports import recorded
 from workbench.cli import main
 
-NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+NOTEBOOKS = sorted((Path(__file__).resolve().parents[2] / "notebooks").glob("*.ipynb"))
 DASHBOARDS = {"app"}  # a live Voila dashboard: widgets only, no static charts in its HTML
 
 
@@ -46,7 +46,7 @@ def test_notebook_rules(path):
     assert not unknown, f"{path.name}: the golden file sets parameters the notebook does not declare: {unknown}"
 
 
-@pytest.mark.slow
+@pytest.mark.notebook
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_matches_its_goldens(path, tmp_path):
     """Through the CLI, as `workbench report NOTEBOOK -p name value ...` runs it; then the golden comparison."""

@@ -46,6 +46,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=no_gpu))
 
 
+# The C++ CPU kernels compile on first use into TORCH_EXTENSIONS_DIR (torch.utils.cpp_extension). One folder per
+# checkout: checkouts of different sources on one machine (worktrees, a fresh clone beside a working copy) share
+# ~/.cache/torch_extensions otherwise and rebuild each other's library at every switch. Set here, it reaches the
+# notebooks' kernels and the CLI subprocesses of the tests too.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions"))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _private_cache(tmp_path_factory):
     """Analysis results are cached on disk; tests never read or write the user's cache."""

@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install lab test test-fast report bench weights strip clean
+.PHONY: install lab lint test test-fast report bench weights strip clean
 
 # torch first: keep an existing torch (GPU machines: the venv sees the system site-packages), otherwise
 # the local CPU wheel torch==2.13.0, so a CPU-only machine never downloads CUDA packages. Then triton
@@ -25,11 +25,18 @@ install: $(STAMP)
 lab: install
 	$(BIN)/jupyter lab --ip=127.0.0.1 --no-browser --allow-root notebooks/00_start_here.ipynb
 
-test: install
+# ruff (style, imports, pyflakes) on all the Python, mypy on the typed core (see [tool.mypy] in pyproject.toml)
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/python -m mypy
+
+# everything, as CI runs it: lint, then every test tier (slow ML claims, notebooks, browser tests)
+test: install lint
 	$(BIN)/python -m pytest
 
+# the quick tier (<= 3 min on 2 cores): no slow ML claims, no papermill notebooks, no servers or browser
 test-fast: install
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest -m "not slow and not notebook and not e2e"
 
 report: install
 	$(BIN)/workbench report notebooks/00_start_here.ipynb
@@ -45,4 +52,4 @@ strip: install
 	$(BIN)/python -m workbench.teach.strip notebooks
 
 clean:
-	rm -rf $(VENV) reports .pytest_cache
+	rm -rf $(VENV) reports .pytest_cache .mypy_cache .ruff_cache

@@ -1,4 +1,9 @@
-"""Shared fixtures. MiniLM is loaded once per session (it takes a few seconds)."""
+"""Shared fixtures, and the test tiers. MiniLM is loaded once per session (it takes a few seconds).
+
+Tiers (markers registered in pyproject.toml): `make test` runs everything; `make test-fast` deselects
+``slow`` (ML claims that train or load real models for minutes), ``notebook`` (papermill runs) and ``e2e``
+(servers and a real browser). Everything under tests/e2e/ is marked ``e2e`` here; ``gpu`` tests are skipped,
+saying so, without a CUDA GPU (or under the Triton interpreter, which is not the GPU path they check)."""
 import json
 import os
 import subprocess
@@ -17,6 +22,35 @@ if "TRITON_INTERPRET" not in os.environ:
 
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
+
+
+TESTS = Path(__file__).resolve().parent
+FOLDER_MARKERS = {"e2e": "e2e"}   # first folder under tests/ -> marker every test in it gets
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    no_gpu = None
+    if not torch.cuda.is_available():
+        no_gpu = "needs a CUDA GPU"
+    elif os.environ.get("TRITON_INTERPRET") == "1":
+        no_gpu = "needs compiled GPU kernels (TRITON_INTERPRET=1 is set)"
+    for item in items:
+        path = Path(item.path).resolve()
+        if path.is_relative_to(TESTS):
+            marker = FOLDER_MARKERS.get(path.relative_to(TESTS).parts[0])
+            if marker:
+                item.add_marker(marker)
+        if no_gpu and item.get_closest_marker("gpu"):
+            item.add_marker(pytest.mark.skip(reason=no_gpu))
+
+
+# The C++ CPU kernels compile on first use into TORCH_EXTENSIONS_DIR (torch.utils.cpp_extension). One folder per
+# checkout: checkouts of different sources on one machine (worktrees, a fresh clone beside a working copy) share
+# ~/.cache/torch_extensions otherwise and rebuild each other's library at every switch. Set here, it reaches the
+# notebooks' kernels and the CLI subprocesses of the tests too.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions"))
 
 
 @pytest.fixture(scope="session", autouse=True)

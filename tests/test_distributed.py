@@ -68,6 +68,7 @@ def test_two_workers_equal_one_process_without_batchnorm():
     assert not m2.training
 
 
+@pytest.mark.slow   # two DDP worker processes train; the quick tier keeps the BatchNorm-free equivalence
 def test_two_worker_digits_cnn_reaches_single_process_accuracy():
     """digits-cnn (BatchNorm: statistics per worker's half batch), 3 epochs from the same init, same global
     batch of 64: the test accuracies agree within 0.5 points (1 test sample is 0.28 points)."""
@@ -82,6 +83,7 @@ def test_two_worker_digits_cnn_reaches_single_process_accuracy():
     assert abs(acc[2] - acc[1]) <= 0.005 + 1e-9, acc
 
 
+@pytest.mark.slow   # two DDP worker processes train; the quick tier keeps the BatchNorm-free equivalence
 def test_distillation_with_two_workers_matches_one_process():
     split = data.digits()
     teacher = wb.models.load("digits-mlp")
@@ -98,6 +100,7 @@ def test_distillation_with_two_workers_matches_one_process():
         torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-3)
 
 
+@pytest.mark.slow   # two DDP worker processes train; the quick tier keeps the BatchNorm-free equivalence
 def test_qat_fine_tuning_with_two_workers_matches_one_process_and_converts():
     """The QAT loop is fit_classifier on a wb.qat.prepare'd copy: fake quantization with learnable scales trains
     under DDP (scales are parameters, averaged like weights) and converts to real int4 layers."""
@@ -115,6 +118,7 @@ def test_qat_fine_tuning_with_two_workers_matches_one_process_and_converts():
     assert _accuracy(wb.qat.convert(runs[2][1]), split) > 0.95
 
 
+@pytest.mark.slow   # two DDP worker processes train; the quick tier keeps the BatchNorm-free equivalence
 def test_embedding_distillation_with_two_workers_matches_one_process():
     torch.manual_seed(0)
     teacher = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8))

@@ -48,11 +48,10 @@ from typing import Callable
 
 import pytest
 import torch
+from gallery import ARCHITECTURES, families
 from torch import nn
 
 import workbench as wb
-from gallery import ARCHITECTURES, families
-
 
 Step = Callable[..., nn.Module]   # (model, inputs, arch, read[, original]) -> the next model
 

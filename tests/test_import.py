@@ -32,3 +32,25 @@ def test_public_api_names():
     for name in ["models", "tasks", "measure", "Metrics", "Plan", "apply", "save", "load", "precision"]:
         assert hasattr(wb, name), name
     assert callable(wb.precision.Cast)
+
+
+def test_lesson_modules_load_on_first_use():
+    """`wb.teach.<lesson>` imports the lesson module when first used, not when workbench is imported; an unknown
+    name is an AttributeError that names it."""
+    out = _run("""
+        import sys
+        import workbench as wb
+        lessons = ("formats", "distillation", "precision", "pruning")
+        print([n for n in lessons if f"workbench.teach.{n}" in sys.modules])
+        print([getattr(wb.teach, n).__name__ for n in lessons])
+        try:
+            wb.teach.no_such_lesson
+        except AttributeError as e:
+            print(e)
+    """)
+    assert out.splitlines() == [
+        "[]",
+        "['workbench.teach.formats', 'workbench.teach.distillation', 'workbench.teach.precision', "
+        "'workbench.teach.pruning']",
+        "workbench.teach has no lesson module 'no_such_lesson'",
+    ]

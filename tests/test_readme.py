@@ -10,8 +10,8 @@ print are extracted and executed, so a renamed function or option fails here, no
   spans of the README, plus the `workbench ...` commands printed in the notebooks' markdown. Each one is
   either run (after `SHELL_SUBSTITUTIONS`: MiniLM -> digits-mlp, placeholders -> files made here, optional
   ``[...]`` parts included), or only its command line is parsed (`PARSED_ONLY`: benchmarks of minutes, whose
-  importable functions run in tests/test_benchmarks.py), or it is `EXCLUDED` with the reason. A command in none of
-  these tables fails the test: a new documented command needs a decision here.
+  importable functions run in tests/benchmarks/test_benchmarks.py), or it is `EXCLUDED` with the reason. A command
+  in none of these tables fails the test: a new documented command needs a decision here.
 """
 from __future__ import annotations
 
@@ -120,7 +120,8 @@ SHELL_SUBSTITUTIONS = [   # (regex, replacement, why), applied in order to every
     (r"--model minilm --task minilm", "--model digits-mlp --task digits", "MiniLM -> digits-mlp"),
     (r"--model minilm --plan PLAN", "--model digits-mlp --plan plan.json", "MiniLM -> digits-mlp; PLAN -> a file"),
     (r"^workbench report (notebooks/90_report\.ipynb .*)$", r"workbench report \1 -p quick True -p sensitivity False",
-     "the report template in quick mode, without its sensitivity sweep (tests/test_notebooks.py runs it fully)"),
+     "the report template in quick mode, without its sensitivity sweep "
+     "(tests/notebooks/test_notebooks.py runs it fully)"),
     (r"--model NAME --task TASK", "--model digits-cnn --task digits", "the app notebook's placeholders"),
     (r"^workbench goldens NAME \.\.\.$", "workbench goldens app", "NAME -> the app notebook, the quickest golden"),
     (r"^python -m workbench\.models\.train NAME$", "python -m workbench.models.train digits-mlp --out weights",
@@ -147,7 +148,8 @@ EXCLUDED = {   # command -> why it is neither run nor parsed here
                                                                 "trained so); the CPU form runs below as "
                                                                 "`python -m workbench.models.train NAME`",
     "make test": "installs, then runs the whole suite - this test included",
-    "make test-fast": "installs, then runs the suite (this test is marked slow, but the rest is minutes)",
+    "make test-fast": "installs, then runs the quick tier (minutes)",
+    "make lint": "installs, then runs ruff and mypy over the repository - `make test` runs it first",
     "make report": "installs first; its command `workbench report notebooks/00_start_here.ipynb` is the start "
                    "notebook's report, which runs below on digits-cnn",
     "make strip": "installs first; its command `python -m workbench.teach.strip notebooks` runs below (on a copy)",
@@ -251,7 +253,7 @@ def _free_port() -> int:
 
 def _serve(argv: list[str], cwd: Path) -> str:
     """Start a server command and stop it once it says it is serving (the command checked the model and task
-    and wrote the parameterised app notebook; Voila's rendering is tests/ui/test_browser.py's job)."""
+    and wrote the parameterised app notebook; Voila's rendering is tests/e2e/test_browser.py's job)."""
     argv = [a for a in argv]
     if "--port" not in argv:
         argv += ["--port", "0"]
@@ -294,8 +296,8 @@ def test_shell_commands_run(tmp_path):
         if any(prepared.startswith(s) for s in SERVERS):
             ran[cmd] = _serve(argv, tmp_path)
             continue
-        r = subprocess.run(argv, cwd=tmp_path, env={**_env(), "WORKBENCH_REPORTS": str(tmp_path / "reports")}, capture_output=True, text=True, timeout=300,
-                       check=False)
+        r = subprocess.run(argv, cwd=tmp_path, env={**_env(), "WORKBENCH_REPORTS": str(tmp_path / "reports")},
+                           capture_output=True, text=True, timeout=300, check=False)
         assert r.returncode == 0, f"`{cmd}` (run as `{prepared}`) failed:\n{r.stdout[-3000:]}\n{r.stderr[-4000:]}"
         ran[cmd] = r.stdout
     assert any(c.startswith("workbench report notebooks/00_start_here.ipynb") for c in ran)

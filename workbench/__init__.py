@@ -12,20 +12,19 @@
 Importing the package has no side effects: no CUDA initialisation, no global torch settings changed,
 no models or data loaded.
 """
-from workbench import measurement, models, plots, precision, reports, tasks
-from workbench import quantization as quant
+from workbench import analysis, lowrank, measurement, models, plots, precision, reports, tasks, teach, training, ui
 from workbench import distillation as distill
-from workbench import lowrank, training
 from workbench import pruning as prune
-from workbench.quantization import qat
+from workbench import quantization as quant
+from workbench.analysis import Budget, pareto, search, sensitivity, sweep
 from workbench.measurement import Metrics, Speedup, compare, layer_table, measure, size_bytes, speedup
 from workbench.plans import ApplyError, Plan, applied_plans, applied_report, apply
 from workbench.plans.io import load, save
-from workbench import analysis, teach, ui
-from workbench.analysis import Budget, pareto, search, sensitivity, sweep
+from workbench.quantization import qat
 
 __version__ = "0.1.0"
 
-__all__ = ["models", "tasks", "precision", "quant", "qat", "prune", "lowrank", "distill", "training", "measurement", "plots", "reports", "measure", "Metrics", "compare", "speedup", "Speedup", "layer_table", "size_bytes",
-           "Plan", "apply", "applied_plans", "applied_report", "ApplyError", "save", "load", "analysis", "sensitivity", "search", "Budget",
-           "sweep", "pareto", "ui", "teach", "__version__"]
+__all__ = ["models", "tasks", "precision", "quant", "qat", "prune", "lowrank", "distill", "training", "measurement",
+           "plots", "reports", "measure", "Metrics", "compare", "speedup", "Speedup", "layer_table", "size_bytes",
+           "Plan", "apply", "applied_plans", "applied_report", "ApplyError", "save", "load", "analysis", "sensitivity",
+           "search", "Budget", "sweep", "pareto", "ui", "teach", "__version__"]

@@ -57,6 +57,7 @@ def test_executor_names():
         ProcessPool(0)
 
 
+@pytest.mark.slow   # three calibrated runs of tiny-lm, each estimated and then measured
 @pytest.mark.parametrize("method,pipeline", [("gptq", "sequential"), ("awq", "sequential"), ("gptq", "original")])
 def test_calibration_estimate_is_close_to_the_measured_run(method, pipeline):
     model, task = wb.models.load("tiny-lm"), wb.tasks.load("tiny-lm")

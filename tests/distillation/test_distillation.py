@@ -72,6 +72,7 @@ def test_nan_loss_stops_and_keeps_last_good_weights():
     assert len(history) <= 2 and before.keys() == student.state_dict().keys()
 
 
+@pytest.mark.slow   # an ML claim: 2 x 3 students trained for 20 epochs
 def test_kd_student_matches_or_beats_hard_labels():
     """Half-width digits CNN, same budget (20 epochs), three seeds each."""
     task = wb.tasks.load("digits")

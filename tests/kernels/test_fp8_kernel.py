@@ -123,7 +123,8 @@ def test_opcheck_and_compile():
     assert torch.equal(compiled(a), fn(a))
 
 
-@pytest.mark.skipif(INTERPRET or not torch.cuda.is_available() or CAN_RUN, reason="needs a CUDA GPU below sm_90")
+@pytest.mark.gpu
+@pytest.mark.skipif(CAN_RUN, reason="needs a CUDA GPU below sm_90")
 def test_below_sm90_raises_clearly():
     a, b, scale_a, scale_b, _ = _operands(4, 16, 32)
     with pytest.raises(RuntimeError, match="sm_90"):

@@ -16,7 +16,6 @@ from workbench.kernels import int8_weight_only as k8
 from workbench.kernels._common import INTERPRET, triton_available
 from workbench.quantization import formats as fm
 
-
 DEVICE = "cpu" if INTERPRET else "cuda"
 needs_triton = pytest.mark.skipif(not triton_available(DEVICE), reason="needs a CUDA GPU or TRITON_INTERPRET=1")
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -232,7 +231,7 @@ def test_compiles_for_sm90_with_pipelined_tiles(compile_sm90):
         assert r["asm"], r
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("M", [1, 3, 16, 100])
 def test_gpu_bf16_llama_shape(M):
     """bf16 on the GPU at a Llama MLP shape (autotuned; the first call per M bucket compiles every config)."""

@@ -26,7 +26,8 @@ def test_gpu_table_plumbing():
 
 @pytest.mark.slow
 def test_cpu_minilm_table():
-    df = bench.cpu_minilm(batch_sizes=(1,), rounds=1)
+    # the plumbing on the first encoder layer's six Linears (the benchmark itself quantizes all 36)
+    df = bench.cpu_minilm(batch_sizes=(1,), rounds=1, layers="encoder.layer.0.*")
     assert set(df["path"]) == {"fp32", "w8a8 cpu (ours)", "w8a8 reference", "int8 weight-only cpu",
                                "torch quantize_dynamic"}
     assert (df["ms"] > 0).all() and df["threads"].eq(1).all()

@@ -15,7 +15,7 @@ from workbench.quantization.primitives import quantize_per_token as module_quant
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 pytestmark = pytest.mark.skipif(not triton_available(DEVICE), reason="needs a CUDA GPU or TRITON_INTERPRET=1")
-gpu_only = pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs a GPU (no interpreter)")
+gpu_only = pytest.mark.gpu   # compiled kernels on a GPU (conftest skips it without one or under the interpreter)
 
 
 def _layer(K: int, N: int, bias: bool, seed: int = 0) -> W8A8Linear:

@@ -71,7 +71,7 @@ def test_bad_2_4_requests_are_refused():
         assert layer.kernel == "reference"                 # nothing half-changed
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.sparse semi-structured kernels need CUDA")
+@pytest.mark.gpu   # torch.sparse semi-structured kernels need CUDA
 def test_semi_structured_kernel_on_cuda():
     torch.manual_seed(0)
     lin = nn.Sequential(nn.Linear(256, 128)).cuda().half()

@@ -99,7 +99,8 @@ def test_tiny_lm_ffn_neurons_with_explicit_consumers():
 
 @pytest.mark.slow
 def test_minilm_heads_and_ffn_neurons(minilm, minilm_task, tmp_path):
-    calib = minilm_task.calibration(16, batch_size=8)
+    # one batch of 8 documents: head_importance runs the whole model once per (head, batch) - 72 heads here
+    calib = minilm_task.calibration(8, batch_size=8)
     importance = wb.prune.head_importance(minilm, calib)
     assert len(importance) == 6 and all(v.shape == (12,) and (v >= 0).all() for v in importance.values())
     fewer = wb.prune.attention_heads(minilm, 2, calib, importance=importance)

@@ -16,10 +16,11 @@ def int4_plan(method):
 @pytest.fixture(scope="module")
 def results(minilm, minilm_task):
     calib = minilm_task.calibration(32)
-    out = {"fp32": wb.measure(minilm, minilm_task, quick=True, threads=2, progress=False)}
+    # batch_size: the latency / memory batch only (the tests read size, dtypes and quality): 1 keeps it cheap
+    out = {"fp32": wb.measure(minilm, minilm_task, quick=True, threads=2, batch_size=1, progress=False)}
     for method in ("rtn", "gptq", "awq"):
         q = wb.apply(minilm, int4_plan(method), calibration=calib, progress=False)
-        out[method] = wb.measure(q, minilm_task, quick=True, threads=2, progress=False)
+        out[method] = wb.measure(q, minilm_task, quick=True, threads=2, batch_size=1, progress=False)
     return out
 
 

@@ -150,6 +150,7 @@ def test_ptq_algorithms_beat_rtn_on_held_out_layer_output(method):
         assert results[bits, method] > results[bits, "rtn"] + 0.3, results
 
 
+@pytest.mark.slow   # an ML claim: three calibrated quantizations of tiny-lm, each evaluated
 def test_gptq_and_awq_lower_tiny_lm_perplexity_at_3_bits():
     model = wb.models.load("tiny-lm")
     task = wb.tasks.load("tiny-lm")

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from workbench.quantization.observers import MSE, Histogram, MinMax, MovingAverageMinMax, Percentile
-from workbench.quantization.primitives import PerChannel, PerToken, dequantize, quantize, qrange
+from workbench.quantization.primitives import PerChannel, PerToken, dequantize, qrange, quantize
 
 
 def heavy_tailed(n=20000, seed=0):

@@ -55,7 +55,8 @@ def test_unbatched_input(F_cls, Q_cls):
     with torch.inference_mode():
         (y, s), (yq, sq) = m(x, hx), q(x, hx)
     assert yq.shape == y.shape == (5, 16) and _cos(yq, y) > 0.995
-    assert (sq[0] if isinstance(sq, tuple) else sq).shape == (4, 8)
+    h, hq = (s[0], sq[0]) if isinstance(sq, tuple) else (s, sq)
+    assert hq.shape == h.shape == (4, 8) and _cos(hq, h) > 0.99
 
 
 @pytest.mark.parametrize("F_cls,Q_cls", PAIRS)

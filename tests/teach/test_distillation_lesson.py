@@ -18,10 +18,6 @@ def _fresh_results():
     wb.teach.reset()
 
 
-def test_lesson_module_loads_lazily():
-    assert wb.teach.distillation is L
-
-
 def test_soft_targets_flatten_with_temperature():
     ents = [float(L.entropy(L.soft_targets(LOGITS, T))) for T in (0.5, 1, 2, 4, 8, 100)]
     assert ents == sorted(ents) and ents[-1] == pytest.approx(math.log2(10), abs=0.01)

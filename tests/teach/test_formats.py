@@ -24,10 +24,6 @@ def heavy_tailed(n=4096, seed=0):
     return x
 
 
-def test_lesson_module_loads_lazily():
-    assert wb.teach.formats is F
-
-
 @pytest.mark.parametrize("name, dtype", [("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2),
                                          ("fp16", torch.float16), ("bf16", torch.bfloat16)])
 def test_table_and_grid_agree_with_torch(name, dtype):

@@ -17,10 +17,6 @@ def _fresh_results():
     wb.teach.reset()
 
 
-def test_lesson_module_loads_lazily():
-    assert wb.teach.precision is L
-
-
 def test_format_table():
     t = L.format_table()
     assert t.loc["fp16", "smallest subnormal"] == 2.0 ** -24 and t.loc["bf16", "smallest subnormal"] == 2.0 ** -133

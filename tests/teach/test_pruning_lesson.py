@@ -20,10 +20,6 @@ def cnn():
     return wb.models.load("digits-cnn")
 
 
-def test_lesson_module_loads_lazily():
-    assert wb.teach.pruning is L
-
-
 def test_masks_have_their_patterns(cnn):
     w = cnn.fc1.weight.detach()                                            # (128, 256)
     masks = L.lesson_masks(w, 0.5)

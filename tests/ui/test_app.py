@@ -34,7 +34,8 @@ def test_edit_apply_and_charts(app):
     app.select_button.click()
     assert app.layers.value == ("fc1", "fc2")
     app.choose(wb.quant.WeightOnly(bits=4, group_size=32))
-    assert app.forms[wb.quant.WeightOnly]["bits"].value == 4 and app.forms[wb.quant.WeightOnly]["method"].value.value == "rtn"
+    form = app.forms[wb.quant.WeightOnly]
+    assert form["bits"].value == 4 and form["method"].value.value == "rtn"
     app.set_button.click()
     assert "2 layers set to WeightOnly · 4 bits · group 32 · rtn" in app.status.value, app.status.value
     assert "(2 changed)" in app.apply_button.description and "&lt;" not in app.status.value   # words, not reprs
@@ -131,7 +132,8 @@ def test_errors_are_shown_not_raised(app):
     app.layers.value = ("fc2",)
     app.choose(wb.quant.WeightOnly(bits=4, group_size=128))
     app.set_button.click()
-    app.session.assigned["fc2"] = wb.quant.WeightOnly(bits=4, group_size=7, symmetric=False, method="hqq")  # bypass the check: fails on apply
+    # bypass the check: fails on apply
+    app.session.assigned["fc2"] = wb.quant.WeightOnly(bits=4, group_size=7, symmetric=False, method="hqq")
     app.apply_button.click()
     assert "ApplyError" in app.status.value and "fc2" in app.status.value
     assert len(app.session.history) == 1 and not app.apply_button.disabled and app.progress_label.value == "failed"

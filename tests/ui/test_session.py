@@ -73,7 +73,8 @@ def test_failures_leave_nothing_half_applied(session, digits_task):
     with pytest.raises(ValueError, match="layer .fc2.: group_size 7 does not divide"):
         session.set("fc2", wb.quant.WeightOnly(bits=4, group_size=7, symmetric=False, method="hqq"))
     session.set("fc1", INT8)
-    session.assigned["fc2"] = wb.quant.WeightOnly(bits=4, group_size=7, symmetric=False, method="hqq")  # bypassing the check: fails on apply
+    # bypassing the check: fails on apply
+    session.assigned["fc2"] = wb.quant.WeightOnly(bits=4, group_size=7, symmetric=False, method="hqq")
     with pytest.raises(wb.ApplyError, match="'fc2'"):
         session.apply_and_measure()
     assert session.work.fc1 is good and len(session.history) == 1  # fc1 not swapped in either

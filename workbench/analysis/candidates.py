@@ -37,7 +37,8 @@ def label(config: Config) -> str:
     return f"{type(config).__name__}({', '.join(parts)})"
 
 
-def normalize(candidates: Sequence[Config] | Mapping[str, Config], what: str = "candidates") -> list[tuple[str, Config]]:
+def normalize(candidates: Sequence[Config] | Mapping[str, Config],
+              what: str = "candidates") -> list[tuple[str, Config]]:
     """``[(label, config), ...]`` with unique labels; an empty list or a non-config is an error."""
     if isinstance(candidates, Config):
         raise TypeError(f"{what} must be a list of configs (or a mapping label -> config), got a single "

@@ -139,7 +139,8 @@ class PrefixReplay:
         if len(counts) != 1 or counts == {0} or block_events != expected:
             self.status = "off: the blocks do not run once each, in order, per model call"
         elif total > self.max_bytes:
-            self.status = f"off: recorded outputs would take {total / 2**20:.0f} MiB (limit {self.max_bytes / 2**20:.0f})"
+            self.status = (f"off: recorded outputs would take {total / 2**20:.0f} MiB "
+                           f"(limit {self.max_bytes / 2**20:.0f})")
         else:
             self.outputs = outputs
             ended: list[str] = []

@@ -332,7 +332,8 @@ def _verify(model, task, plan: Plan, report: SearchReport, layers, calibration, 
     compressed = apply_with_task(model, task, plan, calibration, progress) if len(plan) else model
     metrics = measure(compressed, task, quick=quick, progress=progress)
     report.measured = metrics
-    report.measured_quality = float(metrics.quality[report.metric]) if report.metric in metrics.quality else float("nan")
+    report.measured_quality = (float(metrics.quality[report.metric]) if report.metric in metrics.quality
+                               else float("nan"))
     report.measured_cost = _searched_cost(compressed, task, layers, report.budget.resource)
     if report.budget.resource == "latency_ms":
         reference = measure(model, task, quick=True, progress=False)

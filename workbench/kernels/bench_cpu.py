@@ -120,7 +120,9 @@ def decode_tokens_per_s(model: nn.Module | str = "tiny-lm", new_tokens: int = 64
     base = base.eval()
     Q = wb.quant
     linears = [n for n, m in base.named_modules() if isinstance(m, nn.Linear)]
-    plan = lambda cfg: wb.Plan({n: cfg for n in linears})
+    def plan(cfg):
+        return wb.Plan({n: cfg for n in linears})
+
     variants = {"fp32": lambda: base,
                 "bf16": lambda: wb.apply(base, plan(wb.precision.Cast(torch.bfloat16)), progress=False),
                 "int8 WO": lambda: wb.apply(base, plan(Q.WeightOnly(8, None)), progress=False),
@@ -173,7 +175,9 @@ def main(argv=None) -> None:
     p.add_argument("--skip-decode", action="store_true")
     a = p.parse_args(argv)
     print(environment())
-    fmt = lambda v: f"{v:.3g}"
+    def fmt(v):
+        return f"{v:.3g}"
+
     if not a.skip_layer:
         df = weight_only_table(*a.size, ms=a.ms, threads=a.threads, rounds=a.rounds)
         print(df.drop(columns=["K", "N", "threads", "rounds"]).to_string(index=False, float_format=fmt))

@@ -12,7 +12,8 @@ not accuracy):
 Paths: bf16 dense; int8 weight-only, int4 g128 weight-only and W8A8 dynamic on the Triton kernels; 2:4 sparse
 through ``torch.sparse.to_sparse_semi_structured`` (cuSPARSELt / CUTLASS). Each row: median latency
 (``do_bench`` on eager calls, launch overhead included), tokens/s, peak memory of a forward above the model's
-own bytes, and the model's bytes (``wb.size_bytes``). `precision_rows` runs ``wb.precision.compare_precisions`` on the GPU.
+own bytes, and the model's bytes (``wb.size_bytes``). `precision_rows` runs ``wb.precision.compare_precisions`` on the
+GPU.
 """
 from __future__ import annotations
 

@@ -19,9 +19,9 @@ precision and Triton never promotes by default on sm_90, so the dot is called wi
 ``max_num_imprecise_acc=BLOCK_K``: each tile's partial sum is added into the fp32 register accumulator.
 The epilogue applies ``scale_a`` per row, ``scale_b`` per column and the bias, then casts once.
 
-Autotune space (GPU): BLOCK_M 64/128/256 (256 only with BLOCK_N 128), BLOCK_N 64/128/256 (128 x 256 excluded: it spills with the promotion
-accumulator), BLOCK_K 128 (fp8 wgmma takes K = 32 per instruction; 128 bytes per row is a full swizzled
-smem line), 4/8 warps, 3-4 stages; keyed on M rounded up to a power of two, N, K. Compiled ahead of time
+Autotune space (GPU): BLOCK_M 64/128/256 (256 only with BLOCK_N 128), BLOCK_N 64/128/256 (128 x 256 excluded: it
+spills with the promotion accumulator), BLOCK_K 128 (fp8 wgmma takes K = 32 per instruction; 128 bytes per row is
+a full swizzled smem line), 4/8 warps, 3-4 stages; keyed on M rounded up to a power of two, N, K. Compiled ahead of time
 for sm_90 every config lowers to ``wgmma ... f32.e4m3.e4m3`` without spills. Below sm_90 the launcher
 raises (sm_89 has fp8 MMA too, but this kernel is tuned and checked for Hopper only); the interpreter runs
 it on the CPU for tests (fp8 ``tl.dot`` works there).

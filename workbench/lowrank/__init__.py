@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-
 from torch.utils._pytree import tree_map
 
 from workbench.plans.registry import Config, Handler, register_config

@@ -2,9 +2,7 @@
 from workbench.measurement import sampling
 from workbench.measurement.footprint import bytes_by_dtype, layer_table, peak_memory, size_bytes
 from workbench.measurement.latency import num_threads, threads_option, time_forward
-from workbench.measurement.metrics import (
-    Metrics, compare, measure, quality_change, slowdown_note, slowdown_reasons,
-)
+from workbench.measurement.metrics import Metrics, compare, measure, quality_change, slowdown_note, slowdown_reasons
 from workbench.measurement.speedup import Speedup, speedup
 
 __all__ = ["Metrics", "measure", "compare", "size_bytes", "bytes_by_dtype", "layer_table", "peak_memory",

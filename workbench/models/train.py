@@ -9,7 +9,8 @@ tiny-llama (`workbench.models.llama`): first a 4,096-token byte-level BPE on the
 document held out), then 2,000 AdamW steps of 8 random 128-token windows (1.6 M tokens, ~8 epochs of the 202 k
 training tokens; warm-up, cosine decay). The shipped file was made with ``--device cuda`` on an H100 (120 s,
 held-out perplexity 113.8); the same recipe on 2 CPU cores takes about 1-2 s a step when the machine is quiet
-(``--threads 1`` beat 2 under load), so ``--steps 160`` (perplexity ~700, under-trained) is the quick CPU check (GPU and CPU runs are not bit-identical).
+(``--threads 1`` beat 2 under load), so ``--steps 160`` (perplexity ~700, under-trained) is the quick CPU check
+(GPU and CPU runs are not bit-identical).
 """
 from __future__ import annotations
 

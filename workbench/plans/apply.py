@@ -27,14 +27,23 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from workbench.plans.layers import (
-    PLANS_ATTR, ApplyError, Transformed, applied_plans, canonical_targets, canonicalize_for, capture_inputs,
-    record_plan, share_tied, skeleton_layer, swap_layers, tie_groups, transform_layer,
+    PLANS_ATTR,
+    ApplyError,
+    Transformed,
+    applied_plans,
+    canonical_targets,
+    canonicalize_for,
+    capture_inputs,
+    record_plan,
+    share_tied,
+    skeleton_layer,
+    swap_layers,
+    tie_groups,
+    transform_layer,
 )
 from workbench.plans.plan import Plan
 from workbench.plans.registry import Config, handler_for
-from workbench.plans.sequential import (
-    BlockList, Pipeline, capture_block_inputs, find_blocks, run_block, runs_as_chain,
-)
+from workbench.plans.sequential import BlockList, Pipeline, capture_block_inputs, find_blocks, run_block, runs_as_chain
 
 __all__ = ["apply", "build_skeleton", "applied_plans", "applied_report", "ApplyError", "normalize_calibration",
            "PLANS_ATTR", "Pipeline"]
@@ -122,9 +131,7 @@ def apply(model: nn.Module, plan: Plan | Mapping[str, Config | None], calibratio
     pipeline = Pipeline.of(pipeline)
     assignments, passed = plan.survey(model)   # errors in the plan surface before anything is copied
     needing = [a for a in assignments if handler_for(a.config).needs_calibration(a.config)]
-    batches: list[Batch] | None = None
-    if calibration is not None:
-        batches = normalize_calibration(calibration, model)
+    batches: list[Batch] = normalize_calibration(calibration, model) if calibration is not None else []
     if needing and not batches:
         layers = ", ".join(f"{a.name} ({type(a.config).__name__})" for a in needing[:5])
         raise ValueError(f"calibration data is required for {len(needing)} layer(s): {layers}"
@@ -209,7 +216,7 @@ def _apply_sequential(target: nn.Module, assignments, needing, blocks: BlockList
     one pass of the model with every block compressed."""
     calibrated = {a.name for a in needing}
     per_block: dict[str, list] = {b: [] for b in blocks.names}
-    outside = []
+    outside: list = []
     for a in assignments:
         b = blocks.block_of(a.name)
         (per_block[b] if b is not None else outside).append(a)

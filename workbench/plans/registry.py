@@ -102,12 +102,12 @@ def register_config(handler: Handler, kind: str | None = None) -> Callable[[type
                         f"got {type(handler).__name__}")
 
     def deco(cls: type) -> type:
-        if not (dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen):
+        if not (dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen):  # type: ignore[attr-defined]
             raise TypeError(f"{cls.__name__} must be a frozen dataclass to be registered as a config")
         name = kind or f"{cls.__module__.removeprefix('workbench.')}.{cls.__name__}"
         if name in _KINDS and _KINDS[name] is not cls:
             raise ValueError(f"config kind {name!r} is already registered by {_KINDS[name].__qualname__}")
-        cls.kind = name
+        cls.kind = name  # type: ignore[attr-defined]  # the class attribute every registered config carries
         _KINDS[name] = cls
         _HANDLERS[cls] = handler
         return cls

@@ -83,11 +83,11 @@ def find_blocks(model: nn.Module, layers: Sequence[str]) -> BlockList | None:
         if not isinstance(module, nn.ModuleList) or any(name.startswith(t + ".") for t in taken):
             continue
         children = tuple(f"{name}.{c}" if name else c for c, _ in module.named_children())
-        holding = [b for b in children if any(l == b or l.startswith(b + ".") for l in layers)]
+        holding = [b for b in children if any(n == b or n.startswith(b + ".") for n in layers)]
         if not holding:
             continue
         taken.append(name)
-        count = sum(1 for l in layers if any(l.startswith(b + ".") or l == b for b in children))
+        count = sum(1 for n in layers if any(n.startswith(b + ".") or n == b for b in children))
         if best is None or count > best[0]:
             best = (count, name, children)
     return None if best is None else BlockList(best[1], best[2])
@@ -192,7 +192,7 @@ def run_block(block: nn.Module, inputs: BlockInputs) -> torch.Tensor:
 def runs_as_chain(model: nn.Module, blocks: BlockList, batch) -> str | None:
     """Check on one batch that each block runs once and takes the previous block's output as its hidden
     states (a list of parallel branches does not); returns why not, or None."""
-    seen: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
+    seen: list[tuple[int, torch.Tensor | None]] = []
     handles = []
     for i, name in enumerate(blocks.names):
         def pre(mod, args, kwargs, _i=i):
@@ -216,6 +216,6 @@ def runs_as_chain(model: nn.Module, blocks: BlockList, batch) -> str | None:
         return f"the children of {blocks.container!r} do not each run once, in order"
     for i in range(1, len(blocks.names)):
         out, nxt = seen[2 * i - 1][1], seen[2 * i][1]
-        if not isinstance(nxt, torch.Tensor) or out.shape != nxt.shape or not torch.equal(out, nxt):
+        if out is None or not isinstance(nxt, torch.Tensor) or out.shape != nxt.shape or not torch.equal(out, nxt):
             return f"{blocks.names[i]!r} does not take the output of {blocks.names[i - 1]!r} as its input"
     return None

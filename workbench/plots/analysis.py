@@ -5,8 +5,6 @@ say which direction is better.
 """
 from __future__ import annotations
 
-
-
 __all__ = ["frontier", "sensitivity_heatmap", "roofline", "size_breakdown"]
 
 _AXES = {"size_bytes": ("size (MiB, lower is better)", 2**20), "latency_ms": ("latency (ms, lower is better)", 1),
@@ -119,7 +117,8 @@ def roofline(df, baseline: str | None = None, title: str | None = None):
     threads = sorted(set(df["threads"])) if "threads" in df.columns else []
     device = str(base["device"]) if "device" in df.columns else ""
     fig.update_layout(barmode="group", template="plotly_white", height=420,
-                      title=title or f"speedup vs {base_label} and the byte-ratio ceiling ({device}, threads {threads})",
+                      title=title or (f"speedup vs {base_label} and the byte-ratio ceiling "
+                                      f"({device}, threads {threads})"),
                       yaxis_title="speedup over the baseline (x, higher is better)")
     return fig
 

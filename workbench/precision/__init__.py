@@ -4,4 +4,5 @@ from workbench.precision.cast import Cast, CastConv1d, CastConv2d, CastConv3d, C
 from workbench.precision.optim import AdamW8bit, state_bytes
 from workbench.precision.training import AmpStep, checkpoint_blocks, compare_precisions, fit_mixed
 
-__all__ = ["AdamW8bit", "state_bytes", "AmpStep", "checkpoint_blocks", "fit_mixed", "compare_precisions", "Cast", "CastLinear", "CastConv1d", "CastConv2d", "CastConv3d", "CastEmbedding"]
+__all__ = ["AdamW8bit", "state_bytes", "AmpStep", "checkpoint_blocks", "fit_mixed", "compare_precisions", "Cast",
+           "CastLinear", "CastConv1d", "CastConv2d", "CastConv3d", "CastEmbedding"]

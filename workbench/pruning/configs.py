@@ -38,9 +38,7 @@ from workbench.plans.layers import applied_plans, record_plan, swap_layers
 from workbench.plans.plan import Plan
 from workbench.plans.registry import Config, Handler, register_config
 from workbench.pruning import masks
-from workbench.pruning.modules import (
-    PRUNABLE, Pruned, SemiStructuredLinear, SparseLinear, freeze_zeros, pruned_class,
-)
+from workbench.pruning.modules import PRUNABLE, Pruned, SemiStructuredLinear, SparseLinear, freeze_zeros, pruned_class
 
 __all__ = ["Magnitude", "Random", "NM", "Wanda", "SparseGPT", "global_plan", "finalize", "STORAGES", "sparsity_of"]
 

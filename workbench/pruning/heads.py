@@ -4,7 +4,8 @@ update the block's own head bookkeeping, so the model is smaller and its forward
 
 Blocks are recognised by layout (`LAYOUTS`, one class per family, each checked by shape):
 
-- `_BertLayout`: BERT / MiniLM (``self.query/key/value`` + ``output.dense``; ``num_attention_heads``, ``all_head_size``);
+- `_BertLayout`: BERT / MiniLM (``self.query/key/value`` + ``output.dense``; ``num_attention_heads``,
+  ``all_head_size``);
 - `_GPT2Layout`: GPT-2 (one fused ``c_attn`` - query, key, value side by side - and ``c_proj``; transformers'
   Conv1D or, once canonicalised, nn.Linear; ``num_heads``, ``split_size``);
 - `_QKVOLayout`: Llama / Mistral / Qwen and ViT (``q_proj/k_proj/v_proj/o_proj``, ``head_dim``). With grouped-query

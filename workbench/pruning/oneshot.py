@@ -94,7 +94,8 @@ def wanda_mask(weight: torch.Tensor, inputs, sparsity: float = 0.5, nm: tuple[in
 
 
 def sparsegpt_prune(weight: torch.Tensor, inputs, sparsity: float = 0.5, nm: tuple[int, int] | None = None,
-                    damp: float = 0.01, block_size: int = 128, name: str = "layer") -> tuple[torch.Tensor, torch.Tensor]:
+                    damp: float = 0.01, block_size: int = 128,
+                    name: str = "layer") -> tuple[torch.Tensor, torch.Tensor]:
     """SparseGPT: returns (the updated weight with pruned entries zero, in ``weight``'s dtype and device; the
     keep-mask). ``inputs``: recorded calibration inputs or a `HessianAccumulator`."""
     N, K = weight.shape

@@ -38,9 +38,9 @@ def _patterns(patterns) -> list[str]:
 
 def gradual_prune(model: nn.Module, task, patterns, final_sparsity: float, steps: int = 4,
                   epochs_per_step: int = 1, lr: float = 1e-3, progress: bool = True):
-    from workbench.training import fit_classifier
-
     import pandas as pd
+
+    from workbench.training import fit_classifier
 
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive int, got {steps!r}")
@@ -60,10 +60,10 @@ def sweep(model: nn.Module, task, patterns, sparsities=(0.0, 0.25, 0.5, 0.7, 0.8
           finetune_epochs: int = 0, lr: float = 1e-3, method: str = "magnitude", progress: bool = True):
     """One row per (sparsity, fine-tuned or not): the primary metric, the non-zero weights left, and the bytes of
     dense storage (unchanged by unstructured sparsity: use CSR storage or structured pruning to save bytes)."""
+    import pandas as pd
+
     from workbench.measurement import size_bytes
     from workbench.training import fit_classifier
-
-    import pandas as pd
 
     configs = {"magnitude": lambda s: Magnitude(s), "random": lambda s: Random(s)}
     if method not in configs:

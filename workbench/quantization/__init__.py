@@ -7,7 +7,13 @@ plan configs (`configs`), available as ``wb.quant``:
 """
 from workbench.quantization import formats, observers, packing, primitives
 from workbench.quantization.configs import FP8, NF4, Dynamic, Method, Static, WeightOnly
-from workbench.quantization.modules import W8A8Conv2d, W8A8Linear, WeightOnlyConv2d, WeightOnlyEmbedding, WeightOnlyLinear
+from workbench.quantization.modules import (
+           W8A8Conv2d,
+           W8A8Linear,
+           WeightOnlyConv2d,
+           WeightOnlyEmbedding,
+           WeightOnlyLinear,
+)
 
 __all__ = ["primitives", "packing", "observers", "formats", "WeightOnly", "NF4", "FP8", "Dynamic", "Static", "Method",
            "WeightOnlyLinear", "WeightOnlyEmbedding", "WeightOnlyConv2d", "W8A8Linear", "W8A8Conv2d"]

@@ -99,7 +99,8 @@ def gptq_quantize(weight: torch.Tensor, inputs, fmt: fm.IntFormat, damp: float =
                   block_size: int = 128, name: str = "layer",
                   observer: Callable[[GPTQStep], None] | None = None,
                   static_groups: bool = False) -> dict[str, torch.Tensor]:
-    """GPTQ-quantize ``weight`` ``(out, in)`` from its recorded ``inputs`` (or a `HessianAccumulator`); returns the `formats.IntFormat` tensors, plus ``"perm"`` (int32
+    """GPTQ-quantize ``weight`` ``(out, in)`` from its recorded ``inputs`` (or a `HessianAccumulator`); returns the
+    `formats.IntFormat` tensors, plus ``"perm"`` (int32
     ``(in,)``) when act_order formed groups in activation order (the tensors then encode ``weight[:, perm]``).
     ``observer`` is called with a `GPTQStep` after every column."""
     if not isinstance(fmt, fm.IntFormat):

@@ -19,7 +19,14 @@ import math
 import torch
 
 from workbench.quantization.primitives import (
-    Granularity, PerTensor, PerToken, choose_qparams, qrange, quantize, dequantize, to_groups,
+    Granularity,
+    PerTensor,
+    PerToken,
+    choose_qparams,
+    dequantize,
+    qrange,
+    quantize,
+    to_groups,
 )
 
 __all__ = ["Observer", "MinMax", "MovingAverageMinMax", "Percentile", "MSE", "Histogram", "OBSERVERS",

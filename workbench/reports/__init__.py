@@ -18,7 +18,8 @@ from typing import Any
 
 from workbench.reports.html import browser_url, to_html
 
-__all__ = ["record", "record_hidden", "recorded", "run_notebook", "to_html", "browser_url", "reports_dir", "METRICS_MIME"]
+__all__ = ["record", "record_hidden", "recorded", "run_notebook", "to_html", "browser_url", "reports_dir",
+           "METRICS_MIME"]
 
 METRICS_MIME = "application/vnd.workbench.metrics+json"
 

@@ -12,7 +12,6 @@ A task never trains anything. It answers four questions about a model:
 from __future__ import annotations
 
 import contextlib
-
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 

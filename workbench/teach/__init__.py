@@ -75,7 +75,9 @@ def _describe(x: Any) -> str:
 
     if isinstance(x, torch.Tensor):
         return f"a {str(x.dtype).replace('torch.', '')} tensor of shape {tuple(x.shape)}"
-    return f"{type(x).__name__} {x!r}" if not isinstance(x, (list, tuple, dict)) else f"a {type(x).__name__} of {len(x)}"
+    if isinstance(x, (list, tuple, dict)):
+        return f"a {type(x).__name__} of {len(x)}"
+    return f"{type(x).__name__} {x!r}"
 
 
 def _compare(answer: Any, expected: Any, rtol: float, atol: float) -> str | None:

@@ -174,7 +174,8 @@ _OBSERVERS = {
     "histogram (KL)": QO.Histogram,
 }
 OBSERVER_LABELS = tuple(_OBSERVERS)
-OBSERVER_KEYS = dict(zip(OBSERVER_LABELS, ("minmax", "p99_9", "p99_99", "mse", "kl"), strict=True))   # for recorded metric names
+# for recorded metric names
+OBSERVER_KEYS = dict(zip(OBSERVER_LABELS, ("minmax", "p99_9", "p99_99", "mse", "kl"), strict=True))
 
 
 def fit_observer(label: str, samples: Sequence[torch.Tensor], bits: int = 8) -> QO.Observer:
@@ -353,8 +354,8 @@ def check_fake_quant(answer, x: torch.Tensor, scale: float, zero_point: int, bit
     codes = P.quantize(xg, s, z, qmin, qmax, torch.int32)
     expected = P.dequantize(codes, s, z).reshape(x.shape)
     name = "quantize-dequantize by hand"
-    hint = (f"x_hat = (clamp(round(x / s) + z, {qmin}, {qmax}) - z) * s: the grid runs from {(qmin - zero_point) * scale:g}"
-            f" to {(qmax - zero_point) * scale:g}")
+    hint = (f"x_hat = (clamp(round(x / s) + z, {qmin}, {qmax}) - z) * s: the grid runs from "
+            f"{(qmin - zero_point) * scale:g} to {(qmax - zero_point) * scale:g}")
     if isinstance(answer, torch.Tensor) and answer.shape == expected.shape and answer.is_floating_point():
         a = answer.detach().float()
         unclamped = (torch.round(xg * (1.0 / s)) * s).reshape(x.shape)

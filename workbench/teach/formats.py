@@ -404,8 +404,8 @@ def check_int8_scale(answer, x: torch.Tensor) -> Feedback:
                  amax / 128: "max|x| / 128: close, but (qmax - qmin) / 2 = 127.5",
                  hi / 127.5: "max(x) / 127.5: use the largest magnitude max|x|; here min(x) is further from 0"}
         for value_known, why in known.items():
-            if value is not None and math.isclose(value, value_known, rel_tol=1e-4) and not math.isclose(value_known, expected,
-                                                                                  rel_tol=1e-4):
+            if (value is not None and math.isclose(value, value_known, rel_tol=1e-4)
+                    and not math.isclose(value_known, expected, rel_tol=1e-4)):
                 return check("int8 scale", answer, expected, hint=f"you computed {why}")
     return fb
 

@@ -116,7 +116,7 @@ def check_intensity(answer, M: int, K: int, N: int, weight_bytes_per_value: floa
 def check_bound(answer, M: int, K: int, N: int, weight_bytes_per_value: float, bandwidth_GBs: float,
                 peak_GFLOPs: float, act_bytes: int = 4) -> Feedback:
     """``answer``: "memory" or "compute" - which roof limits this layer on this machine."""
-    I = intensity(M, K, N, weight_bytes_per_value, act_bytes)
+    I = intensity(M, K, N, weight_bytes_per_value, act_bytes)  # noqa: E741 - intensity, as in the roofline formula
     ridge = peak_GFLOPs / bandwidth_GBs
     expected = "memory" if I < ridge else "compute"
     return check(f"bound at M={M}", answer, expected,

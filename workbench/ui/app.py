@@ -4,7 +4,8 @@
 
 Pick layers in the layer table (click, shift/ctrl-click, sort by any column, or a name pattern), choose a
 technique - the list is every config type in the technique registry, its form generated from the config's
-fields (`workbench.ui.forms`) - and "Set for selected", then "Apply & measure": only the changed layers are rebuilt, the model is measured on the task's
+fields (`workbench.ui.forms`) - and "Set for selected", then "Apply & measure": only the changed layers are rebuilt,
+the model is measured on the task's
 quick subset and a point joins the trade-off charts (quality vs size and vs latency, Pareto front dashed,
 every plan tried kept; click a point to bring its plan back). Undo / redo walk the edits. Tabs hold the
 sensitivity heatmap (computed from the UI), the roofline view of every plan tried, the size breakdown of
@@ -59,7 +60,8 @@ class Workbench:
 
         self.status = W.HTML()
         self.layers = LayerTable(self.session.layer_rows())
-        self.pattern = W.Text(placeholder="pattern, e.g. encoder.*.dense or re:.*fc[12]", layout=W.Layout(width="340px"))
+        self.pattern = W.Text(placeholder="pattern, e.g. encoder.*.dense or re:.*fc[12]",
+                              layout=W.Layout(width="340px"))
         self.select_button = W.Button(description="Select matching")
         self.forms = technique_forms()   # config type -> its generated form, for every registered technique
         self.technique = W.Dropdown(options=[("none (undo the technique)", None)]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import types
 import typing
 from typing import Any
@@ -105,7 +106,7 @@ class TechniqueForm:
                 names = [n for n in DTYPES if hasattr(torch, n)]
                 w = W.Dropdown(options=names, value=_words(default) if default is not None else names[0],
                                description=label)
-                parse = lambda text: getattr(torch, text)
+                parse = functools.partial(getattr, torch)
             elif kind is bool and not optional:
                 w = W.Checkbox(value=bool(default), description=label, indent=False)
                 parse = None

@@ -20,7 +20,14 @@ from torch import nn
 
 from workbench.plans.apply import ApplyError, normalize_calibration
 from workbench.plans.layers import (
-    canonical_targets, capture_inputs, compressible_layers, record_plan, share_tied, skeleton_layer, swap_layers, tie_groups,
+    canonical_targets,
+    capture_inputs,
+    compressible_layers,
+    record_plan,
+    share_tied,
+    skeleton_layer,
+    swap_layers,
+    tie_groups,
     transform_layer,
 )
 from workbench.plans.plan import Plan, _matcher

@@ -7,10 +7,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from conftest import free_port, wait_for_http
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow

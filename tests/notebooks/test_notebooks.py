@@ -17,7 +17,7 @@ from workbench.reports import recorded
 from workbench.teach import strip
 from workbench.cli import main
 
-NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+NOTEBOOKS = sorted((Path(__file__).resolve().parents[2] / "notebooks").glob("*.ipynb"))
 DASHBOARDS = {"app"}  # a live Voila dashboard: widgets only, no static charts in its HTML
 
 
@@ -42,7 +42,7 @@ def test_notebook_rules(path):
     assert not unknown, f"{path.name}: the golden file sets parameters the notebook does not declare: {unknown}"
 
 
-@pytest.mark.slow
+@pytest.mark.notebook
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_matches_its_goldens(path, tmp_path):
     """Through the CLI, as `workbench report NOTEBOOK -p name value ...` runs it; then the golden comparison."""

@@ -26,7 +26,8 @@ def test_round_trip_is_bit_identical(tmp_path, name, plan):
         inputs = task.example_inputs(4)
         with torch.inference_mode():
             assert torch.equal(small(*inputs), again(*inputs))
-        assert {k: v.dtype for k, v in again.state_dict().items()} == {k: v.dtype for k, v in small.state_dict().items()}
+        dtypes = {k: v.dtype for k, v in small.state_dict().items()}
+        assert {k: v.dtype for k, v in again.state_dict().items()} == dtypes
         assert wb.applied_plans(again) == wb.applied_plans(small)
         assert not again.training
 

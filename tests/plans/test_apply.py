@@ -95,9 +95,11 @@ def test_calibration_errors(digits_mlp):
         wb.apply(digits_mlp, {"fc2": Probe(calibrated=True)})
     with pytest.raises(ValueError, match=r"calibration data is required"):
         wb.apply(digits_mlp, {"fc2": Probe(calibrated=True)}, calibration=[])
-    with pytest.raises(ValueError, match=r"calibration batch 0 \(\(8, 10\) float32\) could not be run through DigitsMLP"):
+    with pytest.raises(ValueError,
+                       match=r"calibration batch 0 \(\(8, 10\) float32\) could not be run through DigitsMLP"):
         wb.apply(digits_mlp, {"fc2": Probe(calibrated=True)}, calibration=[torch.randn(8, 10)])
-    with pytest.raises(TypeError, match="calibration batch 1 must be a tensor, a tuple of tensors or a dict of tensors"):
+    with pytest.raises(TypeError,
+                       match="calibration batch 1 must be a tensor, a tuple of tensors or a dict of tensors"):
         wb.apply(digits_mlp, {"fc2": Probe(calibrated=True)}, calibration=[torch.randn(8, 64), "text"])
 
 

@@ -13,7 +13,8 @@ def test_names_and_unknown_names():
     assert wb.tasks.names() == ["digits", "mnist1d", "tiny-lm", "tiny-llama", "minilm", "imagenet-photos"]
     with pytest.raises(ValueError, match="unknown model 'resnet'; available models: digits-mlp, digits-cnn"):
         wb.models.load("resnet")
-    with pytest.raises(ValueError, match="unknown task 'imagenet'; available tasks: digits, mnist1d, tiny-lm, tiny-llama"):
+    with pytest.raises(ValueError,
+                       match="unknown task 'imagenet'; available tasks: digits, mnist1d, tiny-lm, tiny-llama"):
         wb.tasks.load("imagenet")
 
 

@@ -166,7 +166,8 @@ def test_gptq_is_fed_a_hessian_built_batch_by_batch_not_the_inputs(monkeypatch):
     import workbench.quantization.gptq as gptq
 
     seen, real = [], gptq.gptq_quantize
-    monkeypatch.setattr(gptq, "gptq_quantize", lambda w, inputs, *a, **k: seen.append(inputs) or real(w, inputs, *a, **k))
+    monkeypatch.setattr(gptq, "gptq_quantize",
+                        lambda w, inputs, *a, **k: seen.append(inputs) or real(w, inputs, *a, **k))
     model = tiny_llama(2)
     wb.apply(model, PLAN, calibration=batches(2), progress=False)
     assert len(seen) == 14 and all(isinstance(s, gptq.HessianAccumulator) and s.n == 2 * 2 * 16 for s in seen)

@@ -11,7 +11,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,7 +48,8 @@ def _sizes(page) -> list[float]:
     return list(page.evaluate(SIZES))
 
 
-HEADERS = "() => [...document.querySelectorAll('.wb-layers th')].filter(e => e.offsetHeight > 0).map(e => e.textContent.trim())"
+HEADERS = ("() => [...document.querySelectorAll('.wb-layers th')].filter(e => e.offsetHeight > 0)"
+           ".map(e => e.textContent.trim())")
 # cells of the layer table whose text does not fit their box (cut or overflowing)
 CUT = """() => [...document.querySelectorAll('.wb-layers td, .wb-layers th')].filter(e => e.offsetHeight > 0
             && e.scrollWidth > e.clientWidth + 1).map(e => e.textContent.trim())"""

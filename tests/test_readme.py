@@ -126,7 +126,8 @@ SHELL_SUBSTITUTIONS = [   # (regex, replacement, why), applied in order to every
     (r"^workbench goldens NAME \.\.\.$", "workbench goldens app", "NAME -> the app notebook, the quickest golden"),
     (r"^python -m workbench\.models\.train NAME$", "python -m workbench.models.train digits-mlp --out weights",
      "NAME -> digits-mlp, written to a temporary folder (never over the shipped weights)"),
-    (r"^python -m workbench\.benchmarks\.measure$", "python -m workbench.benchmarks.measure --model digits-mlp --repeats 1",
+    (r"^python -m workbench\.benchmarks\.measure$",
+     "python -m workbench.benchmarks.measure --model digits-mlp --repeats 1",
      "MiniLM -> digits-mlp, one repeat"),
 ]
 
@@ -139,7 +140,8 @@ PARSED_ONLY = {   # command -> why it is not run; its arguments are parsed by th
     "python -m workbench.benchmarks.recurrent": "LSTM / GRU timing rounds: a minute",
     "python -m workbench.benchmarks.honest": "five models x interleaved rounds: a minute",
     "python -m workbench.kernels.bench": "every kernel at Llama sizes (GPU) or MiniLM W8A8 (CPU): minutes",
-    "python -m workbench.kernels.bench --cpu": "MiniLM W8A8 at 32 x 128 tokens, one thread, 8 interleaved runs: minutes",
+    "python -m workbench.kernels.bench --cpu": "MiniLM W8A8 at 32 x 128 tokens, one thread, 8 interleaved runs: "
+                                               "minutes",
 }
 
 EXCLUDED = {   # command -> why it is neither run nor parsed here

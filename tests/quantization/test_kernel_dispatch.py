@@ -58,7 +58,8 @@ def test_w8a8_cpu_is_inference_only_but_works_with_grad_enabled():
                                     Q.WeightOnly(2, 16, symmetric=False), Q.NF4(32)])
 @pytest.mark.parametrize("shape", [(4, 7, 128), (1, 128), (33, 128)])
 def test_weight_only_cpu_path_matches_the_reference(config, shape):
-    """workbench.kernels.weight_only_cpu computes in fp32 from the stored codes: the reference's numbers up to the order of
+    """workbench.kernels.weight_only_cpu computes in fp32 from the stored codes: the reference's numbers up to the
+    order of
     the sums (decode-sized inputs), exactly (prefill-sized inputs: the same decoded weight, the same GEMM)."""
     lin = linear(128, 96)
     x = torch.randn(*shape)

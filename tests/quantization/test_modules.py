@@ -241,8 +241,7 @@ def test_static_w8a8_cnn(tmp_path):
 
 
 def test_fast_per_token_quantization_matches_primitives():
-    from workbench.quantization.primitives import quantize_per_token
-    from workbench.quantization.primitives import PerToken, quantize_affine
+    from workbench.quantization.primitives import PerToken, quantize_affine, quantize_per_token
 
     x = torch.randn(3, 7, 40) * torch.logspace(-3, 2, 40)
     x[0, 0] = 0.0  # an all-zero token

@@ -1,4 +1,5 @@
-"""BatchNorm folding, fidelity and fp32 latency: ``python -m workbench.benchmarks.fold [--model efficientnet-lite0] [--batches 1 8]``
+"""BatchNorm folding, fidelity and fp32 latency:
+``python -m workbench.benchmarks.fold [--model efficientnet-lite0] [--batches 1 8]``
 
 Side by side in one process: the model as loaded and a copy with every foldable BatchNorm folded
 (`workbench.models.fuse.fold_batchnorm`). Rounds are interleaved after warm-up (one thread by default); reports

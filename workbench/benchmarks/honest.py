@@ -1,4 +1,5 @@
-"""How long does an honest comparison take? ``python -m workbench.benchmarks.honest [--models ...] [--threads 2] [--repeats 3]``
+"""How long does an honest comparison take?
+``python -m workbench.benchmarks.honest [--models ...] [--threads 2] [--repeats 3]``
 
 One point of a trade-off chart costs a side-by-side speedup (`wb.speedup`: paired alternating rounds with a 95 %
 interval) and, in the workbench, a whole ``wb.measure(point, task, baseline=original, quick=True)``. The issue's

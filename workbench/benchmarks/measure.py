@@ -1,4 +1,5 @@
-"""How long does `wb.measure` take? ``python -m workbench.benchmarks.measure [--model minilm] [--threads 2] [--repeats 3]``
+"""How long does `wb.measure` take?
+``python -m workbench.benchmarks.measure [--model minilm] [--threads 2] [--repeats 3]``
 
 The issue's budget on 2 CPU cores: a full `measure` of MiniLM in <= 20 s and ``quick=True`` in <= 5 s.
 Prints a table of wall-clock seconds (median of ``repeats`` runs after one warm-up run that also fills

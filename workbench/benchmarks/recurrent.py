@@ -1,4 +1,5 @@
-"""Dynamic int8 LSTM / GRU speed: ``python -m workbench.benchmarks.recurrent [--threads 1] [--batches 8 32] [--hidden 512]``
+"""Dynamic int8 LSTM / GRU speed:
+``python -m workbench.benchmarks.recurrent [--threads 1] [--batches 8 32] [--hidden 512]``
 
 Side by side in one process, for each recurrent type and batch size: fp32 ``nn.LSTM`` / ``nn.GRU``, the
 workbench's `DynamicQuantLSTM` / `DynamicQuantGRU` (kernel "cpu" unless told) and torch.ao's

@@ -224,7 +224,7 @@ def extension_build_dir(name: str, source) -> str:
     import hashlib
     from pathlib import Path
 
-    from torch.utils.cpp_extension import _get_build_directory   # torch's own rule for the folder of ``name``
+    from torch.utils.cpp_extension import _get_build_directory  # torch's own rule for the folder of ``name``
 
     key = hashlib.sha256(f"{Path(source).resolve()}|{torch.__version__}".encode()).hexdigest()[:12]
     path = Path(_get_build_directory(name, False)) / key

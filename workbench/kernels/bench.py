@@ -244,7 +244,8 @@ def gpu_table(shapes: dict | None = None, ms=MS, kernels=KERNELS, device: str | 
 
 def cpu_minilm(batch_sizes=(1, 32), threads: int = 1, rounds: int = 7, layers: str = "encoder.*"):
     """W8A8 on MiniLM on the CPU: fp32, ours (``Dynamic(kernel="cpu")``), the reference path,
-    ``quantize_dynamic`` on the same Linears, and weight-only int8 (`workbench.kernels.weight_only_cpu`); one row per (batch, path)."""
+    ``quantize_dynamic`` on the same Linears, and weight-only int8 (`workbench.kernels.weight_only_cpu`); one row per
+    (batch, path)."""
     import warnings
 
     import pandas as pd
@@ -293,7 +294,8 @@ def cpu_layer_table(shapes: dict | None = None, ms=(1, 32, 512), threads: int = 
     bytes, biases left out of both: int4 g64 gives 32 / 4.25 = 7.53), the
     arithmetic intensity (FLOPs per byte moved: weight + input + output) and achieved GFLOP/s and GB/s.
     Paths: fp32 and bf16 ``F.linear``; ``Dynamic(kernel="cpu")``; weight-only int8 per channel on the CPU
-    kernel (`workbench.kernels.weight_only_cpu`); int4 g64 weight-only on the reference path (decode, then fp32 matmul)."""
+    kernel (`workbench.kernels.weight_only_cpu`); int4 g64 weight-only on the reference path (decode, then fp32
+    matmul)."""
     import pandas as pd
 
     import workbench as wb
@@ -325,14 +327,16 @@ def cpu_layer_table(shapes: dict | None = None, ms=(1, 32, 512), threads: int = 
                     moved = wbytes + (M * K + M * N) * inputs[p].element_size()   # weight, input, output
                     flops = 2.0 * M * K * N
                     rows.append({"shape": shape_name, "K": K, "N": N, "M": M, "path": p, "ms": t,
-                                 "speedup": base / t, "weight_bytes": wbytes, "ceiling": 4 * K * N / (wbytes - bias_bytes),
+                                 "speedup": base / t, "weight_bytes": wbytes,
+                                 "ceiling": 4 * K * N / (wbytes - bias_bytes),
                                  "intensity": flops / moved, "GFLOP/s": flops / (t * 1e-3) / 1e9,
                                  "GB/s": moved / (t * 1e-3) / 1e9, "threads": threads})
     return pd.DataFrame(rows)
 
 
 def gpu_results(path: str | Path | None = None, timing: str | None = None):
-    """The GPU rows of a results CSV written by ``python -m workbench.kernels.bench`` (default: workbench/kernels/results.csv);
+    """The GPU rows of a results CSV written by ``python -m workbench.kernels.bench`` (default:
+    workbench/kernels/results.csv);
     an empty frame when none were recorded (no GPU run yet). ``timing``: keep the rows whose ``timing`` column
     starts with it (``"CUDA-graph"``: GPU time; ``"eager"``: Python calls, host launch overhead included)."""
     import pandas as pd

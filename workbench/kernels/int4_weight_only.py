@@ -50,13 +50,19 @@ by plain integer ops, and one small config runs. Tests: ``python -m pytest tests
 """
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
 
 from workbench.kernels._common import (
-    INTERPRET, SMALL_M, check, check_same_device, fit_m_bucket, graph_bench, launch_split_k, m_bucket,
+    INTERPRET,
+    SMALL_M,
+    check,
+    check_same_device,
+    fit_m_bucket,
+    graph_bench,
+    launch_split_k,
+    m_bucket,
     split_k_configs,
 )
 

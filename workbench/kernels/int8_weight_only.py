@@ -43,14 +43,21 @@ GPU, with the ptxas that ships with Triton).
 """
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
 
 from workbench.kernels._common import (
-    INTERPRET, SMALL_M, check, check_same_device, fit_m_bucket, gemv_configs, graph_bench, launch_split_k,
-    m_bucket, split_k_configs,
+    INTERPRET,
+    SMALL_M,
+    check,
+    check_same_device,
+    fit_m_bucket,
+    gemv_configs,
+    graph_bench,
+    launch_split_k,
+    m_bucket,
+    split_k_configs,
 )
 
 __all__ = ["int8_weight_only_mm", "launch", "reference", "SMALL_M"]

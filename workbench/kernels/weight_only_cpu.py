@@ -61,7 +61,8 @@ ISAS = ("auto", "avx2", "scalar")
 _OP = "weight_only_linear_cpu"
 _NAME = "workbench_weight_only_cpu"
 # Rows of x above which the whole weight is decoded once and an fp32 GEMM runs. Measured on this machine's
-# 4096 x 4096 layer, one thread (workbench/kernels/README.md): the decode path costs ~0.35 ms per extra row of x, the fp32
+# 4096 x 4096 layer, one thread (workbench/kernels/README.md): the decode path costs ~0.35 ms per extra row of x,
+# the fp32
 # GEMM ~0.6 ms per row plus the decode (~25 ms for int4): the paths cross near 16 rows (a per-row dot product
 # that streams x from L2 cannot match a blocked GEMM).
 PREFILL_ROWS = 16
@@ -111,7 +112,8 @@ def _build():
 
     try:
         ensure_ninja_on_path()
-        print("workbench.kernels.weight_only_cpu: loading the CPU weight-only kernel (compiled on first use on this machine, "
+        print("workbench.kernels.weight_only_cpu: loading the CPU weight-only kernel (compiled on first use on this "
+              "machine, "
               "~20 s; cached afterwards) ...", file=sys.stderr, flush=True)
         ext = load(name=_NAME, sources=[str(SOURCE)], extra_cflags=["-O3", "-ffp-contract=off"], verbose=False,
                    build_directory=extension_build_dir(_NAME, SOURCE))

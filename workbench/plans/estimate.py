@@ -72,7 +72,7 @@ class Estimate:
     peak_bytes: int
     seconds: float
     available_bytes: int
-    parts: dict[str, float] = field(default_factory=dict)
+    parts: dict[str, float | int | str] = field(default_factory=dict)
 
     @property
     def fits(self) -> bool:
@@ -107,7 +107,7 @@ def estimate_calibration(model: nn.Module, plan, calibration: Iterable[Any], *, 
                          pipeline="sequential") -> Estimate:
     """Peak memory and time of ``wb.apply(model, plan, calibration, pipeline=pipeline)`` (see the module
     docstring)."""
-    from workbench.plans.apply import _as_plan, normalize_calibration   # (apply imports this module lazily)
+    from workbench.plans.apply import _as_plan, normalize_calibration  # (apply imports this module lazily)
     from workbench.plans.layers import capture_inputs, transform_layer
     from workbench.plans.registry import handler_for
     from workbench.tasks.base import model_device
@@ -165,7 +165,9 @@ def estimate_calibration(model: nn.Module, plan, calibration: Iterable[Any], *, 
         cost_1 = handler.calibration_cost(module, a.config, rows_1)
         if cost_1 is not None:
             b1, f1 = cost_1
-            bT, fT = handler.calibration_cost(module, a.config, int(rows_1 * scale))
+            cost_T = handler.calibration_cost(module, a.config, int(rows_1 * scale))
+            assert cost_T is not None   # a handler with a cost model has it for any number of rows
+            bT, fT = cost_T
             layer_bytes, layer_s = peak_1 + max(0, bT - b1), t_1 + max(0.0, fT - f1) / rate
         else:  # no cost model: assume both grow in proportion to the calibration tokens
             layer_bytes, layer_s = int(peak_1 * scale), t_1 * scale

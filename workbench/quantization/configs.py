@@ -29,8 +29,19 @@ from torch import nn
 from workbench.plans.registry import Config, Handler, register_config
 from workbench.quantization import formats as fm
 from workbench.quantization.modules import (
-    CONV_TYPES, FORWARD_BYPASSED, KERNELS, LAYER_TYPES, W8A8Linear, WeightOnlyEmbedding, WeightOnlyLinear, conv_args,
-    input_padding_of, layer_type, selectable, w8a8_conv, weight_only_conv,
+    CONV_TYPES,
+    FORWARD_BYPASSED,
+    KERNELS,
+    LAYER_TYPES,
+    W8A8Linear,
+    WeightOnlyEmbedding,
+    WeightOnlyLinear,
+    conv_args,
+    input_padding_of,
+    layer_type,
+    selectable,
+    w8a8_conv,
+    weight_only_conv,
 )
 from workbench.quantization.observers import OBSERVERS, ObserverAccumulator
 

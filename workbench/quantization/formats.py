@@ -33,8 +33,16 @@ import torch
 
 from workbench.quantization import packing
 from workbench.quantization.primitives import (
-    FLOAT8_DTYPES, PerChannel, choose_qparams, float8_quantize, fp16_scale, nf4_codebook, nf4_codes,
-    nf4_dequantize, qrange, quantize,
+    FLOAT8_DTYPES,
+    PerChannel,
+    choose_qparams,
+    float8_quantize,
+    fp16_scale,
+    nf4_codebook,
+    nf4_codes,
+    nf4_dequantize,
+    qrange,
+    quantize,
 )
 
 __all__ = ["WeightFormat", "IntFormat", "NF4Format", "FP8Format", "FORMATS", "register_format", "encode", "decode",
@@ -238,7 +246,8 @@ class FP8Format(WeightFormat):
 
 def _format(fmt) -> WeightFormat:
     if not isinstance(fmt, WeightFormat):
-        raise TypeError(f"unknown weight format {fmt!r} (expected one of {sorted(c.__name__ for c in FORMATS.values())})")
+        known = sorted(c.__name__ for c in FORMATS.values())
+        raise TypeError(f"unknown weight format {fmt!r} (expected one of {known})")
     return fmt
 
 

@@ -38,7 +38,12 @@ from torch import nn
 
 from workbench.quantization import formats as fm
 from workbench.quantization.primitives import (
-    PerToken, choose_qparams, quantize, quantize_per_tensor, quantize_per_token, to_groups,
+    PerToken,
+    choose_qparams,
+    quantize,
+    quantize_per_tensor,
+    quantize_per_token,
+    to_groups,
 )
 
 __all__ = ["conv_args", "WeightOnlyLinear", "WeightOnlyEmbedding", "WeightOnlyConv1d", "WeightOnlyConv2d",

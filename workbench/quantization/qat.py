@@ -25,14 +25,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workbench.plans.layers import (
-    applied_plans, canonicalize_for, record_plan, share_tied, swap_layers, tie_groups,
-)
+from workbench.plans.layers import applied_plans, canonicalize_for, record_plan, share_tied, swap_layers, tie_groups
 from workbench.plans.plan import Plan
 from workbench.quantization import formats as fm
 from workbench.quantization.configs import Dynamic, Method, WeightOnly, _computation
 from workbench.quantization.modules import (
-    KernelPath, W8A8Linear, WeightOnlyEmbedding, WeightOnlyLinear, conv_args, weight_only_conv,
+    KernelPath,
+    W8A8Linear,
+    WeightOnlyEmbedding,
+    WeightOnlyLinear,
+    conv_args,
+    weight_only_conv,
 )
 from workbench.quantization.primitives import choose_qparams, fp16_scale, qrange
 

@@ -17,7 +17,8 @@ inside the reset gate's product).
 ``"reference"`` the same math in fp32 anywhere; ``"auto"`` picks "cpu" for CPU modules. The step loop is
 Python: per step one int8 GEMM of ``B`` rows and ~7 element-wise ops, so at small batches the fixed cost of each
 GEMM call, not its arithmetic, sets the speed (torch.ao's fbgemm LSTM runs its whole loop in C++ and is faster;
-``python -m workbench.benchmarks.recurrent`` measures both). ``torch._int_mm`` is fast only on CPUs with VNNI (AVX-512 VNNI
+``python -m workbench.benchmarks.recurrent`` measures both). ``torch._int_mm`` is fast only on CPUs with VNNI
+(AVX-512 VNNI
 or AVX-VNNI); on AVX2-only CPUs oneDNN runs a generic loop and "cpu" is far slower than fp32.
 
 Supported: ``num_layers``, ``bidirectional``, ``batch_first``, ``bias``, unbatched inputs, initial states

@@ -29,7 +29,8 @@ from workbench.quantization.qat import fake_quantize_ste
 from workbench.teach import Feedback, check
 
 __all__ = ["fake_quantize", "ste_gradient", "ste_curve", "ste_figure", "Curve", "train_with_curve",
-           "curves_figure", "qat_plan", "ptq_baselines", "code_usage", "ptq_vs_qat", "bits_figure", "lsq_scales", "lsq_scales_figure",
+           "curves_figure", "qat_plan", "ptq_baselines", "code_usage", "ptq_vs_qat", "bits_figure", "lsq_scales",
+           "lsq_scales_figure",
            "zero_gradient_fraction", "check_fake_quantize", "check_ste_gradient", "check_recovered"]
 
 _COLOURS = {"fp32": "#5f6368", "ptq": "#d93025", "qat": "#1a73e8", "lsq": "#188038"}

@@ -42,7 +42,10 @@ def test_bench_honest_smoke():
     df = bench_honest(models=("digits-mlp",), threads=1, repeats=1)
     assert len(df) == 4 and (df["median_s"] > 0).all() and (df["budget_s"] == 2.0).all()
     unchanged = df[df["point"] == "unchanged copy"]
-    assert ((unchanged["low"] <= 1.0) & (unchanged["high"] >= 1.0)).all(), unchanged[["low", "high"]]
+    # a smoke test of the benchmark's plumbing, not of the statistics (tests/measurement/test_speedup.py holds
+    # those): a quick 95 % interval of an unchanged copy misses 1.0 by chance (and by drift on a loaded machine),
+    # but it never reads as a gain or loss of more than a few percent
+    assert ((unchanged["low"] <= 1.03) & (unchanged["high"] >= 0.97)).all(), unchanged[["low", "high"]]
 
 
 def test_bench_inplace_memory_smoke():

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from workbench.kernels import int8_weight_only as k8
-from workbench.kernels._common import INTERPRET, triton_available
+from workbench.kernels._common import GEMV_M, INTERPRET, triton_available
 from workbench.quantization import formats as fm
 
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -97,10 +97,10 @@ def test_gemv_path_for_few_rows(monkeypatch, M, N, K, dtype, bias):
     monkeypatch.setattr(k8, "_kernel_gemv", spy)
     args, _ = make(M, N, K, dtype, bias)
     y = k8.launch(*args)
-    assert spy.launches == (M <= k8.GEMV_M) and y.shape == (M, N) and y.dtype == dtype
+    assert spy.launches == (M <= GEMV_M) and y.shape == (M, N) and y.dtype == dtype
     assert rel_err(y, k8.reference(*args)) <= TOL[dtype]
-    k8.launch(*make(k8.GEMV_M + 1, N, K, dtype, bias)[0])          # one row more: the tl.dot kernel
-    assert spy.launches == (M <= k8.GEMV_M)
+    k8.launch(*make(GEMV_M + 1, N, K, dtype, bias)[0])          # one row more: the tl.dot kernel
+    assert spy.launches == (M <= GEMV_M)
 
 
 @needs_triton

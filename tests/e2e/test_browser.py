@@ -54,7 +54,7 @@ HEADERS = ("() => [...document.querySelectorAll('.wb-layers th')].filter(e => e.
 CUT = """() => [...document.querySelectorAll('.wb-layers td, .wb-layers th')].filter(e => e.offsetHeight > 0
             && e.scrollWidth > e.clientWidth + 1).map(e => e.textContent.trim())"""
 AXES = """() => [...document.querySelectorAll('.js-plotly-plot')].slice(0, 2).map(g => ({
-            x: g._fullData[0].x, y: g._fullData[0].y, ex: g._fullData[0].error_x,
+            x: g._fullData[0].x, y: g._fullData[0].y, ex: g._fullData[0].error_x, ey: g._fullData[0].error_y,
             xr: g._fullLayout.xaxis.range, yr: g._fullLayout.yaxis.range}))"""
 
 
@@ -70,7 +70,9 @@ def _check_axes(page) -> None:
         plus = (chart["ex"] or {}).get("array") or [0] * len(chart["x"])
         minus = (chart["ex"] or {}).get("arrayminus") or [0] * len(chart["x"])
         xs = [*chart["x"], *(x + e for x, e in zip(chart["x"], plus)), *(x - e for x, e in zip(chart["x"], minus))]
-        for values, (lo, hi) in ((xs, chart["xr"]), (chart["y"], chart["yr"])):
+        ey = (chart["ey"] or {}).get("array") or [0] * len(chart["y"])   # the quality's sampling error
+        ys = [*chart["y"], *(y + e for y, e in zip(chart["y"], ey)), *(y - e for y, e in zip(chart["y"], ey))]
+        for values, (lo, hi) in ((xs, chart["xr"]), (ys, chart["yr"])):
             assert lo <= min(values) and hi >= max(values), (lo, hi, values)
             assert hi - lo <= 1.3 * (max(values) - min(values)) + 0.05 * abs(max(values)), (lo, hi, values)
 
@@ -137,7 +139,9 @@ def test_workbench_app_in_voila(browser, serve, tmp_path):
     serve(["workbench.cli", "app", "--model", "digits-cnn", "--task", "digits", f"--port={port}",
            "--out", str(tmp_path)], f"http://127.0.0.1:{port}/voila/static/favicon.ico")
     page = browser.new_page(viewport={"width": 1440, "height": 1100})
-    page.set_default_timeout(TIMEOUT_MS)
+    # 90 s, not TIMEOUT_MS: while this test is a known failure (xfail above) a hang would cost CI five minutes;
+    # the page is up in ~30 s on a quiet 2-core machine
+    page.set_default_timeout(90_000)
     page.goto(f"http://127.0.0.1:{port}/", wait_until="commit")
     loading = page.locator("#loading_text")                        # a loading indicator while the kernel works
     loading.wait_for(state="visible", timeout=30_000)

@@ -133,6 +133,9 @@ SHELL_SUBSTITUTIONS = [   # (regex, replacement, why), applied in order to every
 
 PARSED_ONLY = {   # command -> why it is not run; its arguments are parsed by the module's own main()
     "python -m workbench.benchmarks.quantization --calib 64": "tiny-lm and MiniLM x 11 plans: minutes",
+    "python -m workbench.benchmarks.quantization --models tiny-lm --calib 32 --threads 1 --methods rtn gptq awq "
+    "--pipelines sequential original": "tiny-lm x 3 methods x 2 pipelines: two minutes",
+    "python -m workbench.kernels.bench_cpu": "4096-wide layers and a decode loop, interleaved rounds: a minute",
     "python -m workbench.benchmarks.pruning": "timing rounds on 4096-wide layers: a minute",
     "python -m workbench.benchmarks.analysis": "MiniLM sensitivity, cold: 95 s",
     "python -m workbench.benchmarks.ui": "MiniLM in the workbench: a minute",

@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 __all__ = ["Feedback", "check", "summary", "reset", "as_number"]
 
@@ -136,13 +136,16 @@ def _compare(answer: Any, expected: Any, rtol: float, atol: float) -> str | None
 
 
 def check(exercise: str, answer: Any, expected: Any, *, hint: str = "", rtol: float = 1e-4,
-          atol: float = 1e-6) -> Feedback:
+          atol: float = 1e-6, mistakes: Sequence[tuple[Any, str]] = ()) -> Feedback:
     """Compare a learner's ``answer`` with ``expected`` (tensors, arrays, numbers, strings, bools, dtypes,
-    lists, dicts; floats within ``rtol`` / ``atol``) and return specific feedback."""
+    lists, dicts; floats within ``rtol`` / ``atol``) and return specific feedback. ``mistakes``: (value, hint)
+    pairs of plausible wrong answers; a wrong answer equal to one of them gets that hint instead of ``hint``."""
     if answer is ... or answer is None:
         fb = Feedback(exercise, "not attempted", "replace the `...` with your answer and run the cell again", hint)
     else:
         diff = _compare(answer, expected, rtol, atol)
+        if diff is not None:
+            hint = next((why for value, why in mistakes if _compare(answer, value, rtol, atol) is None), hint)
         fb = Feedback(exercise, "passed" if diff is None else "failed", "correct" if diff is None else diff, hint)
     _results[exercise] = fb
     return fb

@@ -197,16 +197,10 @@ def check_global_mask(answer, weights: dict[str, torch.Tensor], sparsity: float,
     name = f"{layer}'s mask under a global threshold"
     hint = (f"rank |w| of every layer together, find the value below which {sparsity:.0%} of them lie, and keep "
             f"{layer}'s weights above it")
-    fb = check(name, answer, expected, hint=hint, rtol=0, atol=0)
-    got = answer if isinstance(answer, torch.Tensor) else None
-    if fb.status == "failed" and got is not None and got.shape == expected.shape:
-        known = [(M.magnitude_mask(w, sparsity), f"that prunes {layer} on its own at {sparsity:.0%}: the threshold "
-                                                 f"must come from all the layers' weights together"),
-                 (~expected, "True means kept: you marked the pruned weights")]
-        for value, why in known:
-            if torch.equal(got.bool(), value):
-                return check(name, answer, expected, hint=why, rtol=0, atol=0)
-    return fb
+    mistakes = [(M.magnitude_mask(w, sparsity), f"that prunes {layer} on its own at {sparsity:.0%}: the threshold "
+                                                f"must come from all the layers' weights together"),
+                (~expected, "True means kept: you marked the pruned weights")]
+    return check(name, answer, expected, hint=hint, rtol=0, atol=0, mistakes=mistakes)
 
 
 def check_nm_mask(answer, weight: torch.Tensor, n: int = 2, m: int = 4) -> Feedback:
@@ -216,17 +210,11 @@ def check_nm_mask(answer, weight: torch.Tensor, n: int = 2, m: int = 4) -> Feedb
     name = f"{n}:{m} mask along the input channels"
     hint = (f"move the input channels (dim 1) last, group them by {m}, keep the {n} largest |w| of each group, "
             f"and move them back")
-    fb = check(name, answer, expected, hint=hint, rtol=0, atol=0)
-    got = answer if isinstance(answer, torch.Tensor) else None
-    if fb.status == "failed" and got is not None and got.shape == expected.shape:
-        known = [(_flattened_nm_mask(weight, n, m), f"those groups of {m} run over the flattened (in, kh, kw): a "
-                                                   f"group mixes kernel positions; group input channels at each "
-                                                   f"kernel position"),
-                 (~expected, "True means kept: you marked the pruned weights")]
-        for value, why in known:
-            if torch.equal(got.bool(), value):
-                return check(name, answer, expected, hint=why, rtol=0, atol=0)
-    return fb
+    mistakes = [(_flattened_nm_mask(weight, n, m), f"those groups of {m} run over the flattened (in, kh, kw): a "
+                                                  f"group mixes kernel positions; group input channels at each "
+                                                  f"kernel position"),
+                (~expected, "True means kept: you marked the pruned weights")]
+    return check(name, answer, expected, hint=hint, rtol=0, atol=0, mistakes=mistakes)
 
 
 def check_nm_kept(answer, weight: torch.Tensor, n: int = 2, m: int = 4) -> Feedback:

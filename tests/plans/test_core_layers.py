@@ -95,7 +95,8 @@ def test_describe_and_report_list_passed_over_layers():
     plan = Plan({"3": None, "*": wb.quant.Dynamic()})
     df = plan.describe(model).set_index("layer")
     assert df.loc["0", "status"] == "compressed"
-    assert df.loc["3", "status"] == "kept"
+    assert df.loc["0", "config"] == "Dynamic · 8 bits"          # in words, as the workbench shows it, not a repr
+    assert df.loc["3", "status"] == "kept" and df.loc["3", "config"] == "none"
     assert df.loc["1", "status"] == "passed over" and "Dynamic does not handle LayerNorm" in df.loc["1", "reason"]
     assert df.loc["2", "status"] == "passed over"
 

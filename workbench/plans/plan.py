@@ -213,22 +213,25 @@ class Plan(Mapping[str, Config | None]):
         return out, passed
 
     def describe(self, model: nn.Module):
-        """Every layer the plan's patterns match, as a DataFrame: layer, type, pattern, config, status
+        """Every layer the plan's patterns match, as a DataFrame: layer, type, pattern, config (in words,
+        `workbench.plans.words.describe`), status
         ("compressed", "kept" for a ``None`` entry, "passed over") and the reason a layer is passed over."""
         import pandas as pd
 
         from workbench.plans.layers import canonical_view
+        from workbench.plans.words import describe
 
         model = canonical_view(model, self)   # once: surveying the view finds nothing left to rewrite
         assigned, passed = self.survey(model)
-        rows = {a.name: {"layer": a.name, "type": a.module_type, "pattern": a.pattern, "config": repr(a.config),
+        rows = {a.name: {"layer": a.name, "type": a.module_type, "pattern": a.pattern, "config": describe(a.config),
                          "status": "compressed", "reason": ""} for a in assigned}
-        rows.update({p.name: {"layer": p.name, "type": p.module_type, "pattern": p.pattern, "config": repr(p.config),
-                              "status": "passed over", "reason": p.reason} for p in passed})
+        rows.update({p.name: {"layer": p.name, "type": p.module_type, "pattern": p.pattern,
+                              "config": describe(p.config), "status": "passed over", "reason": p.reason}
+                     for p in passed})
         for name, module in model.named_modules():
             hit = self.match(name) if name else None
             if hit is not None and hit[1] is None and next(module.parameters(recurse=False), None) is not None:
-                rows[name] = {"layer": name, "type": type(module).__name__, "pattern": hit[0], "config": "None",
+                rows[name] = {"layer": name, "type": type(module).__name__, "pattern": hit[0], "config": describe(None),
                               "status": "kept", "reason": "the plan leaves it unchanged"}
         order = {n: i for i, (n, _) in enumerate(model.named_modules())}
         return pd.DataFrame(sorted(rows.values(), key=lambda r: order.get(r["layer"], 0)),

@@ -15,71 +15,18 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-import types
 import typing
 from typing import Any
 
 import torch
 
 from workbench.plans.registry import Config, registered_configs
+from workbench.plans.words import describe, in_words, optional_of
 
 __all__ = ["TechniqueForm", "technique_forms", "describe"]
 
 # dtypes a config field of type torch.dtype can hold (the config validates which it accepts)
 DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2", "int8")
-_UNITS = {"bits": "bits", "group_size": "group", "sparsity": "sparse"}
-_NONE = {"group_size": "per channel"}   # what None means for a field, where it has one meaning everywhere
-
-
-def _unwrap_optional(hint: Any) -> tuple[Any, bool]:
-    """(X, True) for ``X | None`` / ``Optional[X]``, else (hint, False)."""
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        if len(args) == 1 and len(typing.get_args(hint)) == 2:
-            return args[0], True
-    return hint, False
-
-
-def _words(value: Any) -> str:
-    if isinstance(value, enum.Enum):
-        return str(value.value)
-    if isinstance(value, torch.dtype):
-        return str(value).removeprefix("torch.")
-    if isinstance(value, float):
-        return f"{value:g}"
-    return str(value)
-
-
-def describe(config: Config | None) -> str:
-    """A readable one-line label of a config (see the module docstring); ``"none"`` for no config."""
-    if config is None:
-        return "none"
-    hints = typing.get_type_hints(type(config))
-    parts = []
-    for i, f in enumerate(x for x in dataclasses.fields(config) if x.init):
-        value = getattr(config, f.name)
-        kind, _ = _unwrap_optional(hints[f.name])
-        default = f.default if f.default is not dataclasses.MISSING else dataclasses.MISSING
-        identifying = i == 0 or kind is int or kind is torch.dtype or (
-            isinstance(kind, type) and issubclass(kind, enum.Enum))
-        if not identifying and value == default:
-            continue
-        if value is None:
-            parts.append(_NONE.get(f.name, f"no {f.name.replace('_', ' ')}"))
-        elif f.name == "sparsity":
-            parts.append(f"{value:.0%} sparse")
-        elif f.name in _UNITS and not isinstance(value, bool):
-            unit = _UNITS[f.name]
-            parts.append(f"{_words(value)} {unit}" if f.name != "group_size" else f"{unit} {_words(value)}")
-        elif isinstance(value, bool):
-            parts.append(f.name.replace("_", " ") if value else f"not {f.name.replace('_', ' ')}")
-        elif kind in (int, float):
-            parts.append(f"{f.name.replace('_', ' ')} {_words(value)}")
-        else:
-            parts.append(_words(value))
-    return " · ".join([type(config).__name__, *parts])
-
-
 class TechniqueForm:
     """Inputs for every field of one config class (see the module docstring)."""
 
@@ -96,7 +43,7 @@ class TechniqueForm:
         for f in dataclasses.fields(cls):
             if not f.init:
                 continue
-            kind, optional = _unwrap_optional(hints[f.name])
+            kind, optional = optional_of(hints[f.name])
             default = None if f.default is dataclasses.MISSING else f.default
             label = f.name.replace("_", " ")
             if isinstance(kind, type) and issubclass(kind, enum.Enum):
@@ -104,7 +51,7 @@ class TechniqueForm:
                 parse = None
             elif kind is torch.dtype:
                 names = [n for n in DTYPES if hasattr(torch, n)]
-                w = W.Dropdown(options=names, value=_words(default) if default is not None else names[0],
+                w = W.Dropdown(options=names, value=in_words(default) if default is not None else names[0],
                                description=label)
                 parse = functools.partial(getattr, torch)
             elif kind is bool and not optional:
@@ -115,7 +62,7 @@ class TechniqueForm:
                                                                  description=label)
                 parse = None
             else:  # str, X | None, anything else: typed as text ("" or "none" stands for None)
-                w = W.Text(value="" if default is None else _words(default), description=label,
+                w = W.Text(value="" if default is None else in_words(default), description=label,
                            placeholder="none" if optional else "")
                 parse = _text_parser(cls, f.name, kind, optional)
             w.style, w.layout = style, layout
@@ -144,7 +91,7 @@ class TechniqueForm:
         for name, w in self.widgets.items():
             value = getattr(config, name)
             if self._parse[name] is not None:
-                value = "" if value is None else _words(value)
+                value = "" if value is None else in_words(value)
             w.value = value
 
 

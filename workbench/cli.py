@@ -116,11 +116,12 @@ def _app(args: argparse.Namespace) -> int:
     nbformat.write(nb, str(path))
     print(f"serving {path} at http://{args.ip}:{args.port}/ (Ctrl-C stops)", flush=True)
     # Voila serves the notebook's folder (also where the Report button writes) and, allowed here, its .html
-    # reports under /voila/files/; the kernel learns that URL from the environment (wb.reports.browser_url)
+    # reports and the widgets' JavaScript modules (workbench.ui.widgets) under /voila/files/; the kernel learns
+    # that URL from the environment (wb.reports.browser_url)
     os.environ.update(WORKBENCH_FILES_ROOT=str(out.resolve()), WORKBENCH_FILES_URL="/voila/files/",
                       WORKBENCH_REPORTS=str(out.resolve()))
     cmd = [sys.executable, "-m", "voila", str(path), "--no-browser", f"--port={args.port}", f"--Voila.ip={args.ip}",
-           r"--VoilaConfiguration.file_allowlist=.*\.(png|jpg|gif|svg|html)"]
+           r"--VoilaConfiguration.file_allowlist=.*\.(png|jpg|gif|svg|html|js)"]
     if os.name == "posix":   # become the server: a SIGTERM to this process then stops Voila and its kernels,
         sys.stdout.flush()   # instead of orphaning them behind a dead parent
         os.execv(sys.executable, cmd)

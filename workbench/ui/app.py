@@ -163,7 +163,9 @@ class Workbench:
     def _empty_figure(message: str):
         import plotly.graph_objects as go
 
-        return go.FigureWidget(layout=go.Layout(template="plotly_white", height=380, title=message))
+        from workbench.ui.widgets import figure_widget
+
+        return figure_widget(layout=go.Layout(template="plotly_white", height=380, title=message))
 
     def _series(self, kind: str) -> dict[str, list]:
         """The trade-off chart's data: every plan tried, the Pareto front, the latest point."""
@@ -202,6 +204,8 @@ class Workbench:
     def _tradeoff_figure(self, kind: str):
         import plotly.graph_objects as go
 
+        from workbench.ui.widgets import figure_widget
+
         task = self.session.task
         better = "higher" if task.primary.higher_is_better else "lower"
         x_title = ("size (MiB, lower is better)" if kind == "size"
@@ -210,7 +214,7 @@ class Workbench:
         d = self._series(kind)
         # Data and layout go into the constructor: a dashboard (Voila) renders the widget's initial state,
         # and changes made before its page connects would not reach it.
-        fig = go.FigureWidget(
+        fig = figure_widget(
             data=[go.Scatter(x=d["x"], y=d["y"], mode="markers", name="plans tried", text=d["text"],
                              marker=dict(size=10),
                              error_x=dict(type="data", symmetric=False, array=d["hi"], arrayminus=d["lo"],

@@ -19,10 +19,10 @@ class LayerTable:
     """See the module docstring. ``rows``: `Session.layer_rows()` (one row per editable layer)."""
 
     def __init__(self, rows: pd.DataFrame, height_px: int = 360):
-        from itables.widget import ITable
+        from workbench.ui.widgets import grid_widget
 
         self.names: list[str] = list(rows["layer"])
-        self.widget = ITable(self._frame(rows), select={"style": "os"}, paging=False, showIndex=False,
+        self.widget = grid_widget(self._frame(rows), select={"style": "os"}, paging=False, showIndex=False,
                              classes="display compact nowrap", scrollY=f"{height_px}px", scrollCollapse=True,
                              scrollX=True, style="width:100%;margin:0")
         self.widget.add_class("wb-layers")

@@ -2,6 +2,7 @@
 ``go.FigureWidget`` for live updates); axes carry units and say when lower is better."""
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 __all__ = ["tradeoff", "comparison_bars", "frontier", "sensitivity_heatmap", "roofline", "size_breakdown"]
@@ -32,8 +33,19 @@ def tradeoff(metrics: Sequence, labels: Sequence[str] | None = None, x: str = "s
     return fig
 
 
+def _plain(value: float) -> str:
+    """A bar label people read at a glance: about 4 significant digits in plain notation (1,380, 0.9727,
+    12.35), never 1.38e+03; scientific only outside [0.001, 1e6)."""
+    if value == 0:
+        return "0"
+    if not 1e-3 <= abs(value) < 1e6:
+        return f"{value:.3g}"
+    return f"{value:,.{max(0, 3 - math.floor(math.log10(abs(value))))}f}"
+
+
 def comparison_bars(metrics: Sequence, labels: Sequence[str] | None = None):
-    """Side-by-side bars of quality, latency, size and peak memory, each relative to the first model."""
+    """Side-by-side bars of quality, latency, size and peak memory (a 2 x 2 grid, so titles and model labels
+    never overlap); the quality bars carry the metric's sampling error (95 %) where the task states one."""
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
@@ -41,18 +53,24 @@ def comparison_bars(metrics: Sequence, labels: Sequence[str] | None = None):
         raise ValueError("comparison_bars needs at least one Metrics")
     names = _labels(metrics, labels)
     base = metrics[0]
+    errors = [m.primary_error for m in metrics]
     panels = [
         (f"{base.primary} ({'higher' if base.higher_is_better[base.primary] else 'lower'} is better)",
-         [m.primary_value for m in metrics], "{:.4g}"),
-        ("latency, ms (lower is better)", [m.latency_ms for m in metrics], "{:.3g}"),
-        ("size, MiB (lower is better)", [m.size_bytes / 2**20 for m in metrics], "{:.3f}"),
-        ("peak memory, MiB (lower is better)", [m.peak_memory_bytes / 2**20 for m in metrics], "{:.3f}"),
+         [m.primary_value for m in metrics], errors if all(e is not None for e in errors) else None),
+        ("latency, ms (lower is better)", [m.latency_ms for m in metrics], None),
+        ("size, MiB (lower is better)", [m.size_bytes / 2**20 for m in metrics], None),
+        ("peak memory, MiB (lower is better)", [m.peak_memory_bytes / 2**20 for m in metrics], None),
     ]
-    fig = make_subplots(rows=1, cols=len(panels), subplot_titles=[p[0] for p in panels])
-    for col, (_, values, fmt) in enumerate(panels, start=1):
-        fig.add_trace(go.Bar(x=names, y=values, text=[fmt.format(v) for v in values], textposition="auto",
-                             showlegend=False), row=1, col=col)
-    fig.update_layout(template="plotly_white", height=380, margin=dict(t=60))
+    fig = make_subplots(rows=2, cols=2, subplot_titles=[p[0] for p in panels], vertical_spacing=0.16,
+                        horizontal_spacing=0.08)
+    for i, (_, values, err) in enumerate(panels):
+        fig.add_trace(go.Bar(x=names, y=values, text=[_plain(v) for v in values], textposition="auto",
+                             error_y=dict(type="data", array=err, visible=True, color="gray") if err else None,
+                             marker_color=["#9e9e9e", *["#1f77b4"] * (len(values) - 1)], showlegend=False,
+                             hovertemplate="%{x}: %{y:.4g}<extra></extra>"), row=i // 2 + 1, col=i % 2 + 1)
+    fig.update_xaxes(tickangle=0, automargin=True)
+    fig.update_yaxes(tickformat="~g", rangemode="tozero")
+    fig.update_layout(template="plotly_white", height=620, margin=dict(t=60, l=50, r=20, b=40))
     return fig
 
 

@@ -130,18 +130,14 @@ def test_explorer_in_jupyterlab(browser, serve):
     _edit_and_apply(page, ROOT / "test-output", "explorer_lab", points=2)  # reference + the example edit
 
 
-@pytest.mark.xfail(strict=False, reason="known, open (issue 19): in Voila the anywidget-based views (plotly "
-                   "FigureWidget, the itables layer grid) sometimes fail to initialise ('[anywidget] Failed to "
-                   "initialize model' in the browser log), so the table / chart are not redrawn after Apply; "
-                   "passed in one fresh-clone run of this session, failed in the next")
 def test_workbench_app_in_voila(browser, serve, tmp_path):
     port = free_port()
     serve(["workbench.cli", "app", "--model", "digits-cnn", "--task", "digits", f"--port={port}",
            "--out", str(tmp_path)], f"http://127.0.0.1:{port}/voila/static/favicon.ico")
     page = browser.new_page(viewport={"width": 1440, "height": 1100})
-    # 90 s, not TIMEOUT_MS: while this test is a known failure (xfail above) a hang would cost CI five minutes;
-    # the page is up in ~30 s on a quiet 2-core machine
-    page.set_default_timeout(90_000)
+    page.set_default_timeout(TIMEOUT_MS)
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
     page.goto(f"http://127.0.0.1:{port}/", wait_until="commit")
     loading = page.locator("#loading_text")                        # a loading indicator while the kernel works
     loading.wait_for(state="visible", timeout=30_000)
@@ -150,6 +146,8 @@ def test_workbench_app_in_voila(browser, serve, tmp_path):
     _edit_and_apply(page, ROOT / "test-output", "workbench_app_voila", points=1)  # the reference
     text = page.locator("body").inner_text()
     assert "reference_primary" not in text and "points =" not in text   # no raw metrics dump
+    # every anywidget (charts, layer grid) initialised: their modules come by URL, once (workbench.ui.widgets)
+    assert not [e for e in errors if "anywidget" in e], errors
 
 
 def test_report_opens_offline(browser, tmp_path):

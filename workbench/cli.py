@@ -120,8 +120,12 @@ def _app(args: argparse.Namespace) -> int:
     # that URL from the environment (wb.reports.browser_url)
     os.environ.update(WORKBENCH_FILES_ROOT=str(out.resolve()), WORKBENCH_FILES_URL="/voila/files/",
                       WORKBENCH_REPORTS=str(out.resolve()))
+    # the page's template (workbench/ui/share/voila/templates/workbench: Voila's lab template without CDN requests)
+    # is found on the Jupyter data path
+    share = str(Path(__file__).resolve().parent / "ui" / "share")
+    os.environ["JUPYTER_PATH"] = os.pathsep.join(p for p in (share, os.environ.get("JUPYTER_PATH")) if p)
     cmd = [sys.executable, "-m", "voila", str(path), "--no-browser", f"--port={args.port}", f"--Voila.ip={args.ip}",
-           r"--VoilaConfiguration.file_allowlist=.*\.(png|jpg|gif|svg|html|js)"]
+           "--template=workbench", r"--VoilaConfiguration.file_allowlist=.*\.(png|jpg|gif|svg|html|js)"]
     if os.name == "posix":   # become the server: a SIGTERM to this process then stops Voila and its kernels,
         sys.stdout.flush()   # instead of orphaning them behind a dead parent
         os.execv(sys.executable, cmd)

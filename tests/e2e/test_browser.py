@@ -138,6 +138,9 @@ def test_workbench_app_in_voila(browser, serve, tmp_path):
     page.set_default_timeout(TIMEOUT_MS)
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
+    outside: list[str] = []                                        # the dashboard works offline: no CDN, no font server
+    page.on("request", lambda r: None if r.url.startswith((f"http://127.0.0.1:{port}/", "data:", "blob:"))
+            else outside.append(r.url))
     page.goto(f"http://127.0.0.1:{port}/", wait_until="commit")
     loading = page.locator("#loading_text")                        # a loading indicator while the kernel works
     loading.wait_for(state="visible", timeout=30_000)
@@ -148,6 +151,7 @@ def test_workbench_app_in_voila(browser, serve, tmp_path):
     assert "reference_primary" not in text and "points =" not in text   # no raw metrics dump
     # every anywidget (charts, layer grid) initialised: their modules come by URL, once (workbench.ui.widgets)
     assert not [e for e in errors if "anywidget" in e], errors
+    assert outside == [], f"the dashboard asked outside this machine for {outside}"
 
 
 def test_report_opens_offline(browser, tmp_path):

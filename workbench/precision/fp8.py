@@ -85,8 +85,8 @@ class Fp8State:
         s = self.scale(x)
         scaled = x.detach().float() * s
         q = scaled.clamp(-self.fmax, self.fmax).to(self.dtype)      # saturate explicitly (never rely on the cast)
-        if record:
-            self.saturated += int((scaled.abs() > self.fmax).sum())
+        if record:   # beyond the range in exact arithmetic: |x| > max / s (not a rounding of s * amax onto max)
+            self.saturated += int((x.detach().abs() > self.fmax / s * (1 + 2.0 ** -20)).sum())
             self.seen += x.numel()
             self.history = [*self.history, float(x.detach().abs().max())][-self.recipe.history:]
         return q.float() / s

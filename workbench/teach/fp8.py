@@ -203,8 +203,8 @@ def check_round_trip(answer, x: torch.Tensor, dtype: str | torch.dtype, scale: f
                  solution=functools.partial(_solution_round_trip, x, d, scale))
 
 
-def _solution_current_scale(t, dtype):
-    return torch.finfo(dtype).max / t.abs().max().item()
+def _solution_current_scale(grad, dtype):
+    return torch.finfo(dtype).max / grad.abs().max().item()
 
 
 def check_current_scale(answer, t: torch.Tensor, dtype: str | torch.dtype) -> Feedback:
@@ -219,8 +219,8 @@ def check_current_scale(answer, t: torch.Tensor, dtype: str | torch.dtype) -> Fe
                  hint="s = max_fp8 / amax(t)", solution=functools.partial(_solution_current_scale, t, d))
 
 
-def _solution_zero_fraction(t, dtype):
-    nonzero = t[t != 0]
+def _solution_zero_fraction(grad, dtype):
+    nonzero = grad[grad != 0]
     return (nonzero.to(dtype) == 0).float().mean().item()
 
 
@@ -235,8 +235,8 @@ def check_zero_fraction(answer, t: torch.Tensor, dtype: str | torch.dtype) -> Fe
                  solution=functools.partial(_solution_zero_fraction, t, d))
 
 
-def _solution_delayed_scale(history, fmax, margin):
-    return fmax / max(history) / 2 ** margin
+def _solution_delayed_scale(amax_history, fmax, margin):
+    return fmax / max(amax_history) / 2 ** margin
 
 
 def check_delayed_scale(answer, history: Sequence[float], fmax: float, margin: int = 0) -> Feedback:
@@ -253,10 +253,10 @@ def check_delayed_scale(answer, history: Sequence[float], fmax: float, margin: i
                  solution=functools.partial(_solution_delayed_scale, list(history), fmax, margin))
 
 
-def _solution_saturating_steps(amaxes, history):
+def _solution_saturating_steps(trace, history):
     count = 0
-    for i in range(1, len(amaxes)):
-        if amaxes[i] > max(amaxes[max(0, i - history):i]):
+    for i in range(1, len(trace)):
+        if trace[i] > max(trace[max(0, i - history):i]):
             count += 1
     return count
 
@@ -272,10 +272,10 @@ def check_saturating_steps(answer, amaxes: Sequence[float], history: int) -> Fee
                       "its own amax", solution=functools.partial(_solution_saturating_steps, list(amaxes), history))
 
 
-def _solution_relative_error(t, dtype):
-    s = torch.finfo(dtype).max / t.abs().max()
-    back = (t * s).to(dtype).float() / s
-    return ((back - t).norm() / t.norm()).item()
+def _solution_relative_error(grad, dtype):
+    s = torch.finfo(dtype).max / grad.abs().max()
+    back = (grad * s).to(dtype).float() / s
+    return ((back - grad).norm() / grad.norm()).item()
 
 
 def check_relative_error(answer, t: torch.Tensor, dtype: str | torch.dtype) -> Feedback:
@@ -327,8 +327,8 @@ def _solution_better_gradient_format(grad):
     return min(errors, key=errors.get)
 
 
-def _solution_saved_bytes(batch, features):
-    return sum(batch * f for f in features) * (2 - 1)
+def _solution_saved_bytes(rows, features):
+    return sum(rows * f for f in features) * (2 - 1)
 
 
 def check_saved_bytes(answer, batch: int, features: Sequence[int]) -> Feedback:

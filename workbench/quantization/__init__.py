@@ -1,11 +1,11 @@
 """Quantization: numerics (`primitives`), bit-packing (`packing`), calibration observers (`observers`),
-weight storage formats (`formats`), modules that store low-bit data (`modules`), GPTQ (`gptq`) and the
-plan configs (`configs`), available as ``wb.quant``:
+weight storage formats (`formats`), integer-only arithmetic (`integer`), modules that store low-bit data
+(`modules`), GPTQ (`gptq`) and the plan configs (`configs`), available as ``wb.quant``:
 
     wb.Plan({"encoder.*": wb.quant.WeightOnly(bits=4, group_size=64, method="gptq"),
              "embeddings.word_embeddings": wb.quant.WeightOnly(bits=4, group_size=64)})
 """
-from workbench.quantization import formats, observers, packing, primitives
+from workbench.quantization import formats, integer, observers, packing, primitives
 from workbench.quantization.configs import FP8, NF4, Dynamic, Method, Static, WeightOnly
 from workbench.quantization.modules import (
            W8A8Conv2d,
@@ -15,5 +15,5 @@ from workbench.quantization.modules import (
            WeightOnlyLinear,
 )
 
-__all__ = ["primitives", "packing", "observers", "formats", "WeightOnly", "NF4", "FP8", "Dynamic", "Static", "Method",
-           "WeightOnlyLinear", "WeightOnlyEmbedding", "WeightOnlyConv2d", "W8A8Linear", "W8A8Conv2d"]
+__all__ = ["primitives", "integer", "packing", "observers", "formats", "WeightOnly", "NF4", "FP8", "Dynamic", "Static",
+           "Method", "WeightOnlyLinear", "WeightOnlyEmbedding", "WeightOnlyConv2d", "W8A8Linear", "W8A8Conv2d"]

@@ -1,0 +1,467 @@
+"""Lab 15, sensitivity and mixed bit-widths: a per-layer scan, bits assigned under a byte budget (greedy and
+exact), the searched plans measured against uniform ones, predicted vs measured quality, a Pareto front.
+
+Every measurement is the package's: `wb.sensitivity` (one layer changed at a time, the task's metric),
+`wb.analysis.solve` (the exact multiple-choice knapsack), `wb.search` (knapsack plans and uniform plans that fit,
+all measured, the best measured one returned), `wb.pareto`; plans are applied with `wb.apply` and scored with
+the task's own evaluation. This module adds the lab's tables and figures and the exercise checks
+(``check_*``) with their worked solutions (``_solution_*``); a plan here is ``{layer: option}``, option one of
+the candidate labels or ``"keep"`` (the layer unchanged).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Mapping, Sequence
+
+from torch import nn
+
+from workbench.analysis.search import KEEP, solve
+from workbench.analysis.sweep import pareto
+from workbench.measurement.footprint import size_bytes
+from workbench.plans.apply import apply
+from workbench.plans.plan import Plan
+from workbench.teach import Feedback, check
+
+__all__ = ["KEEP", "candidates", "layer_table", "evaluate", "options", "plan_bytes", "predicted", "to_plan",
+           "measure_plan", "loss_figure", "budget_plans", "allocation_table", "pareto_figure", "check_scan",
+           "check_layer_bytes",
+           "check_plan_bytes", "check_predicted", "check_measured", "check_greedy", "check_knapsack",
+           "check_best_verified", "check_pareto"]
+
+_COLOURS = {"int8": "#1f77b4", "int4": "#ff7f0e", "int3": "#9467bd", "int2": "#d62728", KEEP: "#7f7f7f"}
+
+
+def candidates(bits: Sequence[int] = (8, 4, 2)) -> dict:
+    """``{"int<b>": WeightOnly(bits=b, per output channel)}``: symmetric round-to-nearest weights with one fp16
+    scale per output channel, on the reference kernel (the same numbers on any machine)."""
+    from workbench.quantization.configs import WeightOnly
+
+    return {f"int{b}": WeightOnly(bits=b, group_size=None, kernel="reference") for b in bits}
+
+
+def layer_table(model: nn.Module, layers: Sequence[str]):
+    """The layers' type, weight shape, parameters and bytes (fp32, bias included)."""
+    import pandas as pd
+
+    rows = []
+    for name in layers:
+        m = model.get_submodule(name)
+        rows.append({"layer": name, "type": type(m).__name__, "weight": tuple(m.weight.shape),
+                     "parameters": sum(p.numel() for p in m.parameters()), "bytes": size_bytes(m)})
+    return pd.DataFrame(rows)
+
+
+def evaluate(model: nn.Module, task) -> float:
+    """The task's primary metric on its whole test split."""
+    return float(task.evaluate(model)[task.primary.name])
+
+
+def options(table) -> dict[str, list[tuple[str, float, int]]]:
+    """``{layer: [(option, loss, bytes), ...]}`` from a `wb.sensitivity` table, ``"keep"`` (loss 0, the fp32
+    bytes) first and the candidates by decreasing bytes: the knapsack's input."""
+    out: dict[str, list[tuple[str, float, int]]] = {}
+    for layer, rows in table[table["status"] == "ok"].groupby("layer", sort=False):
+        opts = [(KEEP, 0.0, int(rows["size_before"].iloc[0]))]
+        opts += sorted(((r.candidate, float(r.loss), int(r.size_after)) for r in rows.itertuples()),
+                       key=lambda o: -o[2])
+        out[layer] = opts
+    return out
+
+
+def _lookup(opts: Mapping[str, Sequence[tuple[str, float, int]]], plan: Mapping[str, str]) -> list[tuple]:
+    missing = [layer for layer in opts if layer not in plan]
+    if missing:
+        raise ValueError(f"the plan gives no option for layer(s) {missing}")
+    out = []
+    for layer, choice in plan.items():
+        hit = [o for o in opts[layer] if o[0] == choice] if layer in opts else []
+        if not hit:
+            raise ValueError(f"layer {layer!r} has no option {choice!r}")
+        out.append(hit[0])
+    return out
+
+
+def plan_bytes(opts, plan: Mapping[str, str]) -> int:
+    """Total bytes of the searched layers under ``plan`` ``{layer: option}``, from the options' measured bytes."""
+    return sum(o[2] for o in _lookup(opts, plan))
+
+
+def predicted(opts, plan: Mapping[str, str], base: float) -> float:
+    """The additive prediction: ``base`` minus the single-layer losses of the plan's choices."""
+    return base - sum(o[1] for o in _lookup(opts, plan))
+
+
+def to_plan(plan: Mapping[str, str], configs: Mapping) -> Plan:
+    """A `wb.Plan` from ``{layer: option}`` (``"keep"`` layers left out)."""
+    return Plan([(layer, configs[choice]) for layer, choice in plan.items() if choice != KEEP])
+
+
+def measure_plan(model: nn.Module, task, plan: Mapping[str, str], configs: Mapping) -> tuple[float, int]:
+    """Apply ``plan`` (`wb.apply`; ``model`` is not changed) and measure: (metric on the test split, the
+    searched layers' real bytes)."""
+    compressed = apply(model, to_plan(plan, configs), progress=False) if any(c != KEEP for c in plan.values()) \
+        else model
+    return evaluate(compressed, task), int(sum(size_bytes(compressed.get_submodule(n)) for n in plan))
+
+
+def loss_figure(table, layers_table=None):
+    """Heatmap of the single-layer loss (layer x candidate), with each layer's fp32 bytes in its label."""
+    import plotly.graph_objects as go
+
+    pivot = table.pivot(index="layer", columns="candidate", values="loss")
+    order = list(dict.fromkeys(table["layer"]))
+    cols = list(dict.fromkeys(table["candidate"]))
+    pivot = pivot.loc[order, cols]
+    labels = order
+    if layers_table is not None:
+        kb = dict(zip(layers_table["layer"], layers_table["bytes"], strict=True))
+        labels = [f"{n} ({kb[n] / 1024:.0f} KiB)" for n in order]
+    fig = go.Figure(go.Heatmap(z=pivot.values.tolist(), x=cols, y=labels, colorscale="Reds",
+                               text=[[f"{v:+.3f}" for v in row] for row in pivot.values.tolist()],
+                               texttemplate="%{text}", colorbar=dict(title="loss")))
+    fig.update_yaxes(autorange="reversed")
+    fig.update_layout(title="Accuracy lost when only that layer is quantized", xaxis_title="candidate",
+                      template="plotly_white", height=380)
+    return fig
+
+
+def budget_plans(model: nn.Module, task, table, configs: Mapping, base: float, fractions: Sequence[float]):
+    """For each budget (a fraction of the searched layers' fp32 bytes), the exact knapsack plan
+    (`wb.analysis.solve`), and every uniform plan: predicted and measured metric, bytes. Columns: plan, kind,
+    budget_fraction, size_bytes, predicted, measured, choice."""
+    import pandas as pd
+
+    opts = options(table)
+    total = sum(o[0][2] for o in opts.values())
+    rows, seen = [], {}
+    for label in configs:
+        choice = {layer: label for layer in opts}
+        seen[tuple(choice.values())] = f"uniform {label}"
+        acc, nbytes = measure_plan(model, task, choice, configs)
+        rows.append({"plan": f"uniform {label}", "kind": "uniform", "budget_fraction": math.nan,
+                     "size_bytes": nbytes, "predicted": predicted(opts, choice, base), "measured": acc,
+                     "choice": dict(choice)})
+    for f in fractions:
+        choice = solve(opts, f * total)
+        key = tuple(choice[layer] for layer in opts)
+        if key in seen:
+            continue
+        seen[key] = f"searched {f:.0%}"
+        acc, nbytes = measure_plan(model, task, choice, configs)
+        rows.append({"plan": f"searched {f:.0%}", "kind": "searched", "budget_fraction": f, "size_bytes": nbytes,
+                     "predicted": predicted(opts, choice, base), "measured": acc, "choice": dict(choice)})
+    return pd.DataFrame(rows)
+
+
+def allocation_table(opts, fractions: Sequence[float]):
+    """Greedy against exact (`wb.analysis.solve`) at each budget (a fraction of the fp32 bytes): predicted
+    total loss and bytes of each. Columns: budget_fraction, budget_bytes, greedy_loss, greedy_bytes,
+    exact_loss, exact_bytes."""
+    import pandas as pd
+
+    total = sum(o[0][2] for o in opts.values())
+    rows = []
+    for f in fractions:
+        (gl, gb), (el, eb) = _totals(opts, _greedy_reference(opts, f * total)), _totals(opts, solve(opts, f * total))
+        rows.append({"budget_fraction": f, "budget_bytes": round(f * total), "greedy_loss": gl, "greedy_bytes": gb,
+                     "exact_loss": el, "exact_bytes": eb})
+    return pd.DataFrame(rows)
+
+
+def pareto_figure(plans, base: float, fp32_bytes: int, metric: str = "accuracy"):
+    """Measured metric against bytes for uniform and searched plans, the predictions as hollow markers joined
+    to their measurement, and the measured Pareto front."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    front = plans[pareto(plans, "size_bytes", "measured", y_higher_is_better=True)].sort_values("size_bytes")
+    fig.add_trace(go.Scatter(x=list(front["size_bytes"]), y=list(front["measured"]), mode="lines",
+                             name="measured Pareto front", line=dict(color="#2ca02c", width=2, dash="dot")))
+    for kind, colour, symbol in (("uniform", "#1f77b4", "square"), ("searched", "#d62728", "circle")):
+        part = plans[plans["kind"] == kind]
+        for _, r in part.iterrows():
+            fig.add_trace(go.Scatter(x=[r["size_bytes"]] * 2, y=[r["predicted"], r["measured"]], mode="lines",
+                                     line=dict(color=colour, width=1), showlegend=False, hoverinfo="skip"))
+        fig.add_trace(go.Scatter(x=list(part["size_bytes"]), y=list(part["measured"]), mode="markers+text",
+                                 name=f"{kind} (measured)", text=list(part["plan"]), textposition="top center",
+                                 marker=dict(size=11, color=colour, symbol=symbol)))
+        fig.add_trace(go.Scatter(x=list(part["size_bytes"]), y=list(part["predicted"]), mode="markers",
+                                 name=f"{kind} (predicted)", marker=dict(size=9, color=colour, symbol=symbol,
+                                                                         line=dict(color=colour, width=2)),
+                                 opacity=0.5))
+    fig.add_hline(y=base, line=dict(color="#7f7f7f", dash="dash"), annotation_text=f"fp32 ({fp32_bytes:,} bytes)")
+    fig.update_xaxes(type="log", title="bytes of the quantized layers (log scale; lower is better)")
+    fig.update_yaxes(title=f"{metric} on the test split (higher is better)")
+    fig.update_layout(title="Mixed bit-widths against uniform ones: measured (filled) and predicted (faded)",
+                      template="plotly_white", height=480)
+    return fig
+
+
+# --- exercises: worked solutions (as a learner writes them) and checks ----------------------------------
+
+def _solution_scan(model, task, layers, config, base):
+    answer = {}
+    for name in layers:
+        changed = apply(model, Plan({name: config}), progress=False)
+        answer[name] = base - task.evaluate(changed)[task.primary.name]
+    return answer
+
+
+def check_scan(answer, model: nn.Module, task, table, candidate: str, config) -> Feedback:
+    """Exercise 1: ``{layer: loss}`` with only that layer quantized with ``candidate`` (loss = base - metric),
+    compared with `wb.sensitivity`'s rows."""
+    rows = table[table["candidate"] == candidate]
+    expected = {r.layer: float(r.loss) for r in rows.itertuples()}
+    base = float(table.attrs.get("base", rows["base"].iloc[0]))
+    mistakes = [({k: -v for k, v in expected.items()}, "the sign: loss = base - quantized, positive when worse"),
+                ({k: base - v for k, v in expected.items()}, "those are the accuracies; give the loss base - accuracy")]
+    return check(f"single-layer scan at {candidate}", answer, expected, rtol=0, atol=1e-9,
+                 hint="for each layer: wb.apply(model, wb.Plan({layer: config})) changes that layer only; evaluate "
+                      "the copy on the whole test split and subtract from the base",
+                 mistakes=mistakes, solution=functools.partial(_solution_scan, model, task, list(expected), config,
+                                                               base))
+
+
+def _solution_layer_bytes(weight_shape, bits):
+    out_features, fan_in = weight_shape[0], math.prod(weight_shape[1:])
+    codes = out_features * fan_in * bits // 8
+    scales = 2 * out_features            # one fp16 scale per output channel
+    bias = 4 * out_features              # the fp32 bias stays
+    return codes + scales + bias
+
+
+def check_layer_bytes(answer, model: nn.Module, layer: str, config) -> Feedback:
+    """Exercise 2: bytes of ``layer`` quantized with ``config`` (per output channel), measured from the module
+    `wb.apply` builds."""
+    compressed = apply(model, Plan({layer: config}), progress=False)
+    expected = size_bytes(compressed.get_submodule(layer))
+    w = model.get_submodule(layer).weight
+    out, n, bits = w.shape[0], w.numel(), config.bits
+    mistakes = [(n * bits // 8, "the codes alone: each output channel also stores an fp16 scale, and the bias "
+                                "stays fp32"),
+                (n * bits // 8 + 2 * out, "the bias is missing: it stays fp32 (4 bytes per output channel)"),
+                (n * bits // 8 + 4 * out, "the scales are missing: one fp16 (2 bytes) per output channel"),
+                (n * bits + 2 * out + 4 * out, "bits, not bytes: the codes take bits / 8 bytes each")]
+    return check(f"bytes of {layer} at {bits} bits", answer, expected, rtol=0, atol=0,
+                 hint="packed codes (bits / 8 bytes per weight) + fp16 scale per output channel + fp32 bias",
+                 mistakes=mistakes, solution=functools.partial(_solution_layer_bytes, tuple(w.shape), bits))
+
+
+def _solution_plan_bytes(opts, plan):
+    total = 0
+    for layer, choice in plan.items():
+        total += next(nbytes for option, loss, nbytes in opts[layer] if option == choice)
+    return total
+
+
+def check_plan_bytes(answer, model: nn.Module, opts, plan: Mapping[str, str], configs: Mapping) -> Feedback:
+    """Exercise 3: total bytes of the searched layers under ``plan``, measured on the applied model."""
+    compressed = apply(model, to_plan(plan, configs), progress=False)
+    expected = int(sum(size_bytes(compressed.get_submodule(n)) for n in plan))
+    kept = sum(o[2] for o in _lookup(opts, plan) if o[0] == KEEP)
+    mistakes = [(expected - kept, "the layers kept in fp32 count too: their bytes are the 'keep' option's"),
+                (sum(o[0][2] for o in opts.values()), "that is every layer in fp32: look up the chosen option's bytes")]
+    return check("bytes of a plan", answer, expected, rtol=0, atol=0,
+                 hint="for each layer, the bytes of the option the plan chose (opts[layer] holds (option, loss, "
+                      "bytes) triples); add them up",
+                 mistakes=mistakes, solution=functools.partial(_solution_plan_bytes, opts, dict(plan)))
+
+
+def _solution_predicted(opts, plan, base):
+    lost = 0.0
+    for layer, choice in plan.items():
+        lost += next(loss for option, loss, nbytes in opts[layer] if option == choice)
+    return base - lost
+
+
+def check_predicted(answer, opts, plan: Mapping[str, str], base: float) -> Feedback:
+    """Exercise 4: the additive prediction of the plan's metric."""
+    expected = predicted(opts, plan, base)
+    lost = base - expected
+    mistakes = [(lost, "that is the predicted loss; the exercise asks for the predicted accuracy, base - loss"),
+                (base + lost, "the losses are subtracted from the base (a loss > 0 means worse)")]
+    return check("predicted accuracy of a plan", answer, expected, rtol=0, atol=1e-9,
+                 hint="assume the single-layer losses add up: base minus the sum of the chosen options' losses",
+                 mistakes=mistakes, solution=functools.partial(_solution_predicted, opts, dict(plan), base))
+
+
+def _solution_measured(model, task, plan, configs):
+    wb_plan = Plan({layer: configs[option] for layer, option in plan.items() if option != "keep"})
+    return task.evaluate(apply(model, wb_plan, progress=False))[task.primary.name]
+
+
+def check_measured(answer, model: nn.Module, task, plan: Mapping[str, str], configs: Mapping, opts,
+                   base: float) -> Feedback:
+    """Exercise 5: the plan's metric measured on the applied model."""
+    expected, _ = measure_plan(model, task, plan, configs)
+    mistakes = [(predicted(opts, plan, base), "that is the additive prediction; apply the plan and evaluate"),
+                (base, "that is the unchanged model's accuracy: evaluate the model wb.apply returns")]
+    return check("measured accuracy of a plan", answer, expected, rtol=0, atol=1e-9,
+                 hint="wb.apply(model, wb.Plan({layer: configs[option], ...})) without the 'keep' layers, then "
+                      "task.evaluate(...)",
+                 mistakes=mistakes, solution=functools.partial(_solution_measured, model, task, dict(plan), configs))
+
+
+def _greedy_reference(opts, limit: float) -> dict[str, str]:
+    """The greedy bit assignment (the checker's own implementation): from every layer at its first (largest)
+    option, repeatedly take the one-step downgrade with the smallest added loss per byte saved (ties: the
+    earlier layer) until the plan fits ``limit``."""
+    level = dict.fromkeys(opts, 0)
+
+    def cost() -> int:
+        return sum(opts[layer][i][2] for layer, i in level.items())
+
+    while cost() > limit:
+        moves = []
+        for order, (layer, i) in enumerate(level.items()):
+            if i + 1 < len(opts[layer]):
+                (_, l0, b0), (_, l1, b1) = opts[layer][i], opts[layer][i + 1]
+                moves.append(((l1 - l0) / (b0 - b1), order, layer))
+        if not moves:
+            raise ValueError(f"no plan fits {limit:,.0f} bytes")
+        level[min(moves)[2]] += 1
+    return {layer: opts[layer][i][0] for layer, i in level.items()}
+
+
+def _solution_greedy(opts, budget):
+    plan = {layer: choices[0][0] for layer, choices in opts.items()}     # start from the largest option
+    step = dict.fromkeys(opts, 0)
+    while sum(opts[layer][step[layer]][2] for layer in opts) > budget:
+        best, best_rate = None, None
+        for layer in opts:
+            i = step[layer]
+            if i + 1 < len(opts[layer]):
+                extra_loss = opts[layer][i + 1][1] - opts[layer][i][1]
+                saved = opts[layer][i][2] - opts[layer][i + 1][2]
+                if best_rate is None or extra_loss / saved < best_rate:
+                    best, best_rate = layer, extra_loss / saved
+        step[best] += 1
+        plan[best] = opts[best][step[best]][0]
+    return plan
+
+
+def _by_loss_greedy(opts, limit: float) -> dict[str, str]:
+    """A plausible wrong greedy: the downgrade with the smallest added loss, ignoring the bytes it saves."""
+    level = dict.fromkeys(opts, 0)
+    while sum(opts[layer][i][2] for layer, i in level.items()) > limit:
+        moves = [(opts[layer][i + 1][1] - opts[layer][i][1], order, layer)
+                 for order, (layer, i) in enumerate(level.items()) if i + 1 < len(opts[layer])]
+        level[min(moves)[2]] += 1
+    return {layer: opts[layer][i][0] for layer, i in level.items()}
+
+
+def check_greedy(answer, opts, budget: float) -> Feedback:
+    """Exercise 6: the greedy plan under ``budget`` bytes."""
+    expected = _greedy_reference(opts, budget)
+    mistakes = [(_by_loss_greedy(opts, budget), "rank the downgrades by added loss *per byte saved*: a cheap "
+                                                "downgrade of a small layer saves almost nothing"),
+                (dict.fromkeys(opts, opts[next(iter(opts))][-1][0]), "that is every layer at the smallest "
+                                                                     "option; stop as soon as the plan fits")]
+    return check("greedy bit assignment", answer, expected, rtol=0, atol=0,
+                 hint="start with every layer at its first option; while over budget, take the one-step downgrade "
+                      "with the smallest (loss increase) / (bytes saved)",
+                 mistakes=mistakes, solution=functools.partial(_solution_greedy, opts, budget))
+
+
+def _solution_knapsack(opts, budget):
+    partial = [({}, 0, 0.0)]                      # (choices so far, bytes, loss)
+    for layer, choices in opts.items():
+        grown = [({**plan, layer: option}, nbytes + b, lost + loss)
+                 for plan, nbytes, lost in partial for option, loss, b in choices if nbytes + b <= budget]
+        grown.sort(key=lambda p: (p[1], p[2]))    # by bytes; keep a partial plan only if it loses less than
+        partial, best = [], None                  # every cheaper one (the others can never win)
+        for p in grown:
+            if best is None or p[2] < best:
+                partial.append(p)
+                best = p[2]
+    plan, nbytes, lost = min(partial, key=lambda p: (p[2], p[1]))
+    return plan
+
+
+def _totals(opts, plan) -> tuple[float, int] | None:
+    try:
+        found = _lookup(opts, plan)
+    except (ValueError, TypeError, AttributeError):
+        return None
+    return (round(sum(o[1] for o in found), 9), sum(o[2] for o in found))
+
+
+class _Then:
+    """A worked solution whose answer is checked through ``after`` (its source is ``func``'s, for the reveal)."""
+
+    def __init__(self, func, args: tuple, after):
+        self.func, self.args, self.after = func, args, after
+
+    def __call__(self):
+        return self.after(self.func(*self.args))
+
+
+def check_knapsack(answer, opts, budget: float) -> Feedback:
+    """Exercise 7: an exact plan (least predicted loss within ``budget``; among those, the fewest bytes).
+    Checked by its (total loss, bytes) against the package's MILP (`wb.analysis.solve`), so any optimal plan
+    passes."""
+    expected = _totals(opts, solve(opts, budget))
+    name = "exact bit assignment (knapsack)"
+    solution = _Then(_solution_knapsack, (opts, budget), lambda plan: _totals(opts, plan))
+    if answer is ... or answer is None:
+        return check(name, answer, expected, solution=solution)
+    got = _totals(opts, answer) if isinstance(answer, Mapping) else None
+    if got is None:
+        return check(name, answer, expected, hint="return a dict {layer: option} covering every layer of opts",
+                     solution=solution)
+    greedy = _totals(opts, _greedy_reference(opts, budget))
+    hint = ("(total loss, bytes) of your plan against the optimum's: keep, layer by layer, every partial plan "
+            "within the budget that loses less than all cheaper ones; at the end take the least loss")
+    if got[1] > budget:
+        hint = f"that plan takes {got[1]:,} bytes, over the budget of {budget:,.0f}"
+    mistakes = [(greedy, "that is the greedy plan's loss: greedy is not optimal; search all combinations (with "
+                         "pruning)")] if greedy != expected else []
+    return check(name, got, expected, hint=hint, rtol=0, atol=1e-9, mistakes=mistakes, solution=solution)
+
+
+def _solution_best_verified(verified):
+    fits = verified[verified["fits"]]
+    return fits.loc[fits["measured"].idxmax(), "plan"]
+
+
+def check_best_verified(answer, verified, report) -> Feedback:
+    """Exercise 8: the plan to return after verification: the best *measured* one among those that fit (what
+    `wb.search` returned: ``report.verified``'s chosen row)."""
+    chosen = report.verified[report.verified["chosen"]]
+    expected = str(chosen["plan"].iloc[0])
+    by_prediction = verified.loc[verified["predicted"].idxmax(), "plan"]
+    by_measure = verified.loc[verified["measured"].idxmax(), "plan"]
+    mistakes = [(m, h) for m, h in ((by_prediction, "that is the best *predicted* plan; choose on the measurement"),
+                                    (by_measure, "that plan does not fit the budget (column fits)"))
+                if m != expected]
+    return check("the plan that never loses to uniform", answer, expected,
+                 hint="among the rows with fits == True, the one with the highest measured accuracy",
+                 mistakes=mistakes, solution=functools.partial(_solution_best_verified, verified))
+
+
+def _solution_pareto(plans):
+    front = []
+    for i, p in plans.iterrows():
+        dominated = ((plans["size_bytes"] <= p["size_bytes"]) & (plans["measured"] >= p["measured"])
+                     & ((plans["size_bytes"] < p["size_bytes"]) | (plans["measured"] > p["measured"])))
+        if not dominated.any():
+            front.append(p["plan"])
+    return front
+
+
+def check_pareto(answer, plans) -> Feedback:
+    """Exercise 9: the names of the plans on the measured Pareto front (fewer bytes, higher accuracy), in the
+    table's order (`wb.pareto`)."""
+    expected = list(plans.loc[pareto(plans, "size_bytes", "measured", y_higher_is_better=True), "plan"])
+    wrong_way = list(plans.loc[pareto(plans, "size_bytes", "measured", y_higher_is_better=False), "plan"])
+    best = plans["measured"].max()
+    mistakes = [(wrong_way, "accuracy is higher-is-better: you kept the plans nothing beats on *low* accuracy"),
+                (list(plans.loc[plans["measured"] == best, "plan"]), "the front has one plan per trade-off, not "
+                                                                     "only the most accurate")]
+    return check("the measured Pareto front", answer, expected,
+                 hint="a plan is on the front when no other plan has fewer or equal bytes and higher or equal "
+                      "accuracy, and is strictly better on one",
+                 mistakes=[(m, h) for m, h in mistakes if m != expected],
+                 solution=functools.partial(_solution_pareto, plans))
+

@@ -283,6 +283,29 @@ def calibration_figure(table):
 
 
 # --- exercise checks -----------------------------------------------------------------------------------
+# Each exercise has a worked solution (``_solution_*``, written as a learner would write it in the cell), shown
+# behind the feedback's "Show solution" toggle and run by the regression suite (``wb.teach.use_solutions``).
+
+
+def _solution_fake_quant(v, s, z, bits):
+    codes = torch.clamp(torch.round(v / s) + z, 0, 2 ** bits - 1)      # unsigned codes 0 ... 2^bits - 1
+    return (codes - z) * s
+
+
+def _solution_codes_used(a, bits):
+    codes, scale, zero_point = P.quantize_affine(a, bits, P.PerTensor(), symmetric=True)
+    return codes.unique().numel()
+
+
+def _solution_group_quantizer(w, bits, group_size):
+    qmin, qmax = -2 ** (bits - 1), 2 ** (bits - 1) - 1
+    groups = w.reshape(-1, group_size)                                  # (out * in / group_size, group_size)
+    s = groups.abs().amax(dim=1, keepdim=True) / ((qmax - qmin) / 2)    # one scale per group: max|w| / 7.5 at 4 bits
+    return ((groups / s).round().clamp(qmin, qmax) * s).reshape(w.shape)
+
+
+def _solution_best_clipping(curve):
+    return curve["threshold"][curve["mse"].idxmin()]
 
 
 def check_bytes_per_weight(answer, bits: int = 4, group_size: int = 64) -> Feedback:
@@ -313,6 +336,7 @@ def check_group_quantizer(answer, w: torch.Tensor, bits: int = 4, group_size: in
     ``group_size`` consecutive inputs of a row (`primitives.fake_quantize` with `PerGroup`). A value on a
     rounding boundary (w / s = k + 0.5, e.g. a group's largest |w| at exactly 7.5 steps) may round either way
     (dividing by s or multiplying by 1 / s): those may differ by one step."""
+    solution = functools.partial(_solution_group_quantizer, w.detach().float(), bits, group_size)
     w = w.detach().float()
     expected = P.fake_quantize(w, bits, P.PerGroup(group_size), symmetric=True)
     name = f"int{bits} group quantizer, g{group_size}"
@@ -328,7 +352,7 @@ def check_group_quantizer(answer, w: torch.Tensor, bits: int = 4, group_size: in
         code = (got.reshape(-1, group_size) / step).round().reshape(w.shape)
         on_grid = (code >= -2 ** (bits - 1)) & (code <= 2 ** (bits - 1) - 1)   # a tie may not leave the grid
         if bool(off.any()) and bool((tie & one_step & on_grid)[off].all()):
-            return check(name, expected, expected)                        # boundary ties only: passed
+            return check(name, expected, expected, solution=solution)    # boundary ties only: passed
         qmin, qmax = -2 ** (bits - 1), 2 ** (bits - 1) - 1
         g = w.reshape(-1, group_size)
         known = [(P.fake_quantize(w, bits, P.PerChannel(0), symmetric=True),
@@ -341,13 +365,14 @@ def check_group_quantizer(answer, w: torch.Tensor, bits: int = 4, group_size: in
                   f"no clamp: max|w| / s = {(qmax - qmin) / 2:g} rounds to {qmax + 1}, outside the grid")]
         for value, why in known:
             if torch.allclose(got, value, rtol=1e-4, atol=1e-6):
-                return check(name, answer, expected, hint=why, rtol=1e-4, atol=1e-6)
-    return check(name, answer, expected, hint=hint, rtol=1e-4, atol=1e-6)
+                return check(name, answer, expected, hint=why, rtol=1e-4, atol=1e-6, solution=solution)
+    return check(name, answer, expected, hint=hint, rtol=1e-4, atol=1e-6, solution=solution)
 
 
 def check_fake_quant(answer, x: torch.Tensor, scale: float, zero_point: int, bits: int = 4) -> Feedback:
     """Exercise: quantize then dequantize ``x`` with unsigned ``bits``-bit codes, ``scale`` and ``zero_point``
     (`primitives.quantize` / `dequantize`)."""
+    solution = functools.partial(_solution_fake_quant, x, scale, zero_point, bits)
     qmin, qmax = P.qrange(bits, signed=False)
     xg = x.detach().float().reshape(1, -1)
     s, z = torch.tensor([[float(scale)]]), torch.tensor([[int(zero_point)]])
@@ -368,12 +393,13 @@ def check_fake_quant(answer, x: torch.Tensor, scale: float, zero_point: int, bit
             hint = "subtract the zero point before multiplying by the scale: x_hat = (q - z) * s"
     elif isinstance(answer, torch.Tensor) and not answer.is_floating_point():
         hint = "that is an integer tensor (codes?); x_hat is real-valued: (q - z) * s"
-    return check(name, answer, expected, hint=hint, rtol=1e-5, atol=1e-6)
+    return check(name, answer, expected, hint=hint, rtol=1e-5, atol=1e-6, solution=solution)
 
 
 def check_best_clipping(answer, curve) -> Feedback:
     """Exercise: the threshold of ``curve`` (from `clipping_curve`) with the smallest MSE; any threshold within
     one grid step of it passes."""
+    solution = functools.partial(_solution_best_clipping, curve)
     best = int(curve["mse"].values.argmin())
     t = curve["threshold"].values
     expected = float(t[best])
@@ -385,11 +411,12 @@ def check_best_clipping(answer, curve) -> Feedback:
         hint = "that is max|x|, i.e. min-max with no clipping; the curve is lower to the left of it"
     elif value is not None and math.isclose(value, float(curve["mse"].values[best]), rel_tol=1e-6):
         hint = "that is the smallest MSE itself; the exercise asks for the threshold where it occurs"
-    return check(name, answer, expected, hint=hint, rtol=0.0, atol=step)
+    return check(name, answer, expected, hint=hint, rtol=0.0, atol=step, solution=solution)
 
 
 def check_codes_used(answer, x: torch.Tensor, bits: int = 8) -> Feedback:
     """Exercise: how many distinct codes symmetric per-tensor quantization of ``x`` uses."""
+    solution = functools.partial(_solution_codes_used, x, bits)
     q, _, _ = P.quantize_affine(x.detach().float(), bits, P.PerTensor(), symmetric=True)
     qa, _, _ = P.quantize_affine(x.detach().float(), bits, P.PerTensor(), symmetric=False)
     expected, asym = int(q.unique().numel()), int(qa.unique().numel())
@@ -400,4 +427,5 @@ def check_codes_used(answer, x: torch.Tensor, bits: int = 8) -> Feedback:
         hint = "that is the count for asymmetric quantization; the exercise asks for symmetric"
     elif value == 1 << bits:
         hint = f"{1 << bits} is every code the format has; count the ones the quantized tensor actually uses"
-    return check(f"int{bits} codes used by symmetric quantization", answer, expected, hint=hint, rtol=0, atol=0)
+    return check(f"int{bits} codes used by symmetric quantization", answer, expected, hint=hint, rtol=0, atol=0,
+                 solution=solution)

@@ -19,6 +19,7 @@ experiment (`compare_kd`, which trains with `wb.distill.fit`), its figures, and 
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -253,13 +254,34 @@ def _tensor(answer) -> torch.Tensor | None:
         return None
 
 
+# Each exercise has a worked solution (``_solution_*``, as a learner writes it in the cell), shown behind the
+# feedback's "Show solution" toggle and run by the regression suite (``wb.teach.use_solutions``).
+
+def _solution_softmax_t(logits, temperature):
+    return torch.softmax(logits / temperature, dim=-1)
+
+
+def _solution_entropies(logits, temperatures):
+    entropies = []
+    for t in temperatures:
+        p = torch.softmax(logits / t, dim=-1)                  # the soft targets at T = t
+        entropies.append(float(-(p * p.log2()).sum()))         # bits: log base 2
+    return entropies
+
+
+def _solution_restoring_factor(gradients, temperature):
+    norms = gradients["gradient norm (KL alone)"]               # indexed by T, T = 1 first
+    return norms.iloc[0] / norms.loc[temperature]
+
+
 def check_softmax_t(answer, logits: torch.Tensor, temperature: float) -> Feedback:
     """Exercise: the soft targets softmax(logits / T) of ``logits`` (a 1-D tensor of class scores)."""
+    solution = functools.partial(_solution_softmax_t, logits, temperature)
     z = logits.detach().double()
     expected = torch.softmax(z / temperature, dim=-1)
     name = f"softmax at T = {temperature:g}"
     hint = "divide the logits by T, then take the softmax over the classes (dim=-1)"
-    fb = check(name, answer, expected, hint=hint, rtol=1e-4, atol=1e-6)
+    fb = check(name, answer, expected, hint=hint, rtol=1e-4, atol=1e-6, solution=solution)
     got = _tensor(answer)
     if fb.status == "failed" and got is not None and got.shape == expected.shape:
         known = [(torch.softmax(z, dim=-1), "that is the plain softmax (T = 1): divide the logits by T first"),
@@ -269,7 +291,7 @@ def check_softmax_t(answer, logits: torch.Tensor, temperature: float) -> Feedbac
                  (torch.log_softmax(z / temperature, dim=-1), "that is log_softmax; the targets are probabilities")]
         for value, why in known:
             if torch.allclose(got, value, rtol=1e-4, atol=1e-6):
-                return check(name, answer, expected, hint=why, rtol=1e-4, atol=1e-6)
+                return check(name, answer, expected, hint=why, rtol=1e-4, atol=1e-6, solution=solution)
     return fb
 
 
@@ -297,11 +319,12 @@ def check_t_squared(answer, temperature: float) -> Feedback:
 def check_restoring_factor(answer, gradients, temperature: float) -> Feedback:
     """Exercise: from the measured `soft_gradient_norms` table, the factor that brings the KL gradient at
     ``temperature`` back to its T = 1 norm (T² is only the high-temperature limit of it)."""
+    solution = functools.partial(_solution_restoring_factor, gradients, temperature)
     norm = gradients["gradient norm (KL alone)"]
     expected = float(norm.iloc[0]) / float(norm.loc[temperature])
     name = f"the factor restoring the T = 1 gradient at T = {temperature:g}"
     hint = "divide the gradient norm at T = 1 by the norm at this T (column 'gradient norm (KL alone)')"
-    fb = check(name, answer, expected, hint=hint, rtol=1e-4)
+    fb = check(name, answer, expected, hint=hint, rtol=1e-4, solution=solution)
     value = as_number(answer)
     if fb.status == "failed" and value is not None:
         known = [(float(temperature) ** 2, f"T² = {temperature ** 2:g} is Hinton's high-temperature limit; at this T "
@@ -310,17 +333,18 @@ def check_restoring_factor(answer, gradients, temperature: float) -> Feedback:
                  (float(temperature), "T undoes only one of the two 1/T factors, and only in the limit")]
         for known_value, why in known:
             if math.isclose(value, known_value, rel_tol=1e-4):
-                return check(name, answer, expected, hint=why, rtol=1e-4)
+                return check(name, answer, expected, hint=why, rtol=1e-4, solution=solution)
     return fb
 
 
 def check_entropies(answer, logits: torch.Tensor, temperatures: Sequence[float]) -> Feedback:
     """Exercise: the entropy in bits of softmax(logits / T) for each T in ``temperatures`` (a list or tensor)."""
+    solution = functools.partial(_solution_entropies, logits, temperatures)
     z = logits.detach().double()
     expected = [float(entropy(torch.softmax(z / T, dim=-1))) for T in temperatures]
     name = "entropies of the soft targets"
     hint = "for each T: p = softmax(logits / T); entropy = -(p * log2(p)).sum()"
-    fb = check(name, answer, expected, hint=hint, rtol=1e-4, atol=1e-6)
+    fb = check(name, answer, expected, hint=hint, rtol=1e-4, atol=1e-6, solution=solution)
     got = _tensor(answer)
     if fb.status == "failed" and got is not None and got.shape == (len(expected),):
         exp = torch.tensor(expected, dtype=torch.double)
@@ -330,7 +354,7 @@ def check_entropies(answer, logits: torch.Tensor, temperatures: Sequence[float])
                  (-exp, "entropy is minus the sum of p log p: mind the sign")]
         for value, why in known:
             if torch.allclose(got, value, rtol=1e-4, atol=1e-6):
-                return check(name, answer, expected, hint=why, rtol=1e-4, atol=1e-6)
+                return check(name, answer, expected, hint=why, rtol=1e-4, atol=1e-6, solution=solution)
     return fb
 
 

@@ -16,18 +16,19 @@ Here: the masks of a real layer (`lesson_masks`, `row_mask`), the figures (`mask
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 from torch import nn
 
 from workbench.pruning import masks as M
-from workbench.pruning.structured import channel_importance
+from workbench.pruning.structured import channel_importance, channels
 from workbench.teach import Feedback, as_number, check
 
 __all__ = ["row_mask", "lesson_masks", "mask_sparsity", "mask_heatmaps", "channel_norms", "sparsity_curves",
            "nm_grouping", "check_sparsity", "check_global_mask", "check_nm_kept", "check_nm_mask",
-           "check_removed_channels"]
+           "check_removed_channels", "check_structured_weight"]
 
 _COLOURS = {"magnitude": "#1f77b4", "magnitude + fine-tune": "#2ca02c", "random": "#d62728"}
 
@@ -167,6 +168,20 @@ def sparsity_curves(sweep, random=None, dense_accuracy: float | None = None, met
 
 
 # --- exercise checks -----------------------------------------------------------------------------------
+# Each exercise has a worked solution (``_solution_*``, as a learner writes it in the cell), shown behind the
+# feedback's "Show solution" toggle and run by the regression suite (``wb.teach.use_solutions``).
+
+
+def _solution_global_mask(weights, sparsity, layer):
+    scores = torch.cat([w.abs().flatten() for w in weights.values()])      # every selected weight, ranked together
+    threshold = scores.sort().values[round(sparsity * scores.numel()) - 1]
+    return weights[layer].abs() > threshold
+
+
+def _solution_nm_mask(w, n, m):
+    groups = w.detach().abs().permute(0, 2, 3, 1).reshape(-1, m)          # (out * kh * kw * in / m, m)
+    keep = torch.zeros_like(groups, dtype=torch.bool).scatter_(1, groups.topk(n, dim=1).indices, True)
+    return keep.reshape(w.shape[0], w.shape[2], w.shape[3], w.shape[1]).permute(0, 3, 1, 2)
 
 
 def check_sparsity(answer, mask: torch.Tensor) -> Feedback:
@@ -191,6 +206,7 @@ def check_sparsity(answer, mask: torch.Tensor) -> Feedback:
 def check_global_mask(answer, weights: dict[str, torch.Tensor], sparsity: float, layer: str) -> Feedback:
     """Exercise: ``layer``'s keep-mask (True = kept) under one magnitude threshold shared by all ``weights``
     that prunes ``sparsity`` of them together (what `wb.prune.global_plan` does)."""
+    solution = functools.partial(_solution_global_mask, weights, sparsity, layer)
     per_layer = M.global_sparsities({k: w.detach() for k, w in weights.items()}, sparsity)
     w = weights[layer].detach()
     expected = M.magnitude_mask(w, per_layer[layer])
@@ -200,12 +216,13 @@ def check_global_mask(answer, weights: dict[str, torch.Tensor], sparsity: float,
     mistakes = [(M.magnitude_mask(w, sparsity), f"that prunes {layer} on its own at {sparsity:.0%}: the threshold "
                                                 f"must come from all the layers' weights together"),
                 (~expected, "True means kept: you marked the pruned weights")]
-    return check(name, answer, expected, hint=hint, rtol=0, atol=0, mistakes=mistakes)
+    return check(name, answer, expected, hint=hint, rtol=0, atol=0, mistakes=mistakes, solution=solution)
 
 
 def check_nm_mask(answer, weight: torch.Tensor, n: int = 2, m: int = 4) -> Feedback:
     """Exercise: the N:M keep-mask of a convolution weight, groups of ``m`` input channels at each kernel
     position (the package's `wb.prune.NM` mask)."""
+    solution = functools.partial(_solution_nm_mask, weight, n, m)
     expected = M.nm_mask(weight, n, m)
     name = f"{n}:{m} mask along the input channels"
     hint = (f"move the input channels (dim 1) last, group them by {m}, keep the {n} largest |w| of each group, "
@@ -214,7 +231,7 @@ def check_nm_mask(answer, weight: torch.Tensor, n: int = 2, m: int = 4) -> Feedb
                                                   f"group mixes kernel positions; group input channels at each "
                                                   f"kernel position"),
                 (~expected, "True means kept: you marked the pruned weights")]
-    return check(name, answer, expected, hint=hint, rtol=0, atol=0, mistakes=mistakes)
+    return check(name, answer, expected, hint=hint, rtol=0, atol=0, mistakes=mistakes, solution=solution)
 
 
 def check_nm_kept(answer, weight: torch.Tensor, n: int = 2, m: int = 4) -> Feedback:
@@ -234,6 +251,42 @@ def check_nm_kept(answer, weight: torch.Tensor, n: int = 2, m: int = 4) -> Feedb
             if math.isclose(value, known_value, abs_tol=1e-9) and not math.isclose(known_value, expected):
                 return check(name, answer, expected, hint=why, rtol=0, atol=0.5)
     return fb
+
+
+def _solution_structured_weight(w, amount):
+    norms = w.abs().sum(dim=(1, 2, 3))                          # the L1 norm of each output channel
+    keep = w.shape[0] - round(amount * w.shape[0])
+    kept = norms.topk(keep).indices.sort().values               # the largest norms, back in channel order
+    return w[kept]
+
+
+def check_structured_weight(answer, model: nn.Module, layer: str, amount: float) -> Feedback:
+    """Exercise: ``layer``'s weight after structured L1 pruning removes ``amount`` of its output channels: the
+    kept channels' rows, in their original order (expected: the weight `wb.prune.channels` leaves)."""
+    weight = model.get_submodule(layer).weight.detach()
+    expected = channels(model, {layer: amount}, criterion="l1").get_submodule(layer).weight.detach()
+    solution = functools.partial(_solution_structured_weight, weight, amount)
+    gone = _removed(weight, amount, "l1")
+    kept = [i for i in range(weight.shape[0]) if i not in gone]
+    by_norm = torch.topk(_norms(weight), len(kept)).indices                      # kept, largest norm first
+    zeroed = weight.clone()
+    zeroed[gone] = 0
+    l2_gone = set(_removed(weight, amount, "l2"))
+    mistakes = [
+        (zeroed, "the pruned channels are zeroed but still there: structured pruning removes them, so the layer "
+                 f"has {len(kept)} output channels"),
+        (weight[sorted(torch.topk(_norms(weight), len(kept), largest=False).indices.tolist())],
+         "those are the channels with the *smallest* L1 norms: pruning keeps the largest and removes the rest"),
+        (weight[by_norm], "the right channels, in the order of their norms; keep them in their original order "
+                          "(the next layer's inputs follow it)"),
+        (weight[[i for i in range(weight.shape[0]) if i not in l2_gone]],
+         "those channels are ranked by the L2 norm; the exercise ranks by L1, the sum of |w|"),
+        (weight[gone], f"those are the {len(gone)} removed channels; the pruned layer keeps the other {len(kept)}"),
+    ]
+    hint = (f"rank the {weight.shape[0]} output channels by the sum of |w| over every dimension but the first, "
+            f"drop the {len(gone)} smallest and index the weight with the kept ones, in channel order")
+    return check(f"{layer}'s weight after {amount:.0%} structured L1 pruning", answer, expected, hint=hint,
+                 rtol=0, atol=0, mistakes=mistakes, solution=solution)
 
 
 def _as_indices(answer) -> list[int] | None:

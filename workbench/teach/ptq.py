@@ -508,8 +508,7 @@ def check_feedback_update(answer, ex: FeedbackExample) -> Feedback:
 
 # --- exercise 2: AWQ's alpha search ------------------------------------------------------------------------
 
-def _solution_awq_alpha(W, X, bits, group_size):
-    fmt = formats.IntFormat(bits, group_size)
+def _solution_awq_alpha(W, X, fmt):
     x_mean = X.abs().mean(dim=0)                                  # (K,) mean |x_j| over the tokens
     reference = X @ W.T                                           # (tokens, N)
     errors = []
@@ -540,7 +539,7 @@ def check_awq_alpha(answer, W: torch.Tensor, X: torch.Tensor, bits: int, group_s
     the smallest output error of RTN on ``W diag(s)``, divided by s again (expected: `awq_grid`, which computes
     what `awq.awq_search` computes)."""
     W, X = W.detach().float(), X.detach().float()
-    solution = functools.partial(_solution_awq_alpha, W, X, bits, group_size)
+    solution = functools.partial(_solution_awq_alpha, W, X, fm.IntFormat(bits, group_size))
     grid, x_mean, _ = awq_grid(W, X, bits=bits, group_size=group_size)
     expected = float(grid.loc[grid["relative_error"].idxmin(), "alpha"])
     hint = ("for each alpha: s = mean|x|^alpha (clamped at 1e-4), divided by sqrt(max(s) · min(s)); quantize W · s "

@@ -94,12 +94,13 @@ def granularity_figure(table, title: str = "Smaller groups: lower error, more by
         for col, x in ((1, "values_per_scale"), (2, "bytes_per_weight")):
             fig.add_trace(go.Scatter(x=part[x].tolist(), y=part["sqnr_db"].tolist(),
                                      mode="lines+markers+text" if col == 1 else "lines+markers",
-                                     text=part["granularity"].tolist(), textposition="top center",
+                                     text=part["granularity"].tolist(),
+                                     textposition=["top center"] * (len(part) - 1) + ["top left"],    # per-tensor: in
                                      name=f"int{b}", legendgroup=f"int{b}", showlegend=col == 1,
                                      line=dict(color=colour), marker=dict(size=9),
                                      hovertemplate=f"int{b} " + "%{text}: %{x:.4g} → %{y:.1f} dB<extra></extra>"),
                           row=1, col=col)
-    fig.update_xaxes(type="log", title="weights per scale (log scale)", row=1, col=1)
+    fig.update_xaxes(type="log", dtick=1, title="weights per scale (log scale)", row=1, col=1)   # decades only
     fig.update_xaxes(title="bytes per weight, scales included (lower is better)", row=1, col=2)
     fig.update_yaxes(title="SQNR (dB, higher is better)")
     fig.update_layout(title=title, template="plotly_white", height=450)

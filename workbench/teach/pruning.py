@@ -116,11 +116,12 @@ def mask_heatmaps(weight: torch.Tensor, masks: dict[str, torch.Tensor], rows: in
                                  showscale=i == len(masks),
                                  xgap=1, ygap=1, colorbar=dict(title="|w|"), hoverongaps=False,
                                  hovertemplate="row %{y}, input %{x}: |w| = %{z:.3f}<extra></extra>"), row=1, col=i)
-        fig.update_xaxes(title="input", dtick=4, showgrid=False, row=1, col=i)   # ticks mark the groups of 4
+        fig.update_xaxes(title="input (column)", dtick=4, showgrid=False, row=1, col=i)   # ticks: the groups of 4
         fig.update_yaxes(autorange="reversed", showticklabels=i == 1, showgrid=False, row=1, col=i)
     fig.update_yaxes(title="output row", row=1, col=1)
     fig.update_layout(title=f"Three ways to prune {layer} (corner {rows}x{cols}; blank = pruned)",
-                      template="plotly_white", height=380, plot_bgcolor="white")
+                      template="plotly_white", height=400, plot_bgcolor="white",
+                      margin=dict(t=120))                          # two-line subplot titles below the title
     return fig
 
 

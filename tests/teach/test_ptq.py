@@ -194,16 +194,21 @@ def test_awq_alpha_check():
     assert P.check_awq_alpha(None, W, X, bits=3, group_size=16).status == "not attempted"
 
 
-def test_smoothing_factors_check(layer_data):
+def test_smoothing_check(layer_data):
     linear, X, _ = layer_data
     W = linear.weight.detach()
     act, w = X.abs().amax(dim=0), W.abs().amax(dim=0)
-    assert P.check_smoothing_factors(act ** 0.5 / w ** 0.5, X, W, 0.5).passed
-    assert P.check_smoothing_factors(act ** 0.8 / w ** 0.2, X, W, 0.8).passed
-    assert "swapped" in P.check_smoothing_factors(act ** 0.2 / w ** 0.8, X, W, 0.8).hint
-    assert "1 / s" in P.check_smoothing_factors(w ** 0.5 / act ** 0.5, X, W, 0.5).hint
-    fb = P.check_smoothing_factors(W.abs().amax(dim=1), X, W, 0.5)
-    assert fb.status == "failed" and "one value per output row" in fb.hint
+    for alpha in (0.5, 0.8):
+        s = act ** alpha / w ** (1 - alpha)
+        assert P.check_smoothing((X / s, W * s), X, W, alpha).passed
+        torch.testing.assert_close((X / s) @ (W * s).T, X @ W.T, rtol=1e-4, atol=1e-4)   # the same product
+    s = act ** 0.8 / w ** 0.2
+    assert "other way" in P.check_smoothing((X * s, W / s), X, W, 0.8).hint
+    swapped = act ** 0.2 / w ** 0.8
+    assert "swapped" in P.check_smoothing((X / swapped, W * swapped), X, W, 0.8).hint
+    assert "X Wᵀ changes" in P.check_smoothing((X / s, W), X, W, 0.8).hint
+    fb = P.check_smoothing(s, X, W, 0.8)
+    assert fb.status == "failed" and "return the pair" in fb.hint
 
 
 def test_best_method_check():

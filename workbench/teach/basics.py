@@ -27,7 +27,7 @@ from workbench.teach.formats import differs_only_at_ties, layer_inputs
 __all__ = ["layer_inputs", "mse", "bytes_per_weight", "granularity_table", "granularity_figure",
            "symmetry_table", "symmetry_figure", "clip_mse", "clipping_curve", "fit_observer", "observer_table",
            "clipping_figure", "calibration_table", "calibration_figure", "OBSERVER_LABELS", "OBSERVER_KEYS",
-           "check_bytes_per_weight", "check_group_quantizer", "check_fake_quant", "check_best_clipping",
+           "check_group_quantizer", "check_fake_quant", "check_best_clipping",
            "check_codes_used"]
 
 
@@ -307,29 +307,6 @@ def _solution_group_quantizer(w, bits, group_size):
 
 def _solution_best_clipping(curve):
     return curve["threshold"][curve["mse"].idxmin()]
-
-
-def check_bytes_per_weight(answer, bits: int = 4, group_size: int = 64) -> Feedback:
-    """Exercise: bytes per weight of symmetric int``bits`` with groups of ``group_size`` and fp16 scales,
-    measured from the tensors `formats.encode` stores for a weight."""
-    w = torch.linspace(-1, 1, 8 * group_size * 4).reshape(8, 4 * group_size)     # (rows, K): any weight will do
-    expected = bytes_per_weight(w, bits, P.PerGroup(group_size))
-    name = f"bytes per weight, int{bits} g{group_size}"
-    value = as_number(answer)
-    codes, scale = QF.IntFormat(bits).slot_bits / 8, 2 / group_size
-    known = {codes: f"{codes:g} counts only the codes; every {group_size} weights also share one fp16 scale "
-                    f"(2 bytes)",
-             codes * 8 + scale * 8: "that is bits per weight; the exercise asks for bytes (divide by 8)",
-             codes + scale + 1 / group_size: "symmetric quantization stores no zero point; only asymmetric adds "
-                                             "a uint8 zero per group",
-             codes + 4 / group_size: "that counts an fp32 scale (4 bytes); the workbench stores fp16 scales "
-                                     "(2 bytes)",
-             codes + 16 / group_size: "that counts the scale as 16 bytes; an fp16 scale is 16 bits = 2 bytes"}
-    for k, why in known.items():
-        if value is not None and math.isclose(value, k, rel_tol=1e-6) and not math.isclose(k, expected):
-            return check(name, answer, expected, hint=why)
-    return check(name, answer, expected, hint="codes: bits / 8 bytes each; plus one 2-byte scale per group, "
-                                              "shared by group_size weights")
 
 
 def check_group_quantizer(answer, w: torch.Tensor, bits: int = 4, group_size: int = 64) -> Feedback:

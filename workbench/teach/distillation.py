@@ -31,7 +31,7 @@ from workbench.teach import Feedback, as_number, check
 
 __all__ = ["soft_targets", "entropy", "pick_example", "student", "soft_gradient_norms", "logit_spread",
            "t_squared_table", "t_squared_figure", "check_restoring_factor", "check_entropies", "compare_kd",
-           "temperature_figure", "kd_figure", "check_softmax_t", "check_t_squared", "check_flattest"]
+           "temperature_figure", "kd_figure", "check_softmax_t"]
 
 _T_COLOURS = ["#08306b", "#2171b5", "#6baed6", "#c6dbef", "#fdae6b", "#e6550d"]
 _METHOD_COLOURS = {"hard labels": "#7f7f7f", "KD": "#2ca02c"}
@@ -295,27 +295,6 @@ def check_softmax_t(answer, logits: torch.Tensor, temperature: float) -> Feedbac
     return fb
 
 
-def check_t_squared(answer, temperature: float) -> Feedback:
-    """Exercise: the factor that multiplies the KL term of the KD loss at ``temperature``."""
-    expected = float(temperature) ** 2
-    name = "the T² factor"
-    hint = ("the gradient of the soft term scales like 1/T² (1/T from the softened student softmax, 1/T because "
-            "the soft distributions' differences shrink like 1/T): undo that")
-    fb = check(name, answer, expected, hint=hint, rtol=1e-6)
-    try:
-        value = float(answer)
-    except (TypeError, ValueError):
-        return fb
-    if fb.status == "failed":
-        known = [(float(temperature), "T undoes only one of the two 1/T factors"),
-                 (1 / temperature ** 2, "1/T² would shrink the gradients further; multiply to compensate"),
-                 (1.0, "without a factor the soft term fades as T grows")]
-        for known_value, why in known:
-            if math.isclose(value, known_value, rel_tol=1e-6):
-                return check(name, answer, expected, hint=why, rtol=1e-6)
-    return fb
-
-
 def check_restoring_factor(answer, gradients, temperature: float) -> Feedback:
     """Exercise: from the measured `soft_gradient_norms` table, the factor that brings the KL gradient at
     ``temperature`` back to its T = 1 norm (T² is only the high-temperature limit of it)."""
@@ -358,22 +337,3 @@ def check_entropies(answer, logits: torch.Tensor, temperatures: Sequence[float])
     return fb
 
 
-def check_flattest(answer, logits: torch.Tensor, temperatures: Sequence[float]) -> Feedback:
-    """Exercise: which of ``temperatures`` gives the flattest (highest-entropy) soft targets for ``logits``."""
-    ent = [float(entropy(soft_targets(logits, T))) for T in temperatures]
-    expected = float(temperatures[max(range(len(ent)), key=ent.__getitem__)])
-    name = "the flattest temperature"
-    fb = check(name, answer, expected, hint="dividing by a larger T shrinks the gaps between the logits", rtol=1e-9)
-    try:
-        value = float(answer)
-    except (TypeError, ValueError):
-        return fb
-    if fb.status == "failed":
-        if value not in [float(t) for t in temperatures]:
-            why = f"pick one of the temperatures {list(temperatures)}"
-        elif math.isclose(value, min(temperatures)):
-            why = "the smallest T gives the sharpest distribution (closest to one-hot), not the flattest"
-        else:
-            why = "a larger T flattens more: compare the entropies in the figure"
-        return check(name, answer, expected, hint=why, rtol=1e-9)
-    return fb

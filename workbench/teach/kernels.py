@@ -17,7 +17,7 @@ import torch
 
 from workbench.teach import Feedback, check
 
-__all__ = ["byte_ratio_ceiling", "intensity", "roofline_chart", "speedup_chart", "check_ceiling", "check_int4_pack",
+__all__ = ["byte_ratio_ceiling", "intensity", "roofline_chart", "speedup_chart", "check_int4_pack",
            "check_intensity", "check_bound"]
 
 
@@ -77,16 +77,6 @@ def speedup_chart(table, baseline: str = "fp32", title: str | None = None):
                       yaxis_title="speedup (x)")
     return fig
 
-
-def check_ceiling(answer, bits: int, group_size: int | None, in_features: int, scale_bits: int = 16) -> Feedback:
-    expected = byte_ratio_ceiling(bits, group_size, in_features, scale_bits)
-    return check(f"ceiling of int{bits} g{group_size}", answer, expected, rtol=1e-3,
-                 hint=f"bf16 spends 16 bits per weight; int{bits} spends {bits} bits plus a {scale_bits}-bit scale "
-                      f"shared by {group_size or in_features} weights")
-
-
-# Each exercise has a worked solution (``_solution_*``, as a learner writes it in the cell), shown behind the
-# feedback's "Show solution" toggle and run by the regression suite (``wb.teach.use_solutions``).
 
 def _solution_int4_pack(codes):
     low, high = codes[:, 0::2], codes[:, 1::2]                  # code 2j -> low nibble, code 2j+1 -> high nibble

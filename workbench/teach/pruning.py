@@ -17,18 +17,16 @@ Here: the masks of a real layer (`lesson_masks`, `row_mask`), the figures (`mask
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 from torch import nn
 
 from workbench.pruning import masks as M
 from workbench.pruning.structured import channel_importance, channels
-from workbench.teach import Feedback, as_number, check
+from workbench.teach import Feedback, check
 
 __all__ = ["row_mask", "lesson_masks", "mask_sparsity", "mask_heatmaps", "channel_norms", "sparsity_curves",
-           "nm_grouping", "check_sparsity", "check_global_mask", "check_nm_kept", "check_nm_mask",
-           "check_removed_channels", "check_structured_weight"]
+           "nm_grouping", "check_global_mask", "check_nm_mask", "check_structured_weight"]
 
 _COLOURS = {"magnitude": "#1f77b4", "magnitude + fine-tune": "#2ca02c", "random": "#d62728"}
 
@@ -185,25 +183,6 @@ def _solution_nm_mask(w, n, m):
     return keep.reshape(w.shape[0], w.shape[2], w.shape[3], w.shape[1]).permute(0, 3, 1, 2)
 
 
-def check_sparsity(answer, mask: torch.Tensor) -> Feedback:
-    """Exercise: the sparsity (fraction of weights pruned) of a keep-mask (True = kept)."""
-    expected = mask_sparsity(mask)
-    name = "sparsity of a mask"
-    hint = "the mask is True where a weight is kept; sparsity = pruned / total = 1 - kept / total"
-    fb = check(name, answer, expected, hint=hint, rtol=1e-6, atol=1e-6)
-    value = as_number(answer)
-    if fb.status == "failed" and value is not None:
-        if math.isclose(value, 1 - expected, abs_tol=1e-6):
-            return check(name, answer, expected, hint="you computed the density (fraction kept); sparsity is the "
-                                                      "fraction pruned, 1 - density", atol=1e-6)
-        if math.isclose(value, 100 * expected, rel_tol=1e-3):
-            return check(name, answer, expected, hint="that is a percentage; give the fraction (0..1)", atol=1e-6)
-        if math.isclose(value, mask.numel() - int(mask.sum()), abs_tol=0.5):
-            return check(name, answer, expected, hint="that is the number of pruned weights; divide by the total",
-                         atol=1e-6)
-    return fb
-
-
 def check_global_mask(answer, weights: dict[str, torch.Tensor], sparsity: float, layer: str) -> Feedback:
     """Exercise: ``layer``'s keep-mask (True = kept) under one magnitude threshold shared by all ``weights``
     that prunes ``sparsity`` of them together (what `wb.prune.global_plan` does)."""
@@ -233,25 +212,6 @@ def check_nm_mask(answer, weight: torch.Tensor, n: int = 2, m: int = 4) -> Feedb
                                                   f"kernel position"),
                 (~expected, "True means kept: you marked the pruned weights")]
     return check(name, answer, expected, hint=hint, rtol=0, atol=0, mistakes=mistakes, solution=solution)
-
-
-def check_nm_kept(answer, weight: torch.Tensor, n: int = 2, m: int = 4) -> Feedback:
-    """Exercise: how many weights N:M pruning keeps in ``weight`` (along its input dimension)."""
-    numel = weight.numel()
-    expected = numel // m * n
-    name = f"weights kept by {n}:{m}"
-    fb = check(name, answer, expected, hint=f"every group of {m} consecutive weights keeps exactly {n}",
-               rtol=0, atol=0.5)
-    value = as_number(answer)
-    if fb.status == "failed" and value is not None:
-        known = [(numel, "that is every weight of the layer: N:M keeps only N of every M"),
-                 (numel // m, f"that keeps 1 of every {m}; {n}:{m} keeps {n}"),
-                 (numel - expected, "that is the number pruned; count the kept ones"),
-                 (n / m, "that is the fraction kept; multiply by the number of weights")]
-        for known_value, why in known:
-            if math.isclose(value, known_value, abs_tol=1e-9) and not math.isclose(known_value, expected):
-                return check(name, answer, expected, hint=why, rtol=0, atol=0.5)
-    return fb
 
 
 def _solution_structured_weight(w, amount):
@@ -288,38 +248,3 @@ def check_structured_weight(answer, model: nn.Module, layer: str, amount: float)
             f"drop the {len(gone)} smallest and index the weight with the kept ones, in channel order")
     return check(f"{layer}'s weight after {amount:.0%} structured L1 pruning", answer, expected, hint=hint,
                  rtol=0, atol=0, mistakes=mistakes, solution=solution)
-
-
-def _as_indices(answer) -> list[int] | None:
-    try:
-        values = answer.tolist() if hasattr(answer, "tolist") else list(answer)
-        return sorted(int(v) for v in values)
-    except (TypeError, ValueError):
-        return None
-
-
-def check_removed_channels(answer, weight: torch.Tensor, amount: float) -> Feedback:
-    """Exercise: the indices of the output channels that structured L1 pruning of ``amount`` removes from
-    ``weight`` (any order: a list or a tensor)."""
-    expected = _removed(weight, amount, "l1")
-    name = "channels removed by L1 pruning"
-    hint = (f"rank the {weight.shape[0]} output channels by the L1 norm of their weights (sum of |w| over every "
-            f"dimension but the first) and take the {len(expected)} smallest")
-    indices = _as_indices(answer) if answer is not ... and answer is not None else answer
-    if indices is None and answer is not ... and answer is not None:
-        return check(name, answer, expected, hint="give the channel indices as a list or a 1-D tensor of ints")
-    fb = check(name, indices, expected, hint=hint, rtol=0, atol=0)
-    if fb.status == "failed":
-        n = weight.shape[0]
-        largest = sorted(torch.topk(_norms(weight), len(expected)).indices.tolist())
-        if len(indices) != len(expected):
-            why = f"{amount:.0%} of {n} channels is {len(expected)} channels; you gave {len(indices)}"
-        elif indices == largest:
-            why = "those are the channels with the largest norms: pruning removes the least important, the smallest"
-        elif indices == sorted(_removed(weight, amount, "l2")):
-            why = "those are the smallest by L2 norm; the exercise ranks by L1 (the sum of |w|)"
-        else:
-            wrong = sorted(set(indices) - set(expected))
-            why = f"channel(s) {wrong} have larger L1 norms than some you left out; {hint}"
-        return check(name, indices, expected, hint=why, rtol=0, atol=0)
-    return fb

@@ -32,7 +32,7 @@ __all__ = ["layer_inputs", "relative_output_error", "GPTQTrace", "gptq_trace", "
            "gptq_update_figure", "awq_grid", "awq_scales_figure", "awq_loss_figure", "smoothing_view",
            "smoothing_figure", "layer_errors", "layer_errors_figure", "ptq_plans", "measure_plans", "FeedbackExample",
            "feedback_example", "results_figure", "method_table",
-           "check_feedback_update", "check_awq_alpha", "check_smoothing_factors", "check_best_method"]
+           "check_feedback_update", "check_awq_alpha", "check_smoothing", "check_best_method"]
 
 _METHOD_COLOURS = {"fp32": "#5f6368", "rtn": "#d93025", "gptq": "#1a73e8", "awq": "#188038",
                    "w8a8": "#f29900", "w8a8+sq": "#9334e6"}
@@ -566,30 +566,35 @@ def check_awq_alpha(answer, W: torch.Tensor, X: torch.Tensor, bits: int, group_s
                  solution=solution)
 
 
-def _solution_smoothing_factors(X, W, alpha):
-    return X.abs().amax(dim=0) ** alpha / W.abs().amax(dim=0) ** (1 - alpha)
+def _solution_smoothing(X, W, alpha):
+    s = X.abs().amax(dim=0) ** alpha / W.abs().amax(dim=0) ** (1 - alpha)     # (K,) one factor per input channel
+    return X / s, W * s                                                        # activations down, weights up
 
 
-# --- exercise 3: SmoothQuant's factors ---------------------------------------------------------------------
+# --- exercise 3: SmoothQuant's migration -------------------------------------------------------------------
 
-def check_smoothing_factors(answer, X: torch.Tensor, weight: torch.Tensor, alpha: float) -> Feedback:
-    """Exercise: s_j = max|X_:,j|^alpha / max|W_:,j|^(1 - alpha), per input channel j (shape (K,))."""
-    solution = functools.partial(_solution_smoothing_factors, X, weight, alpha)
-    K = weight.shape[1]
-    expected = smoothing_factors(activation_absmax([(X,)], K), weight, alpha)
-    hint = ("both maxima run over the input channel j: X.abs().amax(dim=0) (over tokens) and "
-            "W.abs().amax(dim=0) (over output rows); then act ** alpha / w ** (1 - alpha)")
-    if isinstance(answer, torch.Tensor) and answer.shape == expected.shape:
-        act = X.float().abs().amax(dim=0).clamp(min=1e-5)
-        w = weight.detach().float().abs().amax(dim=0).clamp(min=1e-5)
-        if torch.allclose(answer.float(), act.pow(1 - alpha) / w.pow(alpha), rtol=1e-4):
-            hint = "alpha and 1 − alpha are swapped: the activations get the exponent alpha"
-        elif torch.allclose(answer.float(), 1 / expected, rtol=1e-4):
-            hint = "that is 1 / s: activations are divided by s, so s = act^alpha / w^(1 − alpha)"
-    elif isinstance(answer, torch.Tensor) and answer.shape == (weight.shape[0],):
-        hint = (f"your answer has one value per output row ({weight.shape[0]}); SmoothQuant needs one per input "
-                f"channel ({K}): take W's max over dim=0")
-    return check("SmoothQuant factors", answer, expected, hint=hint, solution=solution)
+def check_smoothing(answer, X: torch.Tensor, weight: torch.Tensor, alpha: float) -> Feedback:
+    """Exercise: the smoothed pair ``(X / s, W * s)`` with SmoothQuant's factors
+    s_j = max|X_:,j|^alpha / max|W_:,j|^(1 - alpha) (`smoothquant.smoothing_factors`): the same product X Wᵀ,
+    with the activation outliers moved into the weights."""
+    X, W = X.detach().float(), weight.detach().float()
+    solution = functools.partial(_solution_smoothing, X, W, alpha)
+    K = W.shape[1]
+    s = smoothing_factors(activation_absmax([(X,)], K), W, alpha)                 # (K,)
+    expected = (X / s, W * s)
+    act, w = X.abs().amax(dim=0).clamp(min=1e-5), W.abs().amax(dim=0).clamp(min=1e-5)
+    swapped = act.pow(1 - alpha) / w.pow(alpha)
+    mistakes = [((X * s, W / s), "the migration runs the other way: divide the activations by s (their outliers "
+                                 "shrink) and multiply the weights by it"),
+                ((X / swapped, W * swapped), "alpha and 1 − alpha are swapped: the activations' maximum gets the "
+                                             "exponent alpha"),
+                ((X / s, W), "the weights must be multiplied by s too, or X Wᵀ changes")]
+    hint = ("s has one value per input channel j: the maxima run over the tokens (X.abs().amax(dim=0)) and over the "
+            "output rows (W.abs().amax(dim=0)); return the pair (X / s, W * s)")
+    if isinstance(answer, torch.Tensor):
+        hint = "return the pair (smoothed activations, smoothed weights), e.g. `answer = X / s, W * s`"
+    return check("SmoothQuant migration", answer, expected, hint=hint, rtol=1e-4, atol=1e-6, mistakes=mistakes,
+                 solution=solution)
 
 
 # --- exercise 4: reading the measurements ------------------------------------------------------------------

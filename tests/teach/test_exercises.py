@@ -147,3 +147,12 @@ def test_worked_solution_passes_and_a_wrong_implementation_gets_its_hint(name, c
     assert fb.status == "failed" and words in fb.hint, str(fb)
     assert "expected" in fb.message                                  # says what it expected and what it found
     assert "Show solution" in fb._repr_html_()
+
+
+def test_feedback_banner_sets_code_spans_as_code():
+    fb = teach.check("scale", 1.0, 2.0, hint="use `x.abs().max()` <not HTML>")
+    html = fb._repr_html_()
+    assert "<code>x.abs().max()</code>" in html and "`" not in html and "&lt;not HTML&gt;" in html
+    unattempted = teach.check("scale", ..., 2.0)._repr_html_()         # "replace the `...`" in the message
+    assert "<code>...</code>" in unattempted and "`" not in unattempted
+    assert "`" in teach.check("odd", 1.0, 2.0, hint="an unpaired ` stays")._repr_html_()

@@ -186,7 +186,7 @@ def temperature_figure(logits: torch.Tensor, temperatures: Sequence[float] = (1,
     fig.update_xaxes(title="class", dtick=1, row=1, col=col)
     lowest = min(float(soft_targets(z, T).min()) for T in temperatures)
     fig.update_yaxes(title="probability (log scale)", type="log", range=[math.floor(math.log10(lowest)), 0.05],
-                     row=1, col=col)
+                     exponentformat="power", row=1, col=col)       # 10⁻⁴, not 100µ, for a probability
     ts = torch.logspace(math.log10(0.5), math.log10(20), 60)
     fig.add_trace(go.Scatter(x=ts.tolist(), y=[float(entropy(soft_targets(z, float(t)))) for t in ts],
                              mode="lines", line=dict(color="#444"), showlegend=False,

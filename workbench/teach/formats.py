@@ -276,9 +276,10 @@ def spacing_figure(names: Sequence[str] = ("int8", "e4m3", "e5m2", "fp16", "bf16
         fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines+markers" if len(g) < 300 else "lines", name=f.name,
                                  line=dict(color=_COLOURS.get(f.name), width=2), marker=dict(size=4),
                                  hovertemplate=f.name + ": value %{x:.4g}<br>relative step %{y:.3g}<extra></extra>"))
-    fig.update_xaxes(type="log", range=[math.log10(x_range[0]), math.log10(x_range[1])],
+    fig.update_xaxes(type="log", range=[math.log10(x_range[0]), math.log10(x_range[1])], exponentformat="power",
                      title="value (log scale; integers with scale 1)")
-    fig.update_yaxes(type="log", title="relative step = gap to the next value / value")
+    fig.update_yaxes(type="log", dtick=1, exponentformat="power",          # decades: no crowded minor labels
+                     title="relative step = gap to the next value / value")
     fig.update_layout(title="Precision vs magnitude: floats keep a constant relative step, integers do not",
                       template="plotly_white", height=450)
     return fig
@@ -320,7 +321,7 @@ def grid_figure(names: Sequence[str] = ("int4", "int8", "e4m3", "e5m2"), x: torc
         fig.add_trace(go.Scatter(x=g.tolist(), y=[f.name] * len(g), mode="markers", name=f.name,
                                  marker=dict(symbol="line-ns-open", size=14, color=_COLOURS.get(f.name)),
                                  hovertemplate=f.name + ": %{x:.4g}<extra></extra>"), row=rows, col=1)
-    fig.update_xaxes(type="log", range=[math.log10(lo), 0.05])
+    fig.update_xaxes(type="log", range=[math.log10(lo), 0.05], exponentformat="power")
     fig.update_xaxes(title="magnitude relative to the largest value (log scale)", row=rows, col=1)
     fig.update_yaxes(title="format", row=rows, col=1)
     fig.update_layout(title="Integer grids are uniform, float grids are logarithmic", template="plotly_white",
@@ -359,9 +360,9 @@ def magnitude_error_figure(names: Sequence[str] = ("e4m3", "e5m2", "fp16", "bf16
         fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", name=f"|{tname}|", line=dict(shape="hvh", color=colour),
                                  fill="tozeroy", hovertemplate=tname + " %{x:.3g}: %{y:.2%}<extra></extra>"),
                       row=2, col=1)
-    fig.update_xaxes(type="log")
+    fig.update_xaxes(type="log", exponentformat="power")
     fig.update_xaxes(title="|x| (log scale)", row=rows, col=1)
-    fig.update_yaxes(type="log", title="relative error (1 = value lost)", row=1, col=1)
+    fig.update_yaxes(type="log", dtick=1, exponentformat="power", title="relative error (1 = value lost)", row=1, col=1)
     if tensors:
         fig.update_yaxes(title="fraction of values", row=2, col=1)
     fig.update_layout(title="Range vs precision: where each format loses values", template="plotly_white",

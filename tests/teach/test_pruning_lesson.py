@@ -48,7 +48,7 @@ def test_figures_build(cnn):
     fig = L.mask_heatmaps(w, L.lesson_masks(w), rows=8, cols=16, layer="fc1")
     assert len(fig.data) == 3 and all(t.type == "heatmap" for t in fig.data)
     assert len(fig.data[0].z) == 8 and len(fig.data[0].z[0]) == 16
-    assert "fc1" in fig.layout.title.text and fig.layout.xaxis.title.text == "input"
+    assert "fc1" in fig.layout.title.text and fig.layout.xaxis.title.text == "input (column)"
     bars = L.channel_norms(cnn, "conv1", 0.25)
     assert len(bars.data[0].y) == 32 and list(bars.data[0].marker.color).count("#d62728") == 8
     assert bars.layout.yaxis.title.text.startswith("L1")

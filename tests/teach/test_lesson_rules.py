@@ -67,3 +67,29 @@ def test_solutions_switched_once_after_the_parameters_and_a_summary_ends_the_les
     assert calls == [params[0] + 1], f"{stem}: use_solutions in code cells {calls}"
     assert "wb.teach.summary_table()" in cells[-2].source and "key numbers" in cells[-2].source
     assert "wb.reports.record(" in cells[-1].source and "exercises_passed" in cells[-1].source
+
+
+def _assigned(tree) -> set[str]:
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.alias):
+            names.add((node.asname or node.name).split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("stem", sorted(LESSONS))
+def test_every_worked_solution_runs_with_the_notebooks_names(stem):
+    """The solution behind "Show solution" pastes into the exercise cell: every name it reads is one the notebook
+    defines (or a builtin), so a learner can run it as shown."""
+    import builtins
+
+    defined = set(dir(builtins)) | _assigned(ast.parse("\n".join(c.source for c in _code_cells(stem))))
+    module = getattr(teach, LESSONS[stem])
+    for name, fn in inspect.getmembers(module, inspect.isfunction):
+        if name.startswith("_solution_") and fn.__module__ == module.__name__:
+            tree = ast.parse(teach.solution_source(fn))
+            read = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+            missing = read - _assigned(tree) - defined
+            assert not missing, f"{stem}: {name} reads {sorted(missing)}, which the notebook never defines"

@@ -293,8 +293,8 @@ def _solution_fake_quant(v, s, z, bits):
     return (codes - z) * s
 
 
-def _solution_codes_used(a, bits):
-    codes, scale, zero_point = P.quantize_affine(a, bits, P.PerTensor(), symmetric=True)
+def _solution_codes_used(a, act_bits):
+    codes, scale, zero_point = P.quantize_affine(a, act_bits, P.PerTensor(), symmetric=True)
     return codes.unique().numel()
 
 

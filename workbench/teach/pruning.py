@@ -171,16 +171,16 @@ def sparsity_curves(sweep, random=None, dense_accuracy: float | None = None, met
 # feedback's "Show solution" toggle and run by the regression suite (``wb.teach.use_solutions``).
 
 
-def _solution_global_mask(weights, sparsity, layer):
+def _solution_global_mask(weights, global_sparsity, target):
     scores = torch.cat([w.abs().flatten() for w in weights.values()])      # every selected weight, ranked together
-    threshold = scores.sort().values[round(sparsity * scores.numel()) - 1]
-    return weights[layer].abs() > threshold
+    threshold = scores.sort().values[round(global_sparsity * scores.numel()) - 1]
+    return weights[target].abs() > threshold
 
 
-def _solution_nm_mask(w, n, m):
-    groups = w.detach().abs().permute(0, 2, 3, 1).reshape(-1, m)          # (out * kh * kw * in / m, m)
+def _solution_nm_mask(w2, n, m):
+    groups = w2.detach().abs().permute(0, 2, 3, 1).reshape(-1, m)         # (out * kh * kw * in / m, m)
     keep = torch.zeros_like(groups, dtype=torch.bool).scatter_(1, groups.topk(n, dim=1).indices, True)
-    return keep.reshape(w.shape[0], w.shape[2], w.shape[3], w.shape[1]).permute(0, 3, 1, 2)
+    return keep.reshape(w2.shape[0], w2.shape[2], w2.shape[3], w2.shape[1]).permute(0, 3, 1, 2)
 
 
 def check_global_mask(answer, weights: dict[str, torch.Tensor], sparsity: float, layer: str) -> Feedback:
@@ -214,11 +214,11 @@ def check_nm_mask(answer, weight: torch.Tensor, n: int = 2, m: int = 4) -> Feedb
     return check(name, answer, expected, hint=hint, rtol=0, atol=0, mistakes=mistakes, solution=solution)
 
 
-def _solution_structured_weight(w, amount):
-    norms = w.abs().sum(dim=(1, 2, 3))                          # the L1 norm of each output channel
-    keep = w.shape[0] - round(amount * w.shape[0])
+def _solution_structured_weight(w1, removed_fraction):
+    norms = w1.abs().sum(dim=(1, 2, 3))                         # the L1 norm of each output channel
+    keep = w1.shape[0] - round(removed_fraction * w1.shape[0])
     kept = norms.topk(keep).indices.sort().values               # the largest norms, back in channel order
-    return w[kept]
+    return w1[kept]
 
 
 def check_structured_weight(answer, model: nn.Module, layer: str, amount: float) -> Feedback:

@@ -566,8 +566,8 @@ def check_awq_alpha(answer, W: torch.Tensor, X: torch.Tensor, bits: int, group_s
                  solution=solution)
 
 
-def _solution_smoothing(X, W, alpha):
-    s = X.abs().amax(dim=0) ** alpha / W.abs().amax(dim=0) ** (1 - alpha)     # (K,) one factor per input channel
+def _solution_smoothing(X, W, smooth_alpha):
+    s = X.abs().amax(dim=0) ** smooth_alpha / W.abs().amax(dim=0) ** (1 - smooth_alpha)   # (K,) one per input channel
     return X / s, W * s                                                        # activations down, weights up
 
 
@@ -599,13 +599,13 @@ def check_smoothing(answer, X: torch.Tensor, weight: torch.Tensor, alpha: float)
 
 # --- exercise 4: reading the measurements ------------------------------------------------------------------
 
-def _solution_best_method(table, bits, higher_is_better):
-    return table[bits].idxmax() if higher_is_better else table[bits].idxmin()
+def _solution_best_method(minilm_table, bits):
+    return minilm_table[bits].idxmax()                          # fidelity: higher is better
 
 
 def check_best_method(answer, table, bits: int, higher_is_better: bool = True) -> Feedback:
     """Exercise: which weight-only method (``"rtn"``, ``"gptq"`` or ``"awq"``) measured best at ``bits``."""
-    solution = functools.partial(_solution_best_method, table, bits, higher_is_better)
+    solution = functools.partial(_solution_best_method, table, bits) if higher_is_better else None
     column = table[bits]
     expected = str(column.idxmax() if higher_is_better else column.idxmin())
     direction = "highest" if higher_is_better else "lowest"

@@ -341,13 +341,13 @@ def zero_gradient_fraction(layer: nn.Module) -> float:
 # feedback's "Show solution" toggle and run by the regression suite (``wb.teach.use_solutions``).
 
 
-def _solution_fake_quantize(x, scale, bits):
-    qmin, qmax = -2 ** (bits - 1), 2 ** (bits - 1) - 1            # the signed range of `bits` bits
+def _solution_fake_quantize(x, scale, exercise_bits):
+    qmin, qmax = -2 ** (exercise_bits - 1), 2 ** (exercise_bits - 1) - 1     # the signed range of that many bits
     return (x / scale).round().clamp(qmin, qmax) * scale
 
 
-def _solution_ste_gradient(x, scale, bits):
-    qmin, qmax = -2 ** (bits - 1), 2 ** (bits - 1) - 1
+def _solution_ste_gradient(x, scale, exercise_bits):
+    qmin, qmax = -2 ** (exercise_bits - 1), 2 ** (exercise_bits - 1) - 1
     code = (x / scale).round()                                     # the STE passes round() through unchanged...
     return ((code >= qmin) & (code <= qmax)).float()               # ...but a clamped code does not move with x
 

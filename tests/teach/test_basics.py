@@ -97,15 +97,6 @@ def test_calibration_table():
         B.calibration_table(pool, x, sizes=[21])
 
 
-def test_check_bytes_per_weight():
-    assert B.check_bytes_per_weight(4 / 8 + 2 / 64).passed
-    assert "scale" in B.check_bytes_per_weight(0.5).hint
-    assert "bits per weight" in B.check_bytes_per_weight(4.25).hint
-    assert "no zero point" in B.check_bytes_per_weight(0.5 + 3 / 64).hint
-    assert "fp32" in B.check_bytes_per_weight(0.5 + 4 / 64).hint
-    assert B.check_bytes_per_weight(1 + 2 / 128, bits=8, group_size=128).passed
-
-
 def test_check_fake_quant():
     v = torch.tensor([-0.17, -0.05, 0.0, 0.12, 0.31, 0.58, 0.9, 2.4])
     s, z = 0.05, 3

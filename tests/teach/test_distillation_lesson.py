@@ -75,22 +75,6 @@ def test_check_softmax_t():
     assert L.check_softmax_t(..., LOGITS, T).status == "not attempted"
 
 
-def test_check_t_squared():
-    assert L.check_t_squared(16, 4).passed and L.check_t_squared(4.0 ** 2, 4.0).passed
-    assert "one of the two" in L.check_t_squared(4, 4).hint
-    assert "multiply" in L.check_t_squared(1 / 16, 4).hint
-    assert "fades" in L.check_t_squared(1, 4).hint
-
-
-def test_check_flattest():
-    temps = [1, 2, 4, 8]
-    assert L.check_flattest(8, LOGITS, temps).passed
-    sharpest = L.check_flattest(1, LOGITS, temps)
-    assert sharpest.status == "failed" and "sharpest" in sharpest.hint
-    assert "larger T" in L.check_flattest(4, LOGITS, temps).hint
-    assert "one of the temperatures" in L.check_flattest(3, LOGITS, temps).hint
-
-
 def test_temperature_figure_builds():
     image = torch.rand(64)
     fig = L.temperature_figure(LOGITS, (1, 2, 4, 8), image=image, label=3)

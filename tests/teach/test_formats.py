@@ -119,23 +119,32 @@ def test_layer_inputs_records_and_stops_at_the_layer():
     assert not model.a._forward_pre_hooks                                  # hook removed
 
 
-def test_check_int8_scale():
+def test_check_int8_round_trip():
     x = heavy_tailed()
-    assert F.check_int8_scale(x.abs().max() / 127.5, x).passed
-    fb = F.check_int8_scale(x.abs().max() / 127, x)
+    step = x.abs().max() / 127.5
+    assert F.check_int8_round_trip(P.fake_quantize(x, 8, P.PerTensor()), x).passed
+    restricted = (x / (x.abs().max() / 127)).round().clamp(-128, 127) * (x.abs().max() / 127)
+    fb = F.check_int8_round_trip(restricted, x)
     assert fb.status == "failed" and "restricted range" in fb.hint
-    y = -x                                                                 # min(y) = -4 is further from 0 than max(y)
-    fb = F.check_int8_scale(y.max() / 127.5, y)
-    assert fb.status == "failed" and "largest magnitude" in fb.hint
-    assert F.check_int8_scale(..., x).status == "not attempted"
-    assert "expected a number" in F.check_int8_scale("a scale", x).message
+    z = torch.tensor([127.5, -3.0, 1.0, 0.4])                        # scale 1: max|z| is exactly 127.5 steps
+    fb = F.check_int8_round_trip(z.round(), z)                       # 127.5 rounds to 128, beyond qmax
+    assert fb.status == "failed" and "no clamp" in fb.hint
+    y = -x                                                           # min(y) = -4 is further from 0 than max(y)
+    fb = F.check_int8_round_trip((y / (y.max() / 127.5)).round().clamp(-128, 127) * (y.max() / 127.5), y)
+    assert fb.status == "failed" and "largest *magnitude*" in fb.hint
+    assert "integer codes" in F.check_int8_round_trip((x / step).round().clamp(-128, 127), x).hint
+    assert F.check_int8_round_trip(..., x).status == "not attempted"
 
 
-def test_check_e4m3_max():
-    assert F.check_e4m3_max(2 ** 8 * 1.75).passed
-    assert "NaN" in F.check_e4m3_max(480).hint
-    assert "IEEE" in F.check_e4m3_max(240.0).hint
-    assert "e5m2" in F.check_e4m3_max(torch.tensor(57344.0)).hint
+def test_check_e4m3_decode():
+    codes = torch.arange(256)
+    assert F.check_e4m3_decode(codes.to(torch.uint8).view(torch.float8_e4m3fn).float(), codes).passed
+    assert "subnormal" in F.check_e4m3_decode(F._decode_fields(codes, subnormals=False), codes).hint
+    assert "bias" in F.check_e4m3_decode(F._decode_fields(codes, bias=8), codes).hint
+    fb = F.check_e4m3_decode(F._decode_fields(codes, nan_top=False), codes)
+    assert fb.status == "failed" and "NaN" in fb.hint and "expected nan, found 480" in fb.message
+    assert "IEEE" in F.check_e4m3_decode(F._decode_fields(codes, inf_top=True), codes).hint
+    assert "sign bit" in F.check_e4m3_decode(F._decode_fields(codes).abs(), codes).hint
 
 
 def test_check_loses_small_values():

@@ -171,28 +171,44 @@ def test_feedback_example_is_consistent(toy):
     assert (toy.q0 - toy.W[:, 0]).abs().max() > 0          # column 0 really was rounded
 
 
-def test_awq_scales_check():
-    x_mean = torch.tensor([0.1, 0.5, 2.0, 8.0])
-    s = x_mean.pow(0.4).clamp(min=1e-4)
-    assert P.check_awq_scales(s / (s.max() * s.min()).sqrt(), x_mean, 0.4).passed
-    fb = P.check_awq_scales(s, x_mean, 0.4)
-    assert fb.status == "failed" and "proportional" in fb.hint and "normalise" in fb.hint
-    s1 = x_mean.pow(0.6)
-    fb = P.check_awq_scales(s1 / (s1.max() * s1.min()).sqrt(), x_mean, 0.4)
-    assert "1 − alpha" in fb.hint
-    assert P.check_awq_scales(None, x_mean, 0.4).status == "not attempted"
+def _awq_layer():
+    """A small layer whose inputs have a few large channels, as AWQ expects (fast: 48 x 64, 256 tokens)."""
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(48, 64, generator=g) * 0.05
+    X = torch.randn(256, 64, generator=g) * torch.where(torch.arange(64) % 16 == 3, 20.0, 1.0)
+    return W, X
 
 
-def test_smoothing_factors_check(layer_data):
+def test_awq_alpha_check():
+    W, X = _awq_layer()
+    grid, _, _ = P.awq_grid(W, X, bits=3, group_size=16)
+    best = float(grid.loc[grid["relative_error"].idxmin(), "alpha"])
+    assert 0 < best                                                  # the salient channels make alpha > 0 pay
+    assert P.check_awq_alpha(best, W, X, bits=3, group_size=16).passed
+    on_weights = P._alpha_search(W, X, fm.IntFormat(3, 16), X.abs().mean(0), on_weights=True)
+    assert on_weights != best
+    fb = P.check_awq_alpha(on_weights, W, X, bits=3, group_size=16)
+    assert fb.status == "failed" and "error of the *weights*" in fb.hint
+    worst = float(grid.loc[grid["relative_error"].idxmax(), "alpha"])
+    assert "largest* error" in P.check_awq_alpha(worst, W, X, bits=3, group_size=16).hint
+    assert P.check_awq_alpha(None, W, X, bits=3, group_size=16).status == "not attempted"
+
+
+def test_smoothing_check(layer_data):
     linear, X, _ = layer_data
     W = linear.weight.detach()
     act, w = X.abs().amax(dim=0), W.abs().amax(dim=0)
-    assert P.check_smoothing_factors(act ** 0.5 / w ** 0.5, X, W, 0.5).passed
-    assert P.check_smoothing_factors(act ** 0.8 / w ** 0.2, X, W, 0.8).passed
-    assert "swapped" in P.check_smoothing_factors(act ** 0.2 / w ** 0.8, X, W, 0.8).hint
-    assert "1 / s" in P.check_smoothing_factors(w ** 0.5 / act ** 0.5, X, W, 0.5).hint
-    fb = P.check_smoothing_factors(W.abs().amax(dim=1), X, W, 0.5)
-    assert fb.status == "failed" and "one value per output row" in fb.hint
+    for alpha in (0.5, 0.8):
+        s = act ** alpha / w ** (1 - alpha)
+        assert P.check_smoothing((X / s, W * s), X, W, alpha).passed
+        torch.testing.assert_close((X / s) @ (W * s).T, X @ W.T, rtol=1e-4, atol=1e-4)   # the same product
+    s = act ** 0.8 / w ** 0.2
+    assert "other way" in P.check_smoothing((X * s, W / s), X, W, 0.8).hint
+    swapped = act ** 0.2 / w ** 0.8
+    assert "swapped" in P.check_smoothing((X / swapped, W * swapped), X, W, 0.8).hint
+    assert "X Wᵀ changes" in P.check_smoothing((X / s, W), X, W, 0.8).hint
+    fb = P.check_smoothing(s, X, W, 0.8)
+    assert fb.status == "failed" and "return the pair" in fb.hint
 
 
 def test_best_method_check():

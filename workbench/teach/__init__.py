@@ -66,7 +66,7 @@ class Feedback:
         import html
 
         bg, fg, mark = _COLOURS[self.status]
-        hint = (f"<div style='margin-top:4px'><b>Hint:</b> {html.escape(self.hint)}</div>"
+        hint = (f"<div style='margin-top:4px'><b>Hint:</b> {_inline_code(self.hint)}</div>"
                 if self.hint and not self.passed else "")
         reveal = ""
         if self.solution and (not self.passed or self.from_solution):
@@ -75,10 +75,21 @@ class Feedback:
                       f"{html.escape(self.solution)}</pre></details>")
         return (f"<div style='background:{bg};color:{fg};border-left:4px solid {fg};padding:6px 10px;"
                 f"margin:4px 0;font-family:sans-serif'><b>{mark} {html.escape(self.exercise)}</b> — "
-                f"{html.escape(self.message)}{hint}{reveal}</div>")
+                f"{_inline_code(self.message)}{hint}{reveal}</div>")
 
     def _repr_pretty_(self, p, cycle) -> None:
         p.text(str(self))
+
+
+def _inline_code(text: str) -> str:
+    """``text`` as HTML, its Markdown-style `code` spans set as <code> (a banner is not Markdown: shown raw, the
+    backticks would stay on screen)."""
+    import html
+
+    parts = html.escape(text).split("`")
+    if len(parts) % 2 == 0:                                  # an unpaired backtick: keep it as typed
+        return html.escape(text)
+    return "".join(f"<code>{p}</code>" if i % 2 else p for i, p in enumerate(parts))
 
 
 def as_number(answer: Any) -> float | None:

@@ -22,12 +22,12 @@ from workbench.quantization import formats as QF
 from workbench.quantization import observers as QO
 from workbench.quantization import primitives as P
 from workbench.teach import Feedback, as_number, check
-from workbench.teach.formats import layer_inputs
+from workbench.teach.formats import differs_only_at_ties, layer_inputs
 
 __all__ = ["layer_inputs", "mse", "bytes_per_weight", "granularity_table", "granularity_figure",
            "symmetry_table", "symmetry_figure", "clip_mse", "clipping_curve", "fit_observer", "observer_table",
            "clipping_figure", "calibration_table", "calibration_figure", "OBSERVER_LABELS", "OBSERVER_KEYS",
-           "check_bytes_per_weight", "check_group_quantizer", "check_fake_quant", "check_best_clipping",
+           "check_group_quantizer", "check_fake_quant", "check_best_clipping",
            "check_codes_used"]
 
 
@@ -94,12 +94,13 @@ def granularity_figure(table, title: str = "Smaller groups: lower error, more by
         for col, x in ((1, "values_per_scale"), (2, "bytes_per_weight")):
             fig.add_trace(go.Scatter(x=part[x].tolist(), y=part["sqnr_db"].tolist(),
                                      mode="lines+markers+text" if col == 1 else "lines+markers",
-                                     text=part["granularity"].tolist(), textposition="top center",
+                                     text=part["granularity"].tolist(),
+                                     textposition=["top center"] * (len(part) - 1) + ["top left"],    # per-tensor: in
                                      name=f"int{b}", legendgroup=f"int{b}", showlegend=col == 1,
                                      line=dict(color=colour), marker=dict(size=9),
                                      hovertemplate=f"int{b} " + "%{text}: %{x:.4g} → %{y:.1f} dB<extra></extra>"),
                           row=1, col=col)
-    fig.update_xaxes(type="log", title="weights per scale (log scale)", row=1, col=1)
+    fig.update_xaxes(type="log", dtick=1, title="weights per scale (log scale)", row=1, col=1)   # decades only
     fig.update_xaxes(title="bytes per weight, scales included (lower is better)", row=1, col=2)
     fig.update_yaxes(title="SQNR (dB, higher is better)")
     fig.update_layout(title=title, template="plotly_white", height=450)
@@ -283,29 +284,29 @@ def calibration_figure(table):
 
 
 # --- exercise checks -----------------------------------------------------------------------------------
+# Each exercise has a worked solution (``_solution_*``, written as a learner would write it in the cell), shown
+# behind the feedback's "Show solution" toggle and run by the regression suite (``wb.teach.use_solutions``).
 
 
-def check_bytes_per_weight(answer, bits: int = 4, group_size: int = 64) -> Feedback:
-    """Exercise: bytes per weight of symmetric int``bits`` with groups of ``group_size`` and fp16 scales,
-    measured from the tensors `formats.encode` stores for a weight."""
-    w = torch.linspace(-1, 1, 8 * group_size * 4).reshape(8, 4 * group_size)     # (rows, K): any weight will do
-    expected = bytes_per_weight(w, bits, P.PerGroup(group_size))
-    name = f"bytes per weight, int{bits} g{group_size}"
-    value = as_number(answer)
-    codes, scale = QF.IntFormat(bits).slot_bits / 8, 2 / group_size
-    known = {codes: f"{codes:g} counts only the codes; every {group_size} weights also share one fp16 scale "
-                    f"(2 bytes)",
-             codes * 8 + scale * 8: "that is bits per weight; the exercise asks for bytes (divide by 8)",
-             codes + scale + 1 / group_size: "symmetric quantization stores no zero point; only asymmetric adds "
-                                             "a uint8 zero per group",
-             codes + 4 / group_size: "that counts an fp32 scale (4 bytes); the workbench stores fp16 scales "
-                                     "(2 bytes)",
-             codes + 16 / group_size: "that counts the scale as 16 bytes; an fp16 scale is 16 bits = 2 bytes"}
-    for k, why in known.items():
-        if value is not None and math.isclose(value, k, rel_tol=1e-6) and not math.isclose(k, expected):
-            return check(name, answer, expected, hint=why)
-    return check(name, answer, expected, hint="codes: bits / 8 bytes each; plus one 2-byte scale per group, "
-                                              "shared by group_size weights")
+def _solution_fake_quant(v, s, z, bits):
+    codes = torch.clamp(torch.round(v / s) + z, 0, 2 ** bits - 1)      # unsigned codes 0 ... 2^bits - 1
+    return (codes - z) * s
+
+
+def _solution_codes_used(a, act_bits):
+    codes, scale, zero_point = P.quantize_affine(a, act_bits, P.PerTensor(), symmetric=True)
+    return codes.unique().numel()
+
+
+def _solution_group_quantizer(w, bits, group_size):
+    qmin, qmax = -2 ** (bits - 1), 2 ** (bits - 1) - 1
+    groups = w.reshape(-1, group_size)                                  # (out * in / group_size, group_size)
+    s = groups.abs().amax(dim=1, keepdim=True) / ((qmax - qmin) / 2)    # one scale per group: max|w| / 7.5 at 4 bits
+    return ((groups / s).round().clamp(qmin, qmax) * s).reshape(w.shape)
+
+
+def _solution_best_clipping(curve):
+    return curve["threshold"][curve["mse"].idxmin()]
 
 
 def check_group_quantizer(answer, w: torch.Tensor, bits: int = 4, group_size: int = 64) -> Feedback:
@@ -313,22 +314,17 @@ def check_group_quantizer(answer, w: torch.Tensor, bits: int = 4, group_size: in
     ``group_size`` consecutive inputs of a row (`primitives.fake_quantize` with `PerGroup`). A value on a
     rounding boundary (w / s = k + 0.5, e.g. a group's largest |w| at exactly 7.5 steps) may round either way
     (dividing by s or multiplying by 1 / s): those may differ by one step."""
+    solution = functools.partial(_solution_group_quantizer, w.detach().float(), bits, group_size)
     w = w.detach().float()
     expected = P.fake_quantize(w, bits, P.PerGroup(group_size), symmetric=True)
     name = f"int{bits} group quantizer, g{group_size}"
     hint = (f"reshape w to (-1, {group_size}); per group s = max|w| / ((qmax - qmin) / 2) with qmin, qmax = "
             f"{-2 ** (bits - 1)}, {2 ** (bits - 1) - 1}; w_hat = clamp(round(w / s), qmin, qmax) * s, reshaped back")
-    got = answer.detach().float() if isinstance(answer, torch.Tensor) else None
-    if got is not None and got.shape == expected.shape:
-        step = (w.reshape(-1, group_size).abs().amax(1, keepdim=True) / ((2 ** bits - 1) / 2))   # (groups, 1)
-        ratio = (w.reshape(-1, group_size) / step).reshape(w.shape)                              # w / s
-        tie = ((ratio.abs() - ratio.abs().floor()) - 0.5).abs() < 1e-4     # on a rounding boundary (x.5)
-        off = ~torch.isclose(got, expected, rtol=1e-4, atol=1e-6)
-        one_step = torch.isclose((got - expected).abs(), step.expand(-1, group_size).reshape(w.shape), rtol=1e-3)
-        code = (got.reshape(-1, group_size) / step).round().reshape(w.shape)
-        on_grid = (code >= -2 ** (bits - 1)) & (code <= 2 ** (bits - 1) - 1)   # a tie may not leave the grid
-        if bool(off.any()) and bool((tie & one_step & on_grid)[off].all()):
-            return check(name, expected, expected)                        # boundary ties only: passed
+    got = answer if isinstance(answer, torch.Tensor) else solution() if answer is ... or answer is None else None
+    if isinstance(got, torch.Tensor) and differs_only_at_ties(got, expected, w, bits, group_size):
+        expected = got.detach().float()                                   # rounding-boundary ties only: accepted
+    elif isinstance(answer, torch.Tensor) and answer.shape == expected.shape:
+        got = answer.detach().float()
         qmin, qmax = -2 ** (bits - 1), 2 ** (bits - 1) - 1
         g = w.reshape(-1, group_size)
         known = [(P.fake_quantize(w, bits, P.PerChannel(0), symmetric=True),
@@ -341,13 +337,14 @@ def check_group_quantizer(answer, w: torch.Tensor, bits: int = 4, group_size: in
                   f"no clamp: max|w| / s = {(qmax - qmin) / 2:g} rounds to {qmax + 1}, outside the grid")]
         for value, why in known:
             if torch.allclose(got, value, rtol=1e-4, atol=1e-6):
-                return check(name, answer, expected, hint=why, rtol=1e-4, atol=1e-6)
-    return check(name, answer, expected, hint=hint, rtol=1e-4, atol=1e-6)
+                return check(name, answer, expected, hint=why, rtol=1e-4, atol=1e-6, solution=solution)
+    return check(name, answer, expected, hint=hint, rtol=1e-4, atol=1e-6, solution=solution)
 
 
 def check_fake_quant(answer, x: torch.Tensor, scale: float, zero_point: int, bits: int = 4) -> Feedback:
     """Exercise: quantize then dequantize ``x`` with unsigned ``bits``-bit codes, ``scale`` and ``zero_point``
     (`primitives.quantize` / `dequantize`)."""
+    solution = functools.partial(_solution_fake_quant, x, scale, zero_point, bits)
     qmin, qmax = P.qrange(bits, signed=False)
     xg = x.detach().float().reshape(1, -1)
     s, z = torch.tensor([[float(scale)]]), torch.tensor([[int(zero_point)]])
@@ -368,12 +365,13 @@ def check_fake_quant(answer, x: torch.Tensor, scale: float, zero_point: int, bit
             hint = "subtract the zero point before multiplying by the scale: x_hat = (q - z) * s"
     elif isinstance(answer, torch.Tensor) and not answer.is_floating_point():
         hint = "that is an integer tensor (codes?); x_hat is real-valued: (q - z) * s"
-    return check(name, answer, expected, hint=hint, rtol=1e-5, atol=1e-6)
+    return check(name, answer, expected, hint=hint, rtol=1e-5, atol=1e-6, solution=solution)
 
 
 def check_best_clipping(answer, curve) -> Feedback:
     """Exercise: the threshold of ``curve`` (from `clipping_curve`) with the smallest MSE; any threshold within
     one grid step of it passes."""
+    solution = functools.partial(_solution_best_clipping, curve)
     best = int(curve["mse"].values.argmin())
     t = curve["threshold"].values
     expected = float(t[best])
@@ -385,11 +383,12 @@ def check_best_clipping(answer, curve) -> Feedback:
         hint = "that is max|x|, i.e. min-max with no clipping; the curve is lower to the left of it"
     elif value is not None and math.isclose(value, float(curve["mse"].values[best]), rel_tol=1e-6):
         hint = "that is the smallest MSE itself; the exercise asks for the threshold where it occurs"
-    return check(name, answer, expected, hint=hint, rtol=0.0, atol=step)
+    return check(name, answer, expected, hint=hint, rtol=0.0, atol=step, solution=solution)
 
 
 def check_codes_used(answer, x: torch.Tensor, bits: int = 8) -> Feedback:
     """Exercise: how many distinct codes symmetric per-tensor quantization of ``x`` uses."""
+    solution = functools.partial(_solution_codes_used, x, bits)
     q, _, _ = P.quantize_affine(x.detach().float(), bits, P.PerTensor(), symmetric=True)
     qa, _, _ = P.quantize_affine(x.detach().float(), bits, P.PerTensor(), symmetric=False)
     expected, asym = int(q.unique().numel()), int(qa.unique().numel())
@@ -400,4 +399,5 @@ def check_codes_used(answer, x: torch.Tensor, bits: int = 8) -> Feedback:
         hint = "that is the count for asymmetric quantization; the exercise asks for symmetric"
     elif value == 1 << bits:
         hint = f"{1 << bits} is every code the format has; count the ones the quantized tensor actually uses"
-    return check(f"int{bits} codes used by symmetric quantization", answer, expected, hint=hint, rtol=0, atol=0)
+    return check(f"int{bits} codes used by symmetric quantization", answer, expected, hint=hint, rtol=0, atol=0,
+                 solution=solution)

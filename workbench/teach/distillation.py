@@ -19,6 +19,7 @@ experiment (`compare_kd`, which trains with `wb.distill.fit`), its figures, and 
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -30,7 +31,7 @@ from workbench.teach import Feedback, as_number, check
 
 __all__ = ["soft_targets", "entropy", "pick_example", "student", "soft_gradient_norms", "logit_spread",
            "t_squared_table", "t_squared_figure", "check_restoring_factor", "check_entropies", "compare_kd",
-           "temperature_figure", "kd_figure", "check_softmax_t", "check_t_squared", "check_flattest"]
+           "temperature_figure", "kd_figure", "check_softmax_t"]
 
 _T_COLOURS = ["#08306b", "#2171b5", "#6baed6", "#c6dbef", "#fdae6b", "#e6550d"]
 _METHOD_COLOURS = {"hard labels": "#7f7f7f", "KD": "#2ca02c"}
@@ -185,7 +186,7 @@ def temperature_figure(logits: torch.Tensor, temperatures: Sequence[float] = (1,
     fig.update_xaxes(title="class", dtick=1, row=1, col=col)
     lowest = min(float(soft_targets(z, T).min()) for T in temperatures)
     fig.update_yaxes(title="probability (log scale)", type="log", range=[math.floor(math.log10(lowest)), 0.05],
-                     row=1, col=col)
+                     exponentformat="power", row=1, col=col)       # 10⁻⁴, not 100µ, for a probability
     ts = torch.logspace(math.log10(0.5), math.log10(20), 60)
     fig.add_trace(go.Scatter(x=ts.tolist(), y=[float(entropy(soft_targets(z, float(t)))) for t in ts],
                              mode="lines", line=dict(color="#444"), showlegend=False,
@@ -253,13 +254,34 @@ def _tensor(answer) -> torch.Tensor | None:
         return None
 
 
+# Each exercise has a worked solution (``_solution_*``, as a learner writes it in the cell), shown behind the
+# feedback's "Show solution" toggle and run by the regression suite (``wb.teach.use_solutions``).
+
+def _solution_softmax_t(logits, temperature):
+    return torch.softmax(logits / temperature, dim=-1)
+
+
+def _solution_entropies(logits, temperatures):
+    entropies = []
+    for t in temperatures:
+        p = torch.softmax(logits / t, dim=-1)                  # the soft targets at T = t
+        entropies.append(float(-(p * p.log2()).sum()))         # bits: log base 2
+    return entropies
+
+
+def _solution_restoring_factor(gradients, temperature):
+    norms = gradients["gradient norm (KL alone)"]               # indexed by T, T = 1 first
+    return norms.iloc[0] / norms.loc[temperature]
+
+
 def check_softmax_t(answer, logits: torch.Tensor, temperature: float) -> Feedback:
     """Exercise: the soft targets softmax(logits / T) of ``logits`` (a 1-D tensor of class scores)."""
+    solution = functools.partial(_solution_softmax_t, logits, temperature)
     z = logits.detach().double()
     expected = torch.softmax(z / temperature, dim=-1)
     name = f"softmax at T = {temperature:g}"
     hint = "divide the logits by T, then take the softmax over the classes (dim=-1)"
-    fb = check(name, answer, expected, hint=hint, rtol=1e-4, atol=1e-6)
+    fb = check(name, answer, expected, hint=hint, rtol=1e-4, atol=1e-6, solution=solution)
     got = _tensor(answer)
     if fb.status == "failed" and got is not None and got.shape == expected.shape:
         known = [(torch.softmax(z, dim=-1), "that is the plain softmax (T = 1): divide the logits by T first"),
@@ -269,39 +291,19 @@ def check_softmax_t(answer, logits: torch.Tensor, temperature: float) -> Feedbac
                  (torch.log_softmax(z / temperature, dim=-1), "that is log_softmax; the targets are probabilities")]
         for value, why in known:
             if torch.allclose(got, value, rtol=1e-4, atol=1e-6):
-                return check(name, answer, expected, hint=why, rtol=1e-4, atol=1e-6)
-    return fb
-
-
-def check_t_squared(answer, temperature: float) -> Feedback:
-    """Exercise: the factor that multiplies the KL term of the KD loss at ``temperature``."""
-    expected = float(temperature) ** 2
-    name = "the T² factor"
-    hint = ("the gradient of the soft term scales like 1/T² (1/T from the softened student softmax, 1/T because "
-            "the soft distributions' differences shrink like 1/T): undo that")
-    fb = check(name, answer, expected, hint=hint, rtol=1e-6)
-    try:
-        value = float(answer)
-    except (TypeError, ValueError):
-        return fb
-    if fb.status == "failed":
-        known = [(float(temperature), "T undoes only one of the two 1/T factors"),
-                 (1 / temperature ** 2, "1/T² would shrink the gradients further; multiply to compensate"),
-                 (1.0, "without a factor the soft term fades as T grows")]
-        for known_value, why in known:
-            if math.isclose(value, known_value, rel_tol=1e-6):
-                return check(name, answer, expected, hint=why, rtol=1e-6)
+                return check(name, answer, expected, hint=why, rtol=1e-4, atol=1e-6, solution=solution)
     return fb
 
 
 def check_restoring_factor(answer, gradients, temperature: float) -> Feedback:
     """Exercise: from the measured `soft_gradient_norms` table, the factor that brings the KL gradient at
     ``temperature`` back to its T = 1 norm (T² is only the high-temperature limit of it)."""
+    solution = functools.partial(_solution_restoring_factor, gradients, temperature)
     norm = gradients["gradient norm (KL alone)"]
     expected = float(norm.iloc[0]) / float(norm.loc[temperature])
     name = f"the factor restoring the T = 1 gradient at T = {temperature:g}"
     hint = "divide the gradient norm at T = 1 by the norm at this T (column 'gradient norm (KL alone)')"
-    fb = check(name, answer, expected, hint=hint, rtol=1e-4)
+    fb = check(name, answer, expected, hint=hint, rtol=1e-4, solution=solution)
     value = as_number(answer)
     if fb.status == "failed" and value is not None:
         known = [(float(temperature) ** 2, f"T² = {temperature ** 2:g} is Hinton's high-temperature limit; at this T "
@@ -310,17 +312,18 @@ def check_restoring_factor(answer, gradients, temperature: float) -> Feedback:
                  (float(temperature), "T undoes only one of the two 1/T factors, and only in the limit")]
         for known_value, why in known:
             if math.isclose(value, known_value, rel_tol=1e-4):
-                return check(name, answer, expected, hint=why, rtol=1e-4)
+                return check(name, answer, expected, hint=why, rtol=1e-4, solution=solution)
     return fb
 
 
 def check_entropies(answer, logits: torch.Tensor, temperatures: Sequence[float]) -> Feedback:
     """Exercise: the entropy in bits of softmax(logits / T) for each T in ``temperatures`` (a list or tensor)."""
+    solution = functools.partial(_solution_entropies, logits, temperatures)
     z = logits.detach().double()
     expected = [float(entropy(torch.softmax(z / T, dim=-1))) for T in temperatures]
     name = "entropies of the soft targets"
     hint = "for each T: p = softmax(logits / T); entropy = -(p * log2(p)).sum()"
-    fb = check(name, answer, expected, hint=hint, rtol=1e-4, atol=1e-6)
+    fb = check(name, answer, expected, hint=hint, rtol=1e-4, atol=1e-6, solution=solution)
     got = _tensor(answer)
     if fb.status == "failed" and got is not None and got.shape == (len(expected),):
         exp = torch.tensor(expected, dtype=torch.double)
@@ -330,26 +333,7 @@ def check_entropies(answer, logits: torch.Tensor, temperatures: Sequence[float])
                  (-exp, "entropy is minus the sum of p log p: mind the sign")]
         for value, why in known:
             if torch.allclose(got, value, rtol=1e-4, atol=1e-6):
-                return check(name, answer, expected, hint=why, rtol=1e-4, atol=1e-6)
+                return check(name, answer, expected, hint=why, rtol=1e-4, atol=1e-6, solution=solution)
     return fb
 
 
-def check_flattest(answer, logits: torch.Tensor, temperatures: Sequence[float]) -> Feedback:
-    """Exercise: which of ``temperatures`` gives the flattest (highest-entropy) soft targets for ``logits``."""
-    ent = [float(entropy(soft_targets(logits, T))) for T in temperatures]
-    expected = float(temperatures[max(range(len(ent)), key=ent.__getitem__)])
-    name = "the flattest temperature"
-    fb = check(name, answer, expected, hint="dividing by a larger T shrinks the gaps between the logits", rtol=1e-9)
-    try:
-        value = float(answer)
-    except (TypeError, ValueError):
-        return fb
-    if fb.status == "failed":
-        if value not in [float(t) for t in temperatures]:
-            why = f"pick one of the temperatures {list(temperatures)}"
-        elif math.isclose(value, min(temperatures)):
-            why = "the smallest T gives the sharpest distribution (closest to one-hot), not the flattest"
-        else:
-            why = "a larger T flattens more: compare the entropies in the figure"
-        return check(name, answer, expected, hint=why, rtol=1e-9)
-    return fb

@@ -11,11 +11,13 @@ arithmetic (int8 dot products, fewer FLOPs) helps.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from workbench.teach import Feedback, check
 
-__all__ = ["byte_ratio_ceiling", "intensity", "roofline_chart", "speedup_chart", "check_ceiling", "check_int4_pack",
+__all__ = ["byte_ratio_ceiling", "intensity", "roofline_chart", "speedup_chart", "check_int4_pack",
            "check_intensity", "check_bound"]
 
 
@@ -76,11 +78,20 @@ def speedup_chart(table, baseline: str = "fp32", title: str | None = None):
     return fig
 
 
-def check_ceiling(answer, bits: int, group_size: int | None, in_features: int, scale_bits: int = 16) -> Feedback:
-    expected = byte_ratio_ceiling(bits, group_size, in_features, scale_bits)
-    return check(f"ceiling of int{bits} g{group_size}", answer, expected, rtol=1e-3,
-                 hint=f"bf16 spends 16 bits per weight; int{bits} spends {bits} bits plus a {scale_bits}-bit scale "
-                      f"shared by {group_size or in_features} weights")
+def _solution_int4_pack(codes):
+    low, high = codes[:, 0::2], codes[:, 1::2]                  # code 2j -> low nibble, code 2j+1 -> high nibble
+    return (low | (high << 4)).to(torch.uint8)
+
+
+def _solution_intensity(M, K, N, weight_bytes, act_bytes):
+    flops = 2 * M * K * N                                        # a multiply and an add per weight per row
+    moved = K * N * weight_bytes + act_bytes * (M * K + M * N)   # the weight, the input and the output
+    return flops / moved
+
+
+def _solution_bound(M, K, N, weight_bytes, act_bytes, bandwidth, peak):
+    intensity = 2 * M * K * N / (K * N * weight_bytes + act_bytes * (M * K + M * N))
+    return "memory" if intensity < peak / bandwidth else "compute"     # below the ridge point: memory-bound
 
 
 def check_int4_pack(answer, codes: torch.Tensor) -> Feedback:
@@ -93,19 +104,30 @@ def check_int4_pack(answer, codes: torch.Tensor) -> Feedback:
     hint = "low nibble = the even-indexed code, high nibble = the odd one shifted left by 4; the result is uint8"
     if isinstance(answer, torch.Tensor) and answer.shape == expected.shape and answer.dtype != torch.uint8:
         return check(name, answer, expected, hint=f"packed bytes are uint8, found {answer.dtype}: convert with "
-                                                  f".to(torch.uint8) (the values may be right)")
+                                                  f".to(torch.uint8) (the values may be right)",
+                     solution=functools.partial(_solution_int4_pack, codes))
     c = codes.to(torch.uint8)
     mistakes = [((c[..., 0::2] << 4) | c[..., 1::2], "the nibbles are swapped: the even-indexed code goes in the "
                                                      "low 4 bits"),
                 (c[..., 0::2] + c[..., 1::2], "adding the codes loses which is which: shift one of them by 4 bits")]
-    return check(name, answer, expected, hint=hint, rtol=0, atol=0, mistakes=mistakes)
+    return check(name, answer, expected, hint=hint, rtol=0, atol=0, mistakes=mistakes,
+                 solution=functools.partial(_solution_int4_pack, codes))
 
 
 def check_intensity(answer, M: int, K: int, N: int, weight_bytes_per_value: float, act_bytes: int = 4) -> Feedback:
+    """Exercise: FLOPs per byte moved of a Linear layer (M, K) x (K, N): the weight, the input and the output."""
     expected = intensity(M, K, N, weight_bytes_per_value, act_bytes)
-    return check(f"arithmetic intensity at M={M}", answer, expected, rtol=1e-3,
+    flops, weight = 2 * M * K * N, K * N * weight_bytes_per_value
+    moved = weight + act_bytes * (M * K + M * N)
+    mistakes = [(flops / weight, "that counts only the weight's bytes; the input (M·K) and the output (M·N) are "
+                                 "moved too"),
+                (M * K * N / moved, "a multiply-accumulate is two FLOPs: 2·M·K·N"),
+                (flops / (8 * moved), "those are FLOPs per bit; count bytes"),
+                (moved / flops, "that is bytes per FLOP: divide the FLOPs by the bytes")]
+    return check(f"arithmetic intensity at M={M}", answer, expected, rtol=1e-3, mistakes=mistakes,
                  hint="FLOPs = 2*M*K*N (a multiply and an add per weight per row); bytes = the weight, the "
-                      "input (M*K) and the output (M*N)")
+                      "input (M*K) and the output (M*N)",
+                 solution=functools.partial(_solution_intensity, M, K, N, weight_bytes_per_value, act_bytes))
 
 
 def check_bound(answer, M: int, K: int, N: int, weight_bytes_per_value: float, bandwidth_GBs: float,
@@ -114,6 +136,11 @@ def check_bound(answer, M: int, K: int, N: int, weight_bytes_per_value: float, b
     I = intensity(M, K, N, weight_bytes_per_value, act_bytes)  # noqa: E741 - intensity, as in the roofline formula
     ridge = peak_GFLOPs / bandwidth_GBs
     expected = "memory" if I < ridge else "compute"
-    return check(f"bound at M={M}", answer, expected,
+    other = "compute" if expected == "memory" else "memory"
+    why = (f"the intensity here is {I:.3g} FLOP/B, {'below' if I < ridge else 'above'} this machine's ridge point "
+           f"{ridge:.3g} FLOP/B (peak / bandwidth): the {expected} roof is the lower one")
+    return check(f"bound at M={M}", answer, expected, mistakes=[(other, why)],
                  hint=f"compare the intensity {I:.3g} FLOP/B with the ridge point peak / bandwidth = {ridge:.3g} "
-                      f"FLOP/B: below it the memory roof is the lower one")
+                      f"FLOP/B: below it the memory roof is the lower one",
+                 solution=functools.partial(_solution_bound, M, K, N, weight_bytes_per_value, act_bytes,
+                                            bandwidth_GBs, peak_GFLOPs))

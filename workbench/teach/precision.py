@@ -18,6 +18,7 @@ figures and the exercise checks (``check_*``), which compute their expected valu
 """
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from typing import Sequence
@@ -299,17 +300,33 @@ def scale_trace_figure(trace):
 
 
 # --- exercise checks -----------------------------------------------------------------------------------
+# Each exercise has a worked solution (``_solution_*``, as a learner writes it in the cell), shown behind the
+# feedback's "Show solution" toggle and run by the regression suite (``wb.teach.use_solutions``).
+
+
+def _solution_bytes_saved(linear, dtype):
+    values = sum(p.numel() for p in linear.parameters())       # weight and bias
+    return values * (4 - dtype.itemsize)                        # fp32: 4 bytes per value
+
+
+def _solution_underflows(value, dtype):
+    return bool(torch.tensor(value).to(dtype) == 0)
+
+
+def _solution_loss_scale(small):
+    return 2.0 ** math.ceil(math.log2(2 ** -14 / small))       # the smallest power of two reaching 2^-14
 
 
 def check_bytes_saved(answer, layer: nn.Module, dtype: str | torch.dtype = torch.bfloat16) -> Feedback:
     """Exercise: the bytes saved by storing ``layer``'s parameters (weight and bias) in ``dtype`` instead of fp32."""
+    solution = functools.partial(_solution_bytes_saved, layer, _dtype(dtype))
     d = _dtype(dtype)
     numel = sum(p.numel() for p in layer.parameters())
     per = 4 - torch.finfo(d).bits // 8
     expected = numel * per
     name = f"bytes saved by {str(d).removeprefix('torch.')}"
     hint = f"fp32 takes 4 bytes per value, {str(d).removeprefix('torch.')} {4 - per}: count every parameter"
-    fb = check(name, answer, expected, hint=hint, rtol=0, atol=0.5)
+    fb = check(name, answer, expected, hint=hint, rtol=0, atol=0.5, solution=solution)
     value = as_number(answer)
     if fb.status == "failed" and value is not None:
         weight = layer.weight.numel()
@@ -319,12 +336,13 @@ def check_bytes_saved(answer, layer: nn.Module, dtype: str | torch.dtype = torch
                  (numel * per * 8, "that is in bits; give bytes")]
         for known_value, why in known:
             if math.isclose(value, known_value, abs_tol=0.5) and not math.isclose(known_value, expected):
-                return check(name, answer, expected, hint=why, rtol=0, atol=0.5)
+                return check(name, answer, expected, hint=why, rtol=0, atol=0.5, solution=solution)
     return fb
 
 
 def check_underflows(answer, value: float, dtype: str | torch.dtype = torch.float16) -> Feedback:
     """Exercise: True if ``value`` becomes 0 when stored in ``dtype`` (round to nearest), else False."""
+    solution = functools.partial(_solution_underflows, value, _dtype(dtype))
     d = _dtype(dtype)
     expected = bool(torch.tensor(float(value)).to(d) == 0)
     name = f"does {value:.3g} underflow in {str(d).removeprefix('torch.')}"
@@ -335,23 +353,25 @@ def check_underflows(answer, value: float, dtype: str | torch.dtype = torch.floa
             isinstance(answer, torch.Tensor) and answer.numel() == 1:
         answer = answer.item()                          # a 0-d tensor or a numpy bool
     if answer is not ... and answer is not None and not isinstance(answer, bool):
-        return check(name, answer, expected, hint="answer True or False (a comparison gives a bool)")
-    fb = check(name, answer, expected, hint=hint)
+        return check(name, answer, expected, hint="answer True or False (a comparison gives a bool)", solution=solution)
+    fb = check(name, answer, expected, hint=hint, solution=solution)
     if fb.status == "failed" and answer and value < torch.finfo(d).smallest_normal:
         return check(name, answer, expected, hint=f"{value:.3g} is below the smallest *normal* "
                                                   f"({torch.finfo(d).smallest_normal:.3g}) but subnormals go down to "
-                                                  f"{tiny:.3g}: it survives, with fewer significant bits")
+                                                  f"{tiny:.3g}: it survives, with fewer significant bits",
+                     solution=solution)
     return fb
 
 
 def check_loss_scale(answer, gradient: float, target: float | None = None) -> Feedback:
     """Exercise: the smallest power of two S with S * ``gradient`` >= ``target`` (default: fp16's smallest
     normal, 2^-14, so the gradient keeps fp16's full precision)."""
+    solution = functools.partial(_solution_loss_scale, gradient)
     target = float(torch.finfo(torch.float16).smallest_normal) if target is None else target
     expected = 2.0 ** math.ceil(math.log2(target / gradient))
     name = "loss scale"
     hint = "S = 2^k with the smallest k such that S × gradient ≥ 2^-14: k = ceil(log2(2^-14 / gradient))"
-    fb = check(name, answer, expected, hint=hint, rtol=1e-9)
+    fb = check(name, answer, expected, hint=hint, rtol=1e-9, solution=solution)
     value = as_number(answer)
     if fb.status == "failed" and value is not None and value > 0:
         if not math.isclose(math.log2(value), round(math.log2(value)), abs_tol=1e-9):
@@ -362,5 +382,5 @@ def check_loss_scale(answer, gradient: float, target: float | None = None) -> Fe
             why = f"{value:g} × {gradient:.3g} = {value * gradient:.3g} is still below 2^-14 = {target:.3g}"
         else:
             why = f"{value:g} works but is not the smallest: {value / 2:g} is enough too"
-        return check(name, answer, expected, hint=why, rtol=1e-9)
+        return check(name, answer, expected, hint=why, rtol=1e-9, solution=solution)
     return fb

@@ -16,18 +16,17 @@ Here: the masks of a real layer (`lesson_masks`, `row_mask`), the figures (`mask
 """
 from __future__ import annotations
 
-import math
+import functools
 
 import torch
 from torch import nn
 
 from workbench.pruning import masks as M
-from workbench.pruning.structured import channel_importance
-from workbench.teach import Feedback, as_number, check
+from workbench.pruning.structured import channel_importance, channels
+from workbench.teach import Feedback, check
 
 __all__ = ["row_mask", "lesson_masks", "mask_sparsity", "mask_heatmaps", "channel_norms", "sparsity_curves",
-           "nm_grouping", "check_sparsity", "check_global_mask", "check_nm_kept", "check_nm_mask",
-           "check_removed_channels"]
+           "nm_grouping", "check_global_mask", "check_nm_mask", "check_structured_weight"]
 
 _COLOURS = {"magnitude": "#1f77b4", "magnitude + fine-tune": "#2ca02c", "random": "#d62728"}
 
@@ -115,11 +114,12 @@ def mask_heatmaps(weight: torch.Tensor, masks: dict[str, torch.Tensor], rows: in
                                  showscale=i == len(masks),
                                  xgap=1, ygap=1, colorbar=dict(title="|w|"), hoverongaps=False,
                                  hovertemplate="row %{y}, input %{x}: |w| = %{z:.3f}<extra></extra>"), row=1, col=i)
-        fig.update_xaxes(title="input", dtick=4, showgrid=False, row=1, col=i)   # ticks mark the groups of 4
+        fig.update_xaxes(title="input (column)", dtick=4, showgrid=False, row=1, col=i)   # ticks: the groups of 4
         fig.update_yaxes(autorange="reversed", showticklabels=i == 1, showgrid=False, row=1, col=i)
     fig.update_yaxes(title="output row", row=1, col=1)
     fig.update_layout(title=f"Three ways to prune {layer} (corner {rows}x{cols}; blank = pruned)",
-                      template="plotly_white", height=380, plot_bgcolor="white")
+                      template="plotly_white", height=400, plot_bgcolor="white",
+                      margin=dict(t=120))                          # two-line subplot titles below the title
     return fig
 
 
@@ -167,30 +167,26 @@ def sparsity_curves(sweep, random=None, dense_accuracy: float | None = None, met
 
 
 # --- exercise checks -----------------------------------------------------------------------------------
+# Each exercise has a worked solution (``_solution_*``, as a learner writes it in the cell), shown behind the
+# feedback's "Show solution" toggle and run by the regression suite (``wb.teach.use_solutions``).
 
 
-def check_sparsity(answer, mask: torch.Tensor) -> Feedback:
-    """Exercise: the sparsity (fraction of weights pruned) of a keep-mask (True = kept)."""
-    expected = mask_sparsity(mask)
-    name = "sparsity of a mask"
-    hint = "the mask is True where a weight is kept; sparsity = pruned / total = 1 - kept / total"
-    fb = check(name, answer, expected, hint=hint, rtol=1e-6, atol=1e-6)
-    value = as_number(answer)
-    if fb.status == "failed" and value is not None:
-        if math.isclose(value, 1 - expected, abs_tol=1e-6):
-            return check(name, answer, expected, hint="you computed the density (fraction kept); sparsity is the "
-                                                      "fraction pruned, 1 - density", atol=1e-6)
-        if math.isclose(value, 100 * expected, rel_tol=1e-3):
-            return check(name, answer, expected, hint="that is a percentage; give the fraction (0..1)", atol=1e-6)
-        if math.isclose(value, mask.numel() - int(mask.sum()), abs_tol=0.5):
-            return check(name, answer, expected, hint="that is the number of pruned weights; divide by the total",
-                         atol=1e-6)
-    return fb
+def _solution_global_mask(weights, global_sparsity, target):
+    scores = torch.cat([w.abs().flatten() for w in weights.values()])      # every selected weight, ranked together
+    threshold = scores.sort().values[round(global_sparsity * scores.numel()) - 1]
+    return weights[target].abs() > threshold
+
+
+def _solution_nm_mask(w2, n, m):
+    groups = w2.detach().abs().permute(0, 2, 3, 1).reshape(-1, m)         # (out * kh * kw * in / m, m)
+    keep = torch.zeros_like(groups, dtype=torch.bool).scatter_(1, groups.topk(n, dim=1).indices, True)
+    return keep.reshape(w2.shape[0], w2.shape[2], w2.shape[3], w2.shape[1]).permute(0, 3, 1, 2)
 
 
 def check_global_mask(answer, weights: dict[str, torch.Tensor], sparsity: float, layer: str) -> Feedback:
     """Exercise: ``layer``'s keep-mask (True = kept) under one magnitude threshold shared by all ``weights``
     that prunes ``sparsity`` of them together (what `wb.prune.global_plan` does)."""
+    solution = functools.partial(_solution_global_mask, weights, sparsity, layer)
     per_layer = M.global_sparsities({k: w.detach() for k, w in weights.items()}, sparsity)
     w = weights[layer].detach()
     expected = M.magnitude_mask(w, per_layer[layer])
@@ -200,12 +196,13 @@ def check_global_mask(answer, weights: dict[str, torch.Tensor], sparsity: float,
     mistakes = [(M.magnitude_mask(w, sparsity), f"that prunes {layer} on its own at {sparsity:.0%}: the threshold "
                                                 f"must come from all the layers' weights together"),
                 (~expected, "True means kept: you marked the pruned weights")]
-    return check(name, answer, expected, hint=hint, rtol=0, atol=0, mistakes=mistakes)
+    return check(name, answer, expected, hint=hint, rtol=0, atol=0, mistakes=mistakes, solution=solution)
 
 
 def check_nm_mask(answer, weight: torch.Tensor, n: int = 2, m: int = 4) -> Feedback:
     """Exercise: the N:M keep-mask of a convolution weight, groups of ``m`` input channels at each kernel
     position (the package's `wb.prune.NM` mask)."""
+    solution = functools.partial(_solution_nm_mask, weight, n, m)
     expected = M.nm_mask(weight, n, m)
     name = f"{n}:{m} mask along the input channels"
     hint = (f"move the input channels (dim 1) last, group them by {m}, keep the {n} largest |w| of each group, "
@@ -214,58 +211,40 @@ def check_nm_mask(answer, weight: torch.Tensor, n: int = 2, m: int = 4) -> Feedb
                                                   f"group mixes kernel positions; group input channels at each "
                                                   f"kernel position"),
                 (~expected, "True means kept: you marked the pruned weights")]
-    return check(name, answer, expected, hint=hint, rtol=0, atol=0, mistakes=mistakes)
+    return check(name, answer, expected, hint=hint, rtol=0, atol=0, mistakes=mistakes, solution=solution)
 
 
-def check_nm_kept(answer, weight: torch.Tensor, n: int = 2, m: int = 4) -> Feedback:
-    """Exercise: how many weights N:M pruning keeps in ``weight`` (along its input dimension)."""
-    numel = weight.numel()
-    expected = numel // m * n
-    name = f"weights kept by {n}:{m}"
-    fb = check(name, answer, expected, hint=f"every group of {m} consecutive weights keeps exactly {n}",
-               rtol=0, atol=0.5)
-    value = as_number(answer)
-    if fb.status == "failed" and value is not None:
-        known = [(numel, "that is every weight of the layer: N:M keeps only N of every M"),
-                 (numel // m, f"that keeps 1 of every {m}; {n}:{m} keeps {n}"),
-                 (numel - expected, "that is the number pruned; count the kept ones"),
-                 (n / m, "that is the fraction kept; multiply by the number of weights")]
-        for known_value, why in known:
-            if math.isclose(value, known_value, abs_tol=1e-9) and not math.isclose(known_value, expected):
-                return check(name, answer, expected, hint=why, rtol=0, atol=0.5)
-    return fb
+def _solution_structured_weight(w1, removed_fraction):
+    norms = w1.abs().sum(dim=(1, 2, 3))                         # the L1 norm of each output channel
+    keep = w1.shape[0] - round(removed_fraction * w1.shape[0])
+    kept = norms.topk(keep).indices.sort().values               # the largest norms, back in channel order
+    return w1[kept]
 
 
-def _as_indices(answer) -> list[int] | None:
-    try:
-        values = answer.tolist() if hasattr(answer, "tolist") else list(answer)
-        return sorted(int(v) for v in values)
-    except (TypeError, ValueError):
-        return None
-
-
-def check_removed_channels(answer, weight: torch.Tensor, amount: float) -> Feedback:
-    """Exercise: the indices of the output channels that structured L1 pruning of ``amount`` removes from
-    ``weight`` (any order: a list or a tensor)."""
-    expected = _removed(weight, amount, "l1")
-    name = "channels removed by L1 pruning"
-    hint = (f"rank the {weight.shape[0]} output channels by the L1 norm of their weights (sum of |w| over every "
-            f"dimension but the first) and take the {len(expected)} smallest")
-    indices = _as_indices(answer) if answer is not ... and answer is not None else answer
-    if indices is None and answer is not ... and answer is not None:
-        return check(name, answer, expected, hint="give the channel indices as a list or a 1-D tensor of ints")
-    fb = check(name, indices, expected, hint=hint, rtol=0, atol=0)
-    if fb.status == "failed":
-        n = weight.shape[0]
-        largest = sorted(torch.topk(_norms(weight), len(expected)).indices.tolist())
-        if len(indices) != len(expected):
-            why = f"{amount:.0%} of {n} channels is {len(expected)} channels; you gave {len(indices)}"
-        elif indices == largest:
-            why = "those are the channels with the largest norms: pruning removes the least important, the smallest"
-        elif indices == sorted(_removed(weight, amount, "l2")):
-            why = "those are the smallest by L2 norm; the exercise ranks by L1 (the sum of |w|)"
-        else:
-            wrong = sorted(set(indices) - set(expected))
-            why = f"channel(s) {wrong} have larger L1 norms than some you left out; {hint}"
-        return check(name, indices, expected, hint=why, rtol=0, atol=0)
-    return fb
+def check_structured_weight(answer, model: nn.Module, layer: str, amount: float) -> Feedback:
+    """Exercise: ``layer``'s weight after structured L1 pruning removes ``amount`` of its output channels: the
+    kept channels' rows, in their original order (expected: the weight `wb.prune.channels` leaves)."""
+    weight = model.get_submodule(layer).weight.detach()
+    expected = channels(model, {layer: amount}, criterion="l1").get_submodule(layer).weight.detach()
+    solution = functools.partial(_solution_structured_weight, weight, amount)
+    gone = _removed(weight, amount, "l1")
+    kept = [i for i in range(weight.shape[0]) if i not in gone]
+    by_norm = torch.topk(_norms(weight), len(kept)).indices                      # kept, largest norm first
+    zeroed = weight.clone()
+    zeroed[gone] = 0
+    l2_gone = set(_removed(weight, amount, "l2"))
+    mistakes = [
+        (zeroed, "the pruned channels are zeroed but still there: structured pruning removes them, so the layer "
+                 f"has {len(kept)} output channels"),
+        (weight[sorted(torch.topk(_norms(weight), len(kept), largest=False).indices.tolist())],
+         "those are the channels with the *smallest* L1 norms: pruning keeps the largest and removes the rest"),
+        (weight[by_norm], "the right channels, in the order of their norms; keep them in their original order "
+                          "(the next layer's inputs follow it)"),
+        (weight[[i for i in range(weight.shape[0]) if i not in l2_gone]],
+         "those channels are ranked by the L2 norm; the exercise ranks by L1, the sum of |w|"),
+        (weight[gone], f"those are the {len(gone)} removed channels; the pruned layer keeps the other {len(kept)}"),
+    ]
+    hint = (f"rank the {weight.shape[0]} output channels by the sum of |w| over every dimension but the first, "
+            f"drop the {len(gone)} smallest and index the weight with the kept ones, in channel order")
+    return check(f"{layer}'s weight after {amount:.0%} structured L1 pruning", answer, expected, hint=hint,
+                 rtol=0, atol=0, mistakes=mistakes, solution=solution)

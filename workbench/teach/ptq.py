@@ -16,21 +16,23 @@ Every layer-output error here is relative: ``||X (W - W_hat)^T||^2 / ||X W^T||^2
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from workbench.quantization import formats  # the name the lesson's notebook (and a worked solution) uses
 from workbench.quantization import formats as fm
 from workbench.quantization.gptq import GPTQStep, gptq_quantize, hessian
 from workbench.quantization.smoothquant import activation_absmax, smoothing_factors
-from workbench.teach import Feedback, check
+from workbench.teach import Feedback, as_number, check
 
 __all__ = ["layer_inputs", "relative_output_error", "GPTQTrace", "gptq_trace", "gptq_error_figure",
            "gptq_update_figure", "awq_grid", "awq_scales_figure", "awq_loss_figure", "smoothing_view",
            "smoothing_figure", "layer_errors", "layer_errors_figure", "ptq_plans", "measure_plans", "FeedbackExample",
            "feedback_example", "results_figure", "method_table",
-           "check_feedback_update", "check_awq_scales", "check_smoothing_factors", "check_best_method"]
+           "check_feedback_update", "check_awq_alpha", "check_smoothing", "check_best_method"]
 
 _METHOD_COLOURS = {"fp32": "#5f6368", "rtn": "#d93025", "gptq": "#1a73e8", "awq": "#188038",
                    "w8a8": "#f29900", "w8a8+sq": "#9334e6"}
@@ -474,14 +476,20 @@ def feedback_example(weight: torch.Tensor, X: torch.Tensor, rows: int = 6, cols:
     return FeedbackExample(W, U, q0)
 
 
+def _solution_feedback_update(toy):
+    error = (toy.W[:, 0] - toy.q0) / toy.U[0, 0]               # column 0's rounding error, scaled by U[0, 0]
+    return toy.W[:, 1:] - torch.outer(error, toy.U[0, 1:])      # every later column j moves by -error · U[0, j]
+
+
 def check_feedback_update(answer, ex: FeedbackExample) -> Feedback:
     """Exercise: the remaining columns ``W[:, 1:]`` after column 0 is quantized to ``q0`` and its error is
     fed forward: ``W[:, 1:] - ((W[:, 0] - q0) / U[0, 0]) ⊗ U[0, 1:]``."""
+    solution = functools.partial(_solution_feedback_update, ex)
     err = ex.W[:, 0] - ex.q0
     expected = ex.W[:, 1:] - torch.outer(err / ex.U[0, 0], ex.U[0, 1:])
     hint = ("the scaled error is e = (w₀ − q₀) / U[0,0]; every remaining column j moves by −e·U[0,j] "
             "(torch.outer(e, U[0, 1:]))")
-    fb = check("GPTQ error feedback", answer, expected, hint=hint, rtol=1e-6, atol=1e-9)
+    fb = check("GPTQ error feedback", answer, expected, hint=hint, rtol=1e-6, atol=1e-9, solution=solution)
     if fb.status == "failed" and isinstance(answer, torch.Tensor) and answer.shape == expected.shape:
         a = answer.detach().double()
         variants = {
@@ -494,55 +502,110 @@ def check_feedback_update(answer, ex: FeedbackExample) -> Feedback:
         }
         for why, wrong in variants.items():
             if torch.allclose(a, wrong, rtol=1e-6, atol=1e-9):
-                return check("GPTQ error feedback", answer, expected, hint=f"{why}. {hint}")  # keeps the record
+                return check("GPTQ error feedback", answer, expected, hint=f"{why}. {hint}", solution=solution)
     return fb
 
 
-# --- exercise 2: AWQ's scales ------------------------------------------------------------------------------
+# --- exercise 2: AWQ's alpha search ------------------------------------------------------------------------
 
-def check_awq_scales(answer, x_mean: torch.Tensor, alpha: float) -> Feedback:
-    """Exercise: s = mean|x|^alpha (clamped at 1e-4), divided by sqrt(max(s) * min(s))."""
-    s = x_mean.float().pow(alpha).clamp(min=1e-4)
-    expected = s / (s.max() * s.min()).sqrt()
-    hint = "s = x_mean ** alpha, then divide by (s.max() * s.min()).sqrt() so the scales centre on 1"
-    if isinstance(answer, torch.Tensor) and answer.shape == expected.shape and not torch.allclose(
-            answer.float(), expected, rtol=1e-4):
-        ratio = answer.float() / expected
-        if torch.allclose(ratio, ratio.mean().expand_as(ratio), rtol=1e-4):
-            hint = (f"your scales are proportional to the expected ones (×{float(ratio.mean()):.3g}): "
-                    f"normalise them by sqrt(max(s) · min(s))")
-        elif torch.allclose(answer.float(), x_mean.float().pow(1 - alpha).clamp(min=1e-4) /
-                            (x_mean.float().pow(1 - alpha).clamp(min=1e-4).max() *
-                             x_mean.float().pow(1 - alpha).clamp(min=1e-4).min()).sqrt(), rtol=1e-4):
-            hint = "that is the exponent 1 − alpha; AWQ raises mean|x| to alpha itself"
-    return check("AWQ scales", answer, expected, hint=hint)
+def _solution_awq_alpha(W, X, fmt):
+    x_mean = X.abs().mean(dim=0)                                  # (K,) mean |x_j| over the tokens
+    reference = X @ W.T                                           # (tokens, N)
+    errors = []
+    for alpha in [i / 20 for i in range(21)]:
+        s = x_mean.pow(alpha).clamp(min=1e-4)
+        s = s / (s.max() * s.min()).sqrt()
+        Wq = formats.decode(formats.encode(W * s, fmt), fmt, W.shape[1]) / s
+        errors.append(float((X @ Wq.T - reference).pow(2).mean()))
+    return errors.index(min(errors)) / 20
 
 
-# --- exercise 3: SmoothQuant's factors ---------------------------------------------------------------------
+def _alpha_search(W: torch.Tensor, X: torch.Tensor, fmt: fm.IntFormat, activation: torch.Tensor,
+                  divide_back: bool = True, on_weights: bool = False) -> float:
+    """The alpha a search with one of the usual slips picks: scales from another activation statistic, the
+    scales not divided out again, or the error measured on the weights instead of the layer's output."""
+    errors = []
+    for i in range(21):
+        s = activation.pow(i / 20).clamp(min=1e-4)
+        s = s / (s.max() * s.min()).sqrt()
+        Wq = fm.decode(fm.encode(W * s, fmt), fmt, W.shape[1])
+        Wq = Wq / s if divide_back else Wq
+        errors.append(float((Wq - W).pow(2).mean()) if on_weights else float((X @ (Wq - W).T).pow(2).mean()))
+    return errors.index(min(errors)) / 20
 
-def check_smoothing_factors(answer, X: torch.Tensor, weight: torch.Tensor, alpha: float) -> Feedback:
-    """Exercise: s_j = max|X_:,j|^alpha / max|W_:,j|^(1 - alpha), per input channel j (shape (K,))."""
-    K = weight.shape[1]
-    expected = smoothing_factors(activation_absmax([(X,)], K), weight, alpha)
-    hint = ("both maxima run over the input channel j: X.abs().amax(dim=0) (over tokens) and "
-            "W.abs().amax(dim=0) (over output rows); then act ** alpha / w ** (1 - alpha)")
-    if isinstance(answer, torch.Tensor) and answer.shape == expected.shape:
-        act = X.float().abs().amax(dim=0).clamp(min=1e-5)
-        w = weight.detach().float().abs().amax(dim=0).clamp(min=1e-5)
-        if torch.allclose(answer.float(), act.pow(1 - alpha) / w.pow(alpha), rtol=1e-4):
-            hint = "alpha and 1 − alpha are swapped: the activations get the exponent alpha"
-        elif torch.allclose(answer.float(), 1 / expected, rtol=1e-4):
-            hint = "that is 1 / s: activations are divided by s, so s = act^alpha / w^(1 − alpha)"
-    elif isinstance(answer, torch.Tensor) and answer.shape == (weight.shape[0],):
-        hint = (f"your answer has one value per output row ({weight.shape[0]}); SmoothQuant needs one per input "
-                f"channel ({K}): take W's max over dim=0")
-    return check("SmoothQuant factors", answer, expected, hint=hint)
+
+def check_awq_alpha(answer, W: torch.Tensor, X: torch.Tensor, bits: int, group_size: int | None) -> Feedback:
+    """Exercise: AWQ's alpha on 0, 0.05, ..., 1 - the one whose scales s = mean|x|^alpha (normalised) give
+    the smallest output error of RTN on ``W diag(s)``, divided by s again (expected: `awq_grid`, which computes
+    what `awq.awq_search` computes)."""
+    W, X = W.detach().float(), X.detach().float()
+    solution = functools.partial(_solution_awq_alpha, W, X, fm.IntFormat(bits, group_size))
+    grid, x_mean, _ = awq_grid(W, X, bits=bits, group_size=group_size)
+    expected = float(grid.loc[grid["relative_error"].idxmin(), "alpha"])
+    hint = ("for each alpha: s = mean|x|^alpha (clamped at 1e-4), divided by sqrt(max(s) · min(s)); quantize W · s "
+            "(columns scaled), divide by s again, and measure the mean squared error of X Ŵᵀ against X Wᵀ")
+    mistakes = []
+    value = as_number(answer) if answer is not ... and answer is not None else None
+    if value is not None and abs(value - expected) > 1e-6:       # the slips are searched only for a wrong answer
+        fmt = fm.IntFormat(bits, group_size)
+        worst = float(grid.loc[grid["relative_error"].idxmax(), "alpha"])
+        mistakes = [
+            (_alpha_search(W, X, fmt, x_mean, on_weights=True),
+             "that alpha minimises the error of the *weights*; AWQ minimises the error of the layer's output "
+             "X Ŵᵀ, which is what lets large activations count"),
+            (_alpha_search(W, X, fmt, X.abs().amax(dim=0)),
+             "those scales come from max|x_j|; AWQ uses the mean |x_j| over the tokens"),
+            (_alpha_search(W, X, fmt, x_mean, divide_back=False),
+             "divide the quantized W · s by s again: the layer computes (x / s) · (W s)ᵀ = x Wᵀ"),
+            (worst, "that alpha has the *largest* error; take the smallest"),
+        ]
+        if value in (0.0, 1.0) and value != expected:
+            mistakes.append((value, f"alpha = {value:g} is an end of the grid; the search found a smaller error "
+                                    f"inside it"))
+    return check("AWQ alpha search", answer, expected, hint=hint, rtol=0, atol=1e-6, mistakes=mistakes,
+                 solution=solution)
+
+
+def _solution_smoothing(X, W, smooth_alpha):
+    s = X.abs().amax(dim=0) ** smooth_alpha / W.abs().amax(dim=0) ** (1 - smooth_alpha)   # (K,) one per input channel
+    return X / s, W * s                                                        # activations down, weights up
+
+
+# --- exercise 3: SmoothQuant's migration -------------------------------------------------------------------
+
+def check_smoothing(answer, X: torch.Tensor, weight: torch.Tensor, alpha: float) -> Feedback:
+    """Exercise: the smoothed pair ``(X / s, W * s)`` with SmoothQuant's factors
+    s_j = max|X_:,j|^alpha / max|W_:,j|^(1 - alpha) (`smoothquant.smoothing_factors`): the same product X Wᵀ,
+    with the activation outliers moved into the weights."""
+    X, W = X.detach().float(), weight.detach().float()
+    solution = functools.partial(_solution_smoothing, X, W, alpha)
+    K = W.shape[1]
+    s = smoothing_factors(activation_absmax([(X,)], K), W, alpha)                 # (K,)
+    expected = (X / s, W * s)
+    act, w = X.abs().amax(dim=0).clamp(min=1e-5), W.abs().amax(dim=0).clamp(min=1e-5)
+    swapped = act.pow(1 - alpha) / w.pow(alpha)
+    mistakes = [((X * s, W / s), "the migration runs the other way: divide the activations by s (their outliers "
+                                 "shrink) and multiply the weights by it"),
+                ((X / swapped, W * swapped), "alpha and 1 − alpha are swapped: the activations' maximum gets the "
+                                             "exponent alpha"),
+                ((X / s, W), "the weights must be multiplied by s too, or X Wᵀ changes")]
+    hint = ("s has one value per input channel j: the maxima run over the tokens (X.abs().amax(dim=0)) and over the "
+            "output rows (W.abs().amax(dim=0)); return the pair (X / s, W * s)")
+    if isinstance(answer, torch.Tensor):
+        hint = "return the pair (smoothed activations, smoothed weights), e.g. `answer = X / s, W * s`"
+    return check("SmoothQuant migration", answer, expected, hint=hint, rtol=1e-4, atol=1e-6, mistakes=mistakes,
+                 solution=solution)
 
 
 # --- exercise 4: reading the measurements ------------------------------------------------------------------
 
+def _solution_best_method(minilm_table, bits):
+    return minilm_table[bits].idxmax()                          # fidelity: higher is better
+
+
 def check_best_method(answer, table, bits: int, higher_is_better: bool = True) -> Feedback:
     """Exercise: which weight-only method (``"rtn"``, ``"gptq"`` or ``"awq"``) measured best at ``bits``."""
+    solution = functools.partial(_solution_best_method, table, bits) if higher_is_better else None
     column = table[bits]
     expected = str(column.idxmax() if higher_is_better else column.idxmin())
     direction = "highest" if higher_is_better else "lowest"
@@ -551,4 +614,4 @@ def check_best_method(answer, table, bits: int, higher_is_better: bool = True) -
         hint = (f"{answer.lower()} measured {column[answer.lower()]:.4f} at {bits} bits; another method did better "
                 f"({'higher' if higher_is_better else 'lower'} is better)")
     return check(f"best method at {bits} bits", answer.lower() if isinstance(answer, str) else answer, expected,
-                 hint=hint)
+                 hint=hint, solution=solution)

@@ -17,6 +17,7 @@ lives here, computed with the package's own pieces (`workbench.quantization.qat.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -336,9 +337,27 @@ def zero_gradient_fraction(layer: nn.Module) -> float:
 
 
 # --- exercise checks -----------------------------------------------------------------------------------------
+# Each exercise has a worked solution (``_solution_*``, as a learner writes it in the cell), shown behind the
+# feedback's "Show solution" toggle and run by the regression suite (``wb.teach.use_solutions``).
+
+
+def _solution_fake_quantize(x, scale, exercise_bits):
+    qmin, qmax = -2 ** (exercise_bits - 1), 2 ** (exercise_bits - 1) - 1     # the signed range of that many bits
+    return (x / scale).round().clamp(qmin, qmax) * scale
+
+
+def _solution_ste_gradient(x, scale, exercise_bits):
+    qmin, qmax = -2 ** (exercise_bits - 1), 2 ** (exercise_bits - 1) - 1
+    code = (x / scale).round()                                     # the STE passes round() through unchanged...
+    return ((code >= qmin) & (code <= qmax)).float()               # ...but a clamped code does not move with x
+
+
+def _solution_recovered(fp32_accuracy, ptq_accuracy, qat_accuracy):
+    return (qat_accuracy - ptq_accuracy) / (fp32_accuracy - ptq_accuracy)
 
 def check_fake_quantize(answer, x: torch.Tensor, scale: float, bits: int) -> Feedback:
     """Exercise: ``scale * clamp(round(x / scale), qmin, qmax)``."""
+    solution = functools.partial(_solution_fake_quantize, x, scale, bits)
     qmin, qmax = qrange(bits, True)
     expected = fake_quantize(x, scale, bits)
     hint = f"divide by the scale, round to the nearest integer, clamp to [{qmin}, {qmax}], multiply by the scale"
@@ -359,11 +378,12 @@ def check_fake_quantize(answer, x: torch.Tensor, scale: float, bits: int) -> Fee
             if not torch.allclose(wrong, expected) and torch.allclose(a, wrong):
                 hint = why
                 break
-    return check("fake quantization", answer, expected, hint=hint)
+    return check("fake quantization", answer, expected, hint=hint, solution=solution)
 
 
 def check_ste_gradient(answer, x: torch.Tensor, scale: float, bits: int) -> Feedback:
     """Exercise: d sum(fake_quantize(x)) / dx with the straight-through estimator."""
+    solution = functools.partial(_solution_ste_gradient, x, scale, bits)
     qmin, qmax = qrange(bits, True)
     expected = ste_gradient(x, scale, bits)
     hint = ("the STE treats round() as the identity, so the gradient is 1 — except where the rounded code was "
@@ -378,11 +398,12 @@ def check_ste_gradient(answer, x: torch.Tensor, scale: float, bits: int) -> Feed
         elif torch.equal(a, ((xs >= qmin) & (xs <= qmax)).float()):
             hint = ("close: the clamp acts on the *rounded* code, so x / scale up to qmax + 0.5 still rounds into "
                     f"the grid (compare round(x / scale) with [{qmin}, {qmax}], not x / scale)")
-    return check("STE gradient", answer, expected, hint=hint)
+    return check("STE gradient", answer, expected, hint=hint, solution=solution)
 
 
 def check_recovered(answer, fp32: float, ptq: float, qat: float) -> Feedback:
     """Exercise: the fraction of PTQ's accuracy loss that QAT won back, (qat − ptq) / (fp32 − ptq)."""
+    solution = functools.partial(_solution_recovered, fp32, ptq, qat)
     expected = (qat - ptq) / (fp32 - ptq)
     hint = "recovered = (QAT − PTQ) / (fp32 − PTQ): what QAT won back, over what PTQ lost"
     try:
@@ -396,4 +417,4 @@ def check_recovered(answer, fp32: float, ptq: float, qat: float) -> Feedback:
             hint = "that is QAT's accuracy relative to fp32; the question is about the *loss* PTQ caused"
         elif math.isclose(value, 100 * expected, rel_tol=1e-4):
             hint = "give a fraction (e.g. 0.9), not a percentage"
-    return check("fraction of PTQ's loss recovered", answer, expected, hint=hint, rtol=1e-4)
+    return check("fraction of PTQ's loss recovered", answer, expected, hint=hint, rtol=1e-4, solution=solution)

@@ -1,0 +1,94 @@
+"""A lesson as a learner opens it in JupyterLab (Debian chromium driven by playwright): every exercise cell shows
+only the learner's line and the check - no worked solution, no ``if solutions`` - and none of the lesson module's
+worked-solution code is on the page. Nothing is run: this is what the learner sees before the first Run.
+
+Needs ``/usr/bin/chromium`` and the ``playwright`` package (never ``playwright install``); without them the test
+skips, except where ``WORKBENCH_E2E=required`` (CI), where it fails. The screenshot (the first exercise on screen)
+goes to ``test-output/lesson_<notebook>.png`` at the repository root, next to the other browser tests' shots.
+"""
+import inspect
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import free_port
+
+from workbench import teach
+
+ROOT = Path(__file__).resolve().parents[2]
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run"]
+LESSON, MODULE = "20_pruning", "pruning"
+INPUTS = "() => [...document.querySelectorAll('.jp-CodeCell .jp-InputArea .cm-content')].map(e => e.innerText)"
+
+
+@pytest.fixture
+def page():
+    try:
+        from playwright import sync_api
+    except ImportError:
+        sync_api = None
+    missing = ("the playwright package (pip install -e .[dev])" if sync_api is None else
+               f"Debian's chromium at {CHROMIUM} (apt-get install -y chromium)" if not Path(CHROMIUM).exists() else "")
+    if missing:
+        if os.environ.get("WORKBENCH_E2E") == "required":
+            pytest.fail(f"the lesson browser test needs {missing}")
+        pytest.skip(f"the lesson browser test needs {missing}")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+        page = browser.new_page(viewport={"width": 1440, "height": 1000})
+        page.set_default_timeout(120_000)          # a loaded 2-core machine
+        yield page
+        browser.close()
+
+
+def _solution_lines() -> set[str]:
+    module = getattr(teach, MODULE)
+    lines = set()
+    for name, fn in inspect.getmembers(module, inspect.isfunction):
+        if name.startswith("_solution_"):
+            lines |= {line.split("#")[0].strip() for line in teach.solution_source(fn).splitlines()}
+    return {line for line in lines if len(line) > 12}
+
+
+def test_lesson_cells_show_no_solutions_in_jupyterlab(page, serve, tmp_path, monkeypatch):
+    # every cell rendered (no windowing), so the page holds the whole notebook's inputs
+    settings = tmp_path / "settings" / "@jupyterlab" / "notebook-extension"
+    settings.mkdir(parents=True)
+    (settings / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
+    news = tmp_path / "settings" / "@jupyterlab" / "apputils-extension"
+    news.mkdir(parents=True)
+    (news / "notification.jupyterlab-settings").write_text(json.dumps({"fetchNews": "false"}))   # no pop-up
+    monkeypatch.setenv("JUPYTERLAB_SETTINGS_DIR", str(tmp_path / "settings"))
+    port, token = free_port(), "wb-lesson"
+    serve(["jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}", "--allow-root",
+           f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={ROOT}",
+           f"--LabApp.workspaces_dir={tmp_path / 'workspaces'}"],                # no tabs left open by others
+          f"http://127.0.0.1:{port}/api/status?token={token}")
+    page.goto(f"http://127.0.0.1:{port}/lab/tree/notebooks/{LESSON}.ipynb?token={token}")
+    cells = json.loads((ROOT / "notebooks" / f"{LESSON}.ipynb").read_text())["cells"]
+    code_cells = sum(c["cell_type"] == "code" for c in cells)
+    page.wait_for_function(f"({INPUTS})().length >= {code_cells}")
+    inputs = page.evaluate(INPUTS)
+    exercises = [text for text in inputs if text.lstrip().startswith("# Exercise")]
+    assert len(exercises) >= 3, inputs
+
+    first = page.locator(".jp-CodeCell", has_text="# Exercise").first
+    first.scroll_into_view_if_needed()
+    page.wait_for_timeout(500)
+    shots = ROOT / "test-output"
+    shots.mkdir(exist_ok=True)
+    page.screenshot(path=str(shots / f"lesson_{LESSON}.png"))
+
+    for text in exercises:
+        code = [line.strip() for line in text.replace("\u00a0", " ").splitlines()
+                if line.strip() and not line.strip().startswith("#")]
+        assert code[0] == "answer = ..." and len(code) >= 2 and ".check_" in code[1], text    # the line, the check
+        assert not any(line.startswith(("answer", "if ", "for ")) for line in code[1:]), text      # nothing more
+    page_text = "\n".join(inputs).replace("\u00a0", " ")
+    assert "if solutions" not in page_text
+    shown = [line for line in _solution_lines() if line in page_text]
+    assert not shown, f"worked-solution code visible in the lesson: {shown}"

@@ -1,0 +1,158 @@
+"""Every exercise of lessons 10-50, as the learner meets it: the worked solution in the lesson module passes its
+own check (what ``solutions=True`` runs), and a plausible wrong implementation is rejected with its specific hint.
+Inputs are small stand-ins for the lessons' tensors, so the whole file runs in seconds."""
+import math
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+import workbench as wb
+from workbench import teach
+from workbench.teach import basics as B
+from workbench.teach import distillation as D
+from workbench.teach import formats as F
+from workbench.teach import kernels as K
+from workbench.teach import precision as PR
+from workbench.teach import pruning as PN
+from workbench.teach import ptq as PT
+from workbench.teach import qat as Q
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    teach.reset()
+    teach.use_solutions(False)
+    yield
+    teach.reset()
+    teach.use_solutions(False)
+
+
+def _g(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def _weight(shape=(16, 128)):
+    return torch.randn(*shape, generator=_g()) * 0.05
+
+
+def _layer():
+    """A Linear weight (48, 64) and inputs (256 tokens) with a few large channels, as AWQ / SmoothQuant see."""
+    W = torch.randn(48, 64, generator=_g(1)) * 0.05
+    X = torch.randn(256, 64, generator=_g(2)) * torch.where(torch.arange(64) % 16 == 3, 20.0, 1.0)
+    return W, X
+
+
+def _digits_cnn():
+    return wb.models.load("digits-cnn")
+
+
+X13, S13 = torch.tensor([-1.5, -1.3, -0.6, -0.2, 0.1, 0.3, 0.7, 1.0, 1.2]), 0.3
+LOGITS = torch.tensor([6.0, 1.5, -2.0, 0.3, 4.2, -1.0, 0.0, 2.2, -3.1, 1.1])
+CODES = torch.randint(0, 16, (4, 16), generator=_g(), dtype=torch.uint8)
+
+
+def _gradients():
+    student, teacher = torch.randn(32, 10, generator=_g(3)), torch.randn(32, 10, generator=_g(4)) * 4
+    return D.soft_gradient_norms(student, teacher, [1, 2, 4, 8])
+
+
+def _methods():
+    return pd.DataFrame({4: {"rtn": 0.97, "gptq": 0.985, "awq": 0.98}, 3: {"rtn": 0.80, "gptq": 0.86, "awq": 0.90}})
+
+
+def _wrong_group(w):      # one scale per row instead of per group of 64
+    s = w.abs().amax(dim=1, keepdim=True) / 7.5
+    return (w / s).round().clamp(-8, 7) * s
+
+
+def _flattened_nm(w):     # groups of 4 over the flattened (in, kh, kw): the mistake issue 23 found in the package
+    g = w.detach().abs().reshape(-1, 4)
+    keep = torch.zeros_like(g, dtype=torch.bool).scatter_(1, g.topk(2, dim=1).indices, True)
+    return keep.reshape(w.shape)
+
+
+def _global_weights():
+    return {"a": torch.randn(8, 16, generator=_g(5)), "b": torch.randn(32, 16, generator=_g(6)) * 0.1}
+
+
+# (exercise id, check(answer) -> Feedback, a plausible wrong implementation (a function of nothing), hint words)
+CASES = [
+    ("10 e4m3 decoder", lambda a: F.check_e4m3_decode(a, torch.arange(256)),
+     lambda: F._decode_fields(torch.arange(256), subnormals=False), "subnormal"),
+    ("10 int8 round trip", lambda a: F.check_int8_round_trip(a, _weight()),
+     lambda: (lambda w: (w / (w.abs().max() / 127)).round().clamp(-128, 127) * (w.abs().max() / 127))(_weight()),
+     "restricted range"),
+    ("10 loses small values", lambda a: F.check_loses_small_values(a, torch.softmax(LOGITS * 4, -1)),
+     lambda: "bf16", "exponent bits"),
+    ("10 fp16 exp limit", F.check_fp16_exp_limit, lambda: math.log10(65504), "log10"),
+    ("11 fake quant", lambda a: B.check_fake_quant(a, X13, scale=0.05, zero_point=3, bits=4),
+     lambda: torch.round(X13 / 0.05) * 0.05, "not clamped"),
+    ("11 codes used", lambda a: B.check_codes_used(a, _weight().flatten(), bits=8), lambda: 256, "every code"),
+    ("11 group quantizer", lambda a: B.check_group_quantizer(a, _weight(), bits=4, group_size=64),
+     lambda: _wrong_group(_weight()), "one scale per row"),
+    ("11 best clipping", lambda a: B.check_best_clipping(a, B.clipping_curve(_layer()[1], bits=8, points=40)),
+     lambda: float(_layer()[1].abs().max()), "no clipping"),
+    ("12 GPTQ feedback", lambda a: PT.check_feedback_update(a, PT.feedback_example(*_layer(), bits=3)),
+     lambda: PT.feedback_example(*_layer(), bits=3).W[:, 1:].clone(), "without any error feedback"),
+    ("12 AWQ alpha", lambda a: PT.check_awq_alpha(a, *_layer(), bits=3, group_size=16),
+     lambda: PT._alpha_search(*_layer(), wb.quant.formats.IntFormat(3, 16), _layer()[1].abs().mean(0),
+                              on_weights=True), "*weights*"),
+    ("12 SmoothQuant migration", lambda a: PT.check_smoothing(a, _layer()[1], _layer()[0], 0.5),
+     lambda: (lambda X, W, s: (X * s, W / s))(_layer()[1], _layer()[0],
+                                              _layer()[1].abs().amax(0) ** 0.5 / _layer()[0].abs().amax(0) ** 0.5),
+     "other way"),
+    ("12 best method", lambda a: PT.check_best_method(a, _methods(), bits=3), lambda: "gptq", "another method"),
+    ("13 fake-quant forward", lambda a: Q.check_fake_quantize(a, X13, S13, bits=3),
+     lambda: (X13 / S13).round() * S13, "clamped"),
+    ("13 STE backward", lambda a: Q.check_ste_gradient(a, X13, S13, bits=3),
+     lambda: ((X13 / S13 >= -4) & (X13 / S13 <= 3)).float(), "*rounded* code"),
+    ("13 recovered", lambda a: Q.check_recovered(a, 0.99, 0.70, 0.95), lambda: 0.95 - 0.70, "divide"),
+    ("20 global mask", lambda a: PN.check_global_mask(a, _global_weights(), 0.7, "a"),
+     lambda: wb.pruning.masks.magnitude_mask(_global_weights()["a"], 0.7), "all the layers"),
+    ("20 2:4 mask", lambda a: PN.check_nm_mask(a, torch.randn(8, 16, 3, 3, generator=_g()), n=2, m=4),
+     lambda: _flattened_nm(torch.randn(8, 16, 3, 3, generator=_g())), "mixes kernel positions"),
+    ("20 structured weight", lambda a: PN.check_structured_weight(a, _digits_cnn(), "conv1", amount=0.25),
+     lambda: (lambda w: w * (w.abs().sum((1, 2, 3)) > w.abs().sum((1, 2, 3)).kthvalue(8).values)[:, None, None,
+                                                                                               None])(
+         _digits_cnn().conv1.weight.detach()), "zeroed but still there"),
+    ("30 softmax at T", lambda a: D.check_softmax_t(a, LOGITS, temperature=4),
+     lambda: torch.softmax(LOGITS, -1), "plain softmax"),
+    ("30 entropies", lambda a: D.check_entropies(a, LOGITS, [1, 2, 4, 8]),
+     lambda: [float(-(p * p.log()).sum()) for p in (torch.softmax(LOGITS / t, -1) for t in (1, 2, 4, 8))], "nats"),
+    ("30 restoring factor", lambda a: D.check_restoring_factor(a, _gradients(), 4), lambda: 16.0, "limit"),
+    ("40 bytes saved", lambda a: PR.check_bytes_saved(a, nn.Linear(8, 4), torch.bfloat16), lambda: 8 * 4 * 2,
+     "weight only"),
+    ("40 underflows", lambda a: PR.check_underflows(a, 1e-6, torch.float16), lambda: True, "subnormals"),
+    ("40 loss scale", lambda a: PR.check_loss_scale(a, 1e-7), lambda: 2.0 ** 7, "still below"),
+    ("50 int4 pack", lambda a: K.check_int4_pack(a, CODES), lambda: (CODES[:, 0::2] << 4) | CODES[:, 1::2],
+     "swapped"),
+    ("50 intensity", lambda a: K.check_intensity(a, M=1, K=384, N=1536, weight_bytes_per_value=4),
+     lambda: 2 * 384 * 1536 / (384 * 1536 * 4), "only the weight"),
+    ("50 bound", lambda a: K.check_bound(a, M=512, K=384, N=1536, weight_bytes_per_value=4, bandwidth_GBs=20,
+                                         peak_GFLOPs=100), lambda: "memory", "ridge point"),
+]
+
+
+@pytest.mark.parametrize("name, check, wrong, words", CASES, ids=[c[0] for c in CASES])
+def test_worked_solution_passes_and_a_wrong_implementation_gets_its_hint(name, check, wrong, words):
+    assert check(...).status == "not attempted"                      # the learner's cell as committed
+    teach.use_solutions(True)
+    worked = check(...)
+    assert worked.passed and worked.from_solution, str(worked)       # the lesson module's worked solution
+    assert worked.solution and "answer" in worked.solution           # offered behind "Show solution"
+    teach.use_solutions(False)
+    fb = check(wrong())
+    assert fb.status == "failed" and words in fb.hint, str(fb)
+    assert "expected" in fb.message                                  # says what it expected and what it found
+    assert "Show solution" in fb._repr_html_()
+
+
+def test_feedback_banner_sets_code_spans_as_code():
+    fb = teach.check("scale", 1.0, 2.0, hint="use `x.abs().max()` <not HTML>")
+    html = fb._repr_html_()
+    assert "<code>x.abs().max()</code>" in html and "`" not in html and "&lt;not HTML&gt;" in html
+    unattempted = teach.check("scale", ..., 2.0)._repr_html_()         # "replace the `...`" in the message
+    assert "<code>...</code>" in unattempted and "`" not in unattempted
+    assert "`" in teach.check("odd", 1.0, 2.0, hint="an unpaired ` stays")._repr_html_()

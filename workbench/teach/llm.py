@@ -382,7 +382,7 @@ def check_roofline_bound(answer, bandwidth: float, weight_bytes: float, kv_bytes
 
 def _solution_per_token(X):
     scale = X.abs().amax(dim=1, keepdim=True) / 127.5
-    answer = torch.clamp(torch.round(X / scale), -128, 127) * scale
+    answer = torch.clamp(torch.round(X * (1 / scale)), -128, 127) * scale
     return answer
 
 
@@ -404,7 +404,7 @@ def check_per_token(answer, X: torch.Tensor) -> Feedback:
 
 def _solution_per_channel(X):
     scale = X.abs().amax(dim=0, keepdim=True) / 127.5
-    answer = torch.clamp(torch.round(X / scale), -128, 127) * scale
+    answer = torch.clamp(torch.round(X * (1 / scale)), -128, 127) * scale
     return answer
 
 

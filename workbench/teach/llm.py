@@ -329,19 +329,20 @@ def kv_share_figure(table, title: str | None = None):
 
 # --- exercises: worked solutions and checks -----------------------------------------------------------------
 
-def _rounding_ties(answer, expected: torch.Tensor, step: torch.Tensor, max_fraction: float = 1e-3) -> torch.Tensor:
-    """``expected`` with ``answer``'s values where the two differ by exactly one grid step, if only a few do: x / s
-    and x * (1 / s) (the package's form) can round a value that sits on a half step to either side."""
+def _rounding_ties(answer, expected: torch.Tensor, x: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """``expected`` with ``answer``'s values where the two differ by one grid step at a value ``x`` that sits on a
+    half step (within 1e-3 of one): x / s and x * (1 / s), the package's form, may round such a value either way."""
     if not isinstance(answer, torch.Tensor) or answer.shape != expected.shape:
         return expected
     a, e = answer.detach().double(), expected.double()
     step = step.double().expand_as(e)
     off = ~torch.isclose(a, e, rtol=1e-5, atol=1e-6)
-    count = int(off.sum())
-    if count == 0 or count > max_fraction * e.numel():
+    if not bool(off.any()):
         return expected
+    r = (x.double() / step).abs()
+    tie = ((r - r.floor()) - 0.5).abs() < 1e-3
     one_step = ((a - e).abs() - step).abs() <= 1e-4 * step + 1e-9
-    return torch.where(off, a, e).to(expected.dtype) if bool(one_step[off].all()) else expected
+    return torch.where(off, a, e).to(expected.dtype) if bool((one_step & tie)[off].all()) else expected
 
 
 def _solution_weight_bytes(shapes, bits, group_size):
@@ -389,7 +390,7 @@ def _solution_per_token(X):
 def check_per_token(answer, X: torch.Tensor) -> Feedback:
     """Exercise: int8 symmetric fake-quantization of ``X`` ``(tokens, K)`` with one scale per token (row)."""
     X = X.float()
-    expected = _rounding_ties(answer, fake_quantize(X, 8, PerToken()), X.abs().amax(1, keepdim=True) / 127.5)
+    expected = _rounding_ties(answer, fake_quantize(X, 8, PerToken()), X, X.abs().amax(1, keepdim=True) / 127.5)
     wrong_127 = torch.clamp(torch.round(X / (X.abs().amax(1, keepdim=True) / 127)), -128, 127) * (
         X.abs().amax(1, keepdim=True) / 127)
     return check("per-token int8 activations", answer, expected, rtol=1e-5, atol=1e-6,
@@ -411,7 +412,8 @@ def _solution_per_channel(X):
 def check_per_channel(answer, X: torch.Tensor) -> Feedback:
     """Exercise: the same with one scale per input channel (column) of ``X``."""
     X = X.float()
-    expected = _rounding_ties(answer, fake_quantize(X, 8, PerChannel(1)), X.abs().amax(0, keepdim=True) / 127.5)
+    expected = _rounding_ties(answer, fake_quantize(X, 8, PerChannel(1)), X,
+                              X.abs().amax(0, keepdim=True) / 127.5)
     return check("per-channel int8 activations", answer, expected, rtol=1e-5, atol=1e-6,
                  hint="one scale per column: max |x| over the tokens (dim=0)",
                  mistakes=[(fake_quantize(X, 8, PerToken()), "that is per token (rows); take the max over dim=0"),
@@ -491,7 +493,7 @@ def _solution_kv_int8(k):
 def check_kv_quantizer(answer, k: torch.Tensor) -> Feedback:
     """Exercise: int8 per-token fake-quantization of a key tensor ``(B, kv_heads, T, head_dim)``."""
     expected = _rounding_ties(answer, kvcache.fake_quantize(k.float(), kvcache.KVCacheFormat(torch.int8, "token")),
-                              k.float().abs().amax(-1, keepdim=True) / 127.5)
+                              k.float(), k.float().abs().amax(-1, keepdim=True) / 127.5)
     return check("KV-cache int8 quantizer", answer, expected, rtol=1e-5, atol=1e-6,
                  hint="one scale per (batch, head, position): max |k| over head_dim (the last axis)",
                  mistakes=[(kvcache.fake_quantize(k.float(), kvcache.KVCacheFormat(torch.int8, "head")),

@@ -368,9 +368,9 @@ def check_obs_saliency(answer, ex: OBSExample) -> Feedback:
     d = torch.diag(ex.U)
     expected = ex.W.pow(2) / d.pow(2)
     return check("OBS saliency", answer, expected, rtol=1e-6, atol=1e-12,
-                 hint="the loss of removing w_ij is w_ij^2 / [H^-1]_jj; with the Cholesky factor that is "
-                      "w^2 / U_jj^2 (broadcast over rows)",
-                 mistakes=[(ex.W.pow(2) / d, "square the diagonal too: [H^-1]_jj = U_jj^2 at the start of a block"),
+                 hint="the loss of removing w_ij is w_ij^2 / [H_F^-1]_jj, and the inverse Hessian of the columns "
+                      "still free (j and after) has diagonal U_jj^2: w^2 / U_jj^2, broadcast over rows",
+                 mistakes=[(ex.W.pow(2) / d, "square the diagonal too: [H_F^-1]_jj = U_jj^2"),
                            (ex.W.abs() / d, "the saliency is quadratic in w")],
                  solution=functools.partial(_solution_obs_saliency, ex.W, ex.U))
 

@@ -126,7 +126,7 @@ def quantized_kv_cache(model: nn.Module, fmt: KVCacheFormat) -> Iterator[nn.Modu
     implementation is restored on exit (also on error). Needs a transformers model whose attention goes through
     ``AttentionInterface`` (``config._attn_implementation``, ``set_attn_implementation``) and one of its
     registered functions (e.g. "sdpa", the default)."""
-    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     config = getattr(model, "config", None)
     previous = getattr(config, "_attn_implementation", None)
@@ -135,7 +135,7 @@ def quantized_kv_cache(model: nn.Module, fmt: KVCacheFormat) -> Iterator[nn.Modu
                         f"implementation (config._attn_implementation); quantized_kv_cache cannot reach its cache")
     if not isinstance(fmt, KVCacheFormat):
         raise TypeError(f"fmt must be a KVCacheFormat, got {type(fmt).__name__}")
-    inner = AttentionInterface._global_mapping.get(previous)
+    inner = ALL_ATTENTION_FUNCTIONS.get(previous)
     if inner is None:
         raise ValueError(f"quantized_kv_cache wraps a registered attention function, and {type(model).__name__}'s "
                          f"{previous!r} is not one; call model.set_attn_implementation('sdpa') first")
@@ -144,7 +144,7 @@ def quantized_kv_cache(model: nn.Module, fmt: KVCacheFormat) -> Iterator[nn.Modu
         return inner(module, query, fake_quantize(key, fmt), fake_quantize(value, fmt), attention_mask, **kwargs)
 
     name = f"workbench_kv_{str(fmt.dtype).replace('torch.', '')}_{fmt.per}_{previous}"
-    AttentionInterface.register(name, attend)
+    ALL_ATTENTION_FUNCTIONS.register(name, attend)
     model.set_attn_implementation(name)
     try:
         yield model

@@ -230,10 +230,10 @@ def activation_errors(X: torch.Tensor, W: torch.Tensor, ratio: float = 4.0):
 def attention_inputs(model: nn.Module, ids: torch.Tensor, layer: int = 0):
     """(query (B, H, T, D), key (B, kv_heads, T, D), value, scaling) that attention layer ``layer`` of a
     transformers model sees on ``ids`` - after the rotary embedding, as its cache holds them."""
-    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     previous = model.config._attn_implementation
-    inner = AttentionInterface._global_mapping[previous]
+    inner = ALL_ATTENTION_FUNCTIONS[previous]
     seen: list = []
 
     def record(module, query, key, value, attention_mask, **kwargs):
@@ -242,7 +242,7 @@ def attention_inputs(model: nn.Module, ids: torch.Tensor, layer: int = 0):
                          kwargs.get("scaling", module.scaling)))
         return inner(module, query, key, value, attention_mask, **kwargs)
 
-    AttentionInterface.register("workbench_teach_record", record)
+    ALL_ATTENTION_FUNCTIONS.register("workbench_teach_record", record)
     model.set_attn_implementation("workbench_teach_record")
     try:
         with torch.inference_mode():

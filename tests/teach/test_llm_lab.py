@@ -126,3 +126,21 @@ def test_activation_errors_rank_the_scale_granularities_on_an_outlier_channel():
     assert table["per channel"] < table["per token"] < table["per tensor"]
     split = table[[k for k in table.index if k.startswith("LLM.int8")][0]]
     assert split < table["per token"]                              # the outlier channel kept in float
+
+
+def test_attention_inputs_record_one_layer_as_its_cache_holds_it_and_restore_the_attention():
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(_config()).eval()
+    ids = torch.randint(1, 64, (1, 20), generator=torch.Generator().manual_seed(7))
+    q, k, v, scaling = L.attention_inputs(model, ids, layer=1)
+    assert q.shape == (1, 4, 20, 16) and k.shape == v.shape == (1, 2, 20, 16) and scaling == pytest.approx(0.25)
+    assert model.config._attn_implementation == "sdpa"
+    with torch.inference_mode():
+        cache = model(ids, use_cache=True).past_key_values
+    assert torch.allclose(cache.layers[1].keys, k) and torch.allclose(cache.layers[1].values, v)
+    errors = L.kv_errors(q, k, v, scaling).set_index("format")["keys + values"]
+    assert 0 < errors["int8 per token"] < errors["fp8 e4m3fn per token"]
+    with pytest.raises(ValueError, match="layers"):
+        L.attention_inputs(model, ids, layer=9)

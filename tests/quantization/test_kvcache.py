@@ -1,0 +1,110 @@
+"""KV-cache quantization (workbench.quantization.kvcache): round-trip bounds, scale shapes, bytes, and a Hugging Face
+Llama attending to its quantized cache."""
+import pytest
+import torch
+from torch import nn
+
+from workbench.quantization import kvcache
+from workbench.quantization.kvcache import KVCacheFormat
+
+SCALES = ("token", "head", "channel")
+
+
+def _kv(seed=0, shape=(2, 3, 17, 8)):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    x[..., 5] *= 20                                                   # an outlier channel, as keys have
+    return x
+
+
+@pytest.mark.parametrize("per, scale_shape", [("token", (2, 3, 17, 1)), ("head", (2, 3, 1, 1)),
+                                              ("channel", (2, 3, 1, 8))])
+def test_int8_scales_follow_the_granularity_and_the_error_is_at_most_half_a_step(per, scale_shape):
+    x = _kv()
+    q, scale = kvcache.quantize(x, KVCacheFormat(torch.int8, per))
+    assert q.dtype == torch.int8 and q.shape == x.shape and scale.shape == scale_shape
+    err = (kvcache.dequantize(q, scale) - x).abs()
+    assert bool((err <= scale * (0.5 + 1e-4)).all())                  # (the top value sits on a half step)
+    assert int(q.abs().max()) >= 127                                  # the largest magnitude uses the grid's edge
+
+
+def test_fp8_e4m3_round_trip_is_within_its_relative_precision():
+    x = _kv()
+    y = kvcache.fake_quantize(x, KVCacheFormat(torch.float8_e4m3fn, "token"))
+    q, scale = kvcache.quantize(x, KVCacheFormat(torch.float8_e4m3fn, "token"))
+    assert q.dtype == torch.float8_e4m3fn
+    normal = x.abs() > scale * 2 ** -6                                # e4m3's smallest normal, in x's units
+    assert bool(((y - x).abs()[normal] <= x.abs()[normal] * 2 ** -4 + 1e-7).all())   # 3 mantissa bits
+
+
+def test_finer_scales_are_more_accurate_on_outlier_channels():
+    x = _kv()
+    err = {p: float((kvcache.fake_quantize(x, KVCacheFormat(torch.int8, p)) - x).pow(2).sum()) for p in SCALES}
+    assert err["channel"] < err["token"] < err["head"]
+
+
+def test_bad_formats_and_tensors_are_refused_naming_the_field():
+    with pytest.raises(ValueError, match="dtype"):
+        KVCacheFormat(torch.float16)
+    with pytest.raises(ValueError, match="per"):
+        KVCacheFormat(torch.int8, "row")
+    with pytest.raises(ValueError, match="kv_heads"):
+        kvcache.quantize(torch.randn(3, 4), KVCacheFormat())
+    with pytest.raises(ValueError, match="context"):
+        kvcache.cache_bytes(_config(), -1)
+
+
+def _config(**kw):
+    from transformers import LlamaConfig
+
+    args = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64)
+    args.update(kw)
+    return LlamaConfig(**args)
+
+
+def test_bytes_count_keys_and_values_of_every_layer_and_kv_head():
+    cfg = _config()                                                  # 2 layers, 2 kv heads of dim 8
+    assert kvcache.bytes_per_position(cfg) == 2 * 2 * 2 * 8 * 2      # fp16
+    assert kvcache.bytes_per_position(cfg, KVCacheFormat(torch.int8, "token")) == 2 * 2 * 2 * 8 + 2 * 2 * 2 * 4
+    assert kvcache.cache_bytes(cfg, 10, KVCacheFormat(torch.int8, "head")) == 10 * 64 + 2 * 2 * 2 * 4
+    assert kvcache.cache_bytes(cfg, 10, KVCacheFormat(torch.int8, "channel")) == 10 * 64 + 2 * 2 * 2 * 8 * 4
+
+
+def _llama():
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(_config()).eval()
+
+
+def test_a_llama_attends_to_its_quantized_cache_and_gets_its_attention_back():
+    model = _llama()
+    ids = torch.randint(1, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.inference_mode():
+        ref = model(ids).logits
+        with kvcache.quantized_kv_cache(model, KVCacheFormat(torch.int8, "token")):
+            int8 = model(ids).logits
+        with kvcache.quantized_kv_cache(model, KVCacheFormat(torch.float8_e4m3fn, "head")):
+            fp8 = model(ids).logits
+        again = model(ids).logits
+    assert model.config._attn_implementation == "sdpa"
+    assert torch.equal(again, ref)
+    rel = {k: float((v - ref).norm() / ref.norm()) for k, v in (("int8", int8), ("fp8", fp8))}
+    assert 0 < rel["int8"] < 0.01 and 0 < rel["fp8"] < 0.1 and rel["int8"] < rel["fp8"]
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())   # weights untouched
+
+
+def test_the_attention_is_restored_after_an_error_and_non_hf_models_are_refused():
+    model = _llama()
+    with pytest.raises(RuntimeError, match="boom"):
+        with kvcache.quantized_kv_cache(model, KVCacheFormat()):
+            raise RuntimeError("boom")
+    assert model.config._attn_implementation == "sdpa"
+    with pytest.raises(TypeError, match="pluggable attention"):
+        with kvcache.quantized_kv_cache(nn.Linear(2, 2), KVCacheFormat()):
+            pass
+    with pytest.raises(TypeError, match="KVCacheFormat"):
+        with kvcache.quantized_kv_cache(model, "int8"):
+            pass

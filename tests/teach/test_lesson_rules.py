@@ -13,7 +13,7 @@ from workbench import teach
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 LESSONS = {"10_number_formats": "formats", "11_quantization_basics": "basics", "12_ptq_algorithms": "ptq",
            "13_qat": "qat", "20_pruning": "pruning", "30_distillation": "distillation",
-           "40_mixed_precision": "precision", "50_kernels": "kernels"}
+           "40_mixed_precision": "precision", "41_fp8_recipes": "fp8", "50_kernels": "kernels"}
 
 
 def _code_cells(stem):

@@ -20,15 +20,6 @@ from workbench.teach import ptq as PT
 from workbench.teach import qat as Q
 
 
-@pytest.fixture(autouse=True)
-def _clean():
-    teach.reset()
-    teach.use_solutions(False)
-    yield
-    teach.reset()
-    teach.use_solutions(False)
-
-
 def _g(seed=0):
     return torch.Generator().manual_seed(seed)
 

@@ -4,18 +4,10 @@ import pytest
 import torch
 from torch import nn
 
-from workbench import teach
 from workbench.teach import fp8 as L
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
-
-@pytest.fixture(autouse=True)
-def _clean():
-    teach.reset()
-    teach.use_solutions(False)
-    yield
-    teach.reset()
 
 
 @pytest.fixture(scope="module")

@@ -10,15 +10,6 @@ from workbench.pruning.oneshot import sparsegpt_prune
 from workbench.teach import gradual as G
 
 
-@pytest.fixture(autouse=True)
-def _clean():
-    teach.reset()
-    teach.use_solutions(False)
-    yield
-    teach.reset()
-    teach.use_solutions(False)
-
-
 def _worked(checker, *args, **kwargs):
     teach.use_solutions(True)
     try:

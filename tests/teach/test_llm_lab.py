@@ -8,15 +8,6 @@ from workbench.quantization import formats, packing
 from workbench.teach import llm as L
 
 
-@pytest.fixture(autouse=True)
-def _clean():
-    teach.reset()
-    teach.use_solutions(False)
-    yield
-    teach.reset()
-    teach.use_solutions(False)
-
-
 def _worked(checker, *args, **kwargs):
     """The check filled by its worked solution (as the lab's regression run does)."""
     teach.use_solutions(True)

@@ -17,14 +17,6 @@ def _wrong(x):
     return x.abs().max() / 128
 
 
-@pytest.fixture(autouse=True)
-def _clean():
-    teach.reset()
-    teach.use_solutions(False)
-    yield
-    teach.reset()
-    teach.use_solutions(False)
-
 
 def test_solution_source_is_the_body_as_the_learner_writes_it():
     assert teach.solution_source(_worked) == "qmax = 2 ** (bits - 1) - 1\nanswer = x.abs().max() / qmax"

@@ -44,7 +44,7 @@ def describe(config: Config | None) -> str:
         return "none"
     hints = typing.get_type_hints(type(config))
     parts = []
-    for i, f in enumerate(x for x in dataclasses.fields(config) if x.init):
+    for i, f in enumerate(x for x in dataclasses.fields(typing.cast(Any, config)) if x.init):
         value = getattr(config, f.name)
         kind, _ = optional_of(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else dataclasses.MISSING

@@ -8,41 +8,25 @@ goes to ``test-output/lesson_<notebook>.png`` at the repository root, next to th
 """
 import inspect
 import json
-import os
-import shutil
 from pathlib import Path
 
 import pytest
 from conftest import free_port
+from test_browser import browser  # noqa: F401  (the shared chromium fixture, skip / fail rules included)
 
 from workbench import teach
 
 ROOT = Path(__file__).resolve().parents[2]
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run"]
 LESSON, MODULE = "20_pruning", "pruning"
 INPUTS = "() => [...document.querySelectorAll('.jp-CodeCell .jp-InputArea .cm-content')].map(e => e.innerText)"
 
 
 @pytest.fixture
-def page():
-    try:
-        from playwright import sync_api
-    except ImportError:
-        sync_api = None
-    missing = ("the playwright package (pip install -e .[dev])" if sync_api is None else
-               f"Debian's chromium at {CHROMIUM} (apt-get install -y chromium)" if not Path(CHROMIUM).exists() else "")
-    if missing:
-        if os.environ.get("WORKBENCH_E2E") == "required":
-            pytest.fail(f"the lesson browser test needs {missing}")
-        pytest.skip(f"the lesson browser test needs {missing}")
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
-        page = browser.new_page(viewport={"width": 1440, "height": 1000})
-        page.set_default_timeout(120_000)          # a loaded 2-core machine
-        yield page
-        browser.close()
+def page(browser):  # noqa: F811  (the fixture imported above)
+    page = browser.new_page(viewport={"width": 1440, "height": 1000})
+    page.set_default_timeout(120_000)          # a loaded 2-core machine
+    yield page
+    page.close()
 
 
 def _solution_lines() -> set[str]:

@@ -11,7 +11,7 @@ from workbench.quantization import formats as fm
 FORMATS = [fm.IntFormat(4, 128), fm.IntFormat(4, 32, symmetric=False), fm.IntFormat(4, 48, False, float_zero=True),
            fm.IntFormat(8, None), fm.IntFormat(8, 64, symmetric=False), fm.IntFormat(3, 24), fm.IntFormat(2, 16, False),
            fm.NF4Format(64)]
-ISAS = ["scalar"] + (["avx2"] if wk.cpu_isa() == "avx2" else [])
+ISAS = ["scalar", "avx2", "avx512"][:("scalar", "avx2", "avx512").index(wk.cpu_isa()) + 1]   # every one this CPU has
 
 
 def _layer(fmt, N, K, seed=0):

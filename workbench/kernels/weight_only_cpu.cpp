@@ -24,7 +24,7 @@
 
 namespace {
 
-enum class Isa { Scalar, Avx2 };
+enum class Isa { Scalar, Avx2, Avx512 };  // ordered: each runs where the later ones can
 
 struct Weight {          // one call's view of the stored weight
   const uint8_t* q;      // (N, row_bytes) packed codes, lowest bits first
@@ -91,6 +91,11 @@ void dot_scalar(const float* w, const float* x, int64_t ldx, int rows, int64_t K
 }
 
 #if WB_X86
+// Decode paths read the weight as one stream (rows are contiguous) and prefetch this far ahead of it: one core's
+// stream of a weight that is not in cache otherwise stalls on memory latency at a fraction of the bandwidth
+// (4096 x 4096 int4 g128 at M = 1 from DRAM: 2.9 ms without, 1.0 ms with; workbench/kernels/README.md).
+constexpr int64_t kPrefetchBytes = 4096;
+
 // ---------------------------------------------------------------------------------------------------------
 // AVX2 + FMA: 8 lanes.
 WB_TARGET("avx2,fma") void dequant_avx2(const uint8_t* c, int64_t n, float s, float z, const float* lut, float* w) {
@@ -173,6 +178,7 @@ WB_TARGET("avx2,fma") void gemv_row_avx2(const uint8_t* q, const float* s, const
     const __m256 vs = _mm256_set1_ps(s[g]);
     const int64_t k1 = std::min(K, (g + 1) * group);
     for (int64_t k = g * group; k < k1; k += 32) {
+      _mm_prefetch(reinterpret_cast<const char*>(q + k * BITS / 8 + kPrefetchBytes), _MM_HINT_T0);  // see avx512
       __m128i c0, c1;  // codes k .. k + 15 and k + 16 .. k + 31 as bytes
       if (BITS == 4) {
         const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k / 2));
@@ -224,11 +230,100 @@ WB_TARGET("avx2,fma") void gemv_rows_avx2(int rows, const uint8_t* q, const floa
     default: gemv_row_avx2<4, BITS>(q, s, z, x, K, group, G, xsum, out); break;
   }
 }
+
+// ---------------------------------------------------------------------------------------------------------
+// AVX-512 (F) decode path, same math as gemv_row_avx2 with 16 lanes. 4-bit codes are not put back in order:
+// the low nibbles of a 32-code chunk's 16 bytes are codes k, k+2, .., k+30 and the high ones k+1, .., k+31, so
+// x is given with each 32-value chunk reordered the same way (`deinterleave32`, once per call) and each nibble
+// vector meets its own 16 values of x - one AND, one shift and two widenings per 32 codes.
+void deinterleave32(const float* x, int64_t K, float* out) {   // K a multiple of 32
+  for (int64_t k = 0; k < K; k += 32)
+    for (int i = 0; i < 16; ++i) {
+      out[k + i] = x[k + 2 * i];
+      out[k + 16 + i] = x[k + 2 * i + 1];
+    }
+}
+
+template <int BITS>
+WB_TARGET("avx512f") inline void codes32_avx512(const uint8_t* q, int64_t k, __m512& w0, __m512& w1) {
+  if (BITS == 4) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k / 2));
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    w0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, m4)));
+    w1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), m4)));
+  } else {
+    w0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k))));
+    w1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k + 16))));
+  }
+}
+
+template <int ROWS, int BITS>
+WB_TARGET("avx512f") void gemv_row_avx512(const uint8_t* q, const float* s, const float* z, const float* x,
+                                          int64_t K, int64_t group, int64_t G, const float* xsum, float* out) {
+  __m512 acc[ROWS][2];
+  for (int i = 0; i < ROWS; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const __m512 vs = _mm512_set1_ps(s[g]);
+    const int64_t k0 = g * group, k1 = std::min(K, k0 + group);
+    if (ROWS == 1) {  // the group's unscaled sums in four chains (two chunks per step), scaled once at its end
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      int64_t k = k0;
+      for (; k + 64 <= k1; k += 64) {
+        __m512 w0, w1, w2, w3;
+        _mm_prefetch(reinterpret_cast<const char*>(q + k * BITS / 8 + kPrefetchBytes), _MM_HINT_T0);
+        codes32_avx512<BITS>(q, k, w0, w1);
+        codes32_avx512<BITS>(q, k + 32, w2, w3);
+        a0 = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + k), a0);
+        a1 = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + k + 16), a1);
+        a2 = _mm512_fmadd_ps(w2, _mm512_loadu_ps(x + k + 32), a2);
+        a3 = _mm512_fmadd_ps(w3, _mm512_loadu_ps(x + k + 48), a3);
+      }
+      if (k < k1) {
+        __m512 w0, w1;
+        codes32_avx512<BITS>(q, k, w0, w1);
+        a0 = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + k), a0);
+        a1 = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + k + 16), a1);
+      }
+      acc[0][0] = _mm512_fmadd_ps(_mm512_add_ps(a0, a2), vs, acc[0][0]);
+      acc[0][1] = _mm512_fmadd_ps(_mm512_add_ps(a1, a3), vs, acc[0][1]);
+      continue;
+    }
+    for (int64_t k = k0; k < k1; k += 32) {  // several rows of x: the codes are scaled once for all of them
+      __m512 w0, w1;
+      codes32_avx512<BITS>(q, k, w0, w1);
+      w0 = _mm512_mul_ps(w0, vs);
+      w1 = _mm512_mul_ps(w1, vs);
+      for (int i = 0; i < ROWS; ++i) {
+        acc[i][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + i * K + k), acc[i][0]);
+        acc[i][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + i * K + k + 16), acc[i][1]);
+      }
+    }
+  }
+  for (int i = 0; i < ROWS; ++i) {
+    float zsum = 0.f;
+    for (int64_t g = 0; g < G; ++g) zsum += s[g] * z[g] * xsum[i * G + g];
+    out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1])) - zsum;
+  }
+}
+
+template <int BITS>
+WB_TARGET("avx512f") void gemv_rows_avx512(int rows, const uint8_t* q, const float* s, const float* z,
+                                            const float* x, int64_t K, int64_t group, int64_t G, const float* xsum,
+                                            float* out) {
+  switch (rows) {
+    case 1: gemv_row_avx512<1, BITS>(q, s, z, x, K, group, G, xsum, out); break;
+    case 2: gemv_row_avx512<2, BITS>(q, s, z, x, K, group, G, xsum, out); break;
+    case 3: gemv_row_avx512<3, BITS>(q, s, z, x, K, group, G, xsum, out); break;
+    default: gemv_row_avx512<4, BITS>(q, s, z, x, K, group, G, xsum, out); break;
+  }
+}
 #endif  // WB_X86
 
 Isa detect_isa() {
 #if WB_X86
   __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    return Isa::Avx512;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::Avx2;
 #endif
   return Isa::Scalar;
@@ -241,9 +336,9 @@ Isa best_isa() {
 
 Isa parse_isa(const std::string& name) {
   if (name.empty() || name == "auto") return best_isa();
-  TORCH_CHECK(name == "avx2" || name == "scalar",
-              "weight_only_linear_cpu: isa must be 'auto', 'avx2' or 'scalar', got '", name, "'");
-  const Isa want = name == "avx2" ? Isa::Avx2 : Isa::Scalar;
+  TORCH_CHECK(name == "avx512" || name == "avx2" || name == "scalar",
+              "weight_only_linear_cpu: isa must be 'auto', 'avx512', 'avx2' or 'scalar', got '", name, "'");
+  const Isa want = name == "avx512" ? Isa::Avx512 : name == "avx2" ? Isa::Avx2 : Isa::Scalar;
   TORCH_CHECK(static_cast<int>(want) <= static_cast<int>(best_isa()),
               "weight_only_linear_cpu: isa='", name, "' is not supported by this CPU");
   return want;
@@ -256,7 +351,7 @@ struct Kernels {
 
 Kernels kernels_for(Isa isa) {
 #if WB_X86
-  if (isa == Isa::Avx2) return {dequant_avx2, dot_avx2};
+  if (isa >= Isa::Avx2) return {dequant_avx2, dot_avx2};  // (AVX-512 CPUs: the AVX2 code off the decode path)
 #endif
   return {dequant_scalar, dot_scalar};
 }
@@ -295,7 +390,9 @@ Weight view(const torch::Tensor& q, const torch::Tensor& scale, const c10::optio
 
 }  // namespace
 
-std::string cpu_isa() { return best_isa() == Isa::Avx2 ? "avx2" : "scalar"; }
+std::string cpu_isa() {
+  return best_isa() == Isa::Avx512 ? "avx512" : best_isa() == Isa::Avx2 ? "avx2" : "scalar";
+}
 
 // y (M, N) fp32 = x (M, K) fp32 @ W^T + bias, one decoded row of W at a time (decode / small M).
 torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
@@ -315,8 +412,35 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& q, const torch::
   const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
 #if WB_X86
+  const bool in_registers = !W.lut && (W.bits == 4 || W.bits == 8) && W.group % 32 == 0 && K % 32 == 0;
+  if (parse_isa(isa) == Isa::Avx512 && in_registers) {
+    std::vector<float> xsum(M * W.G, 0.f);  // (M, G): x's per-group sums
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; ++k) xsum[m * W.G + k / W.group] += xp[m * K + k];
+    std::vector<float> xd;                  // 4-bit codes: x in the nibble order (deinterleave32)
+    const float* xs = xp;
+    if (W.bits == 4) {
+      xd.resize(M * K);
+      for (int64_t m = 0; m < M; ++m) deinterleave32(xp + m * K, K, xd.data() + m * K);
+      xs = xd.data();
+    }
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      float d[4];
+      for (int64_t n = n0; n < n1; ++n) {
+        for (int64_t m = 0; m < M; m += 4) {
+          const int rows = static_cast<int>(std::min<int64_t>(4, M - m));
+          const uint8_t* qn = W.q + n * W.row_bytes;
+          const float *sn = W.scale + n * W.G, *zn = W.zero + n * W.G;
+          if (W.bits == 4) gemv_rows_avx512<4>(rows, qn, sn, zn, xs + m * K, K, W.group, W.G, xsum.data() + m * W.G, d);
+          else gemv_rows_avx512<8>(rows, qn, sn, zn, xs + m * K, K, W.group, W.G, xsum.data() + m * W.G, d);
+          for (int i = 0; i < rows; ++i) op[(m + i) * N + n] = bp ? d[i] + bp[n] : d[i];
+        }
+      }
+    });
+    return out;
+  }
   // Whole 32-value chunks of 4- or 8-bit integer codes: decoded in registers (gemv_row_avx2).
-  if (parse_isa(isa) == Isa::Avx2 && !W.lut && (W.bits == 4 || W.bits == 8) && W.group % 32 == 0 && K % 32 == 0) {
+  if (parse_isa(isa) >= Isa::Avx2 && in_registers) {
     std::vector<float> xsum(M * W.G, 0.f);  // (M, G): x's per-group sums
     for (int64_t m = 0; m < M; ++m)
       for (int64_t k = 0; k < K; ++k) xsum[m * W.G + k / W.group] += xp[m * K + k];
@@ -411,5 +535,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv, "weight-only Linear, one decoded weight row at a time (see kernels/weight_only_cpu.py)");
   m.def("prefill", &prefill, "weight-only Linear for many rows: blocks of decoded rows times an fp32 GEMM");
   m.def("decode", &decode, "the stored weight decoded to fp32 (N, K)");
-  m.def("cpu_isa", &cpu_isa, "the vector ISA used on this CPU: avx2 or scalar");
+  m.def("cpu_isa", &cpu_isa, "the vector ISA used on this CPU: avx512, avx2 or scalar");
 }

@@ -25,12 +25,16 @@ reference's GEMM: fp32 outputs agree to ~1e-6 relative (tests: 1e-5); the prefil
 
 Why not PyTorch's packed kernels (``aten._weight_int4pack_mm_for_cpu``, ``aten._weight_int8pack_mm``): they need
 bf16 activations (fp32 ones fall to a scalar loop), keep scales and zeros in bf16 (our fp16 scales lose 3 bits),
-take int4 with groups that are multiples of 32 only (no asymmetric uint8 zero as such, no NF4 / int2), and on this
-AVX2 machine run at 2.6 ms (int4) / 2.4 ms (int8) for a 4096 x 4096 layer at M = 1 where this kernel is faster
-(`workbench.kernels.bench.cpu_weight_only` measures all of them side by side).
+take int4 with groups that are multiples of 32 only (no asymmetric uint8 zero as such, no NF4 / int2). Speed
+depends on the CPU: on an AVX2 machine they ran at 2.6 ms (int4) / 2.4 ms (int8) for a 4096 x 4096 layer at M = 1
+where this kernel took 2.1 / 2.0; on an AVX-512 + AMX Xeon aten's int4 took 1.0 ms against this kernel's 1.3 and
+its int8 1.9 against 2.0 (`python -m workbench.kernels.bench_cpu` measures all of them side by side).
 
-Vector code: AVX2 + FMA chosen at run time (``cpu_isa()``), a scalar loop elsewhere; ``isa=`` forces one for
-tests. AVX-512 machines run the AVX2 code (correct; not tuned for them). Built on first use with
+Vector code chosen at run time (``cpu_isa()``): AVX-512 for the decode path of 4- and 8-bit integer codes in whole
+32-value groups (16 lanes; 4-bit codes meet x reordered to their nibble order instead of being put back in order),
+AVX2 + FMA for the rest and on AVX2-only CPUs, a scalar loop elsewhere; ``isa=`` forces one for tests. The decode
+paths prefetch the weight a few KB ahead of the row they are on (one core's stream of a weight that is not in
+cache otherwise stalls on memory latency at a fraction of the bandwidth). Built on first use with
 ``torch.utils.cpp_extension`` like `workbench.kernels.w8a8_cpu` (~20 s once, cached); no ``-march=native``.
 """
 from __future__ import annotations
@@ -57,7 +61,7 @@ __all__ = [
 ]
 
 SOURCE = Path(__file__).with_name("weight_only_cpu.cpp")
-ISAS = ("auto", "avx2", "scalar")
+ISAS = ("auto", "avx512", "avx2", "scalar")
 _OP = "weight_only_linear_cpu"
 _NAME = "workbench_weight_only_cpu"
 # Rows of x above which the whole weight is decoded once and an fp32 GEMM runs. Measured on this machine's
@@ -136,7 +140,7 @@ def load_extension():
 
 
 def cpu_isa() -> str:
-    """The vector ISA the kernel uses on this CPU: "avx2" or "scalar"."""
+    """The vector ISA the kernel uses on this CPU: "avx512", "avx2" or "scalar"."""
     return load_extension().cpu_isa()
 
 

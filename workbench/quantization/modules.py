@@ -338,6 +338,13 @@ class _FollowsDevice:
         return out
 
 
+def _weight_only_cpu():
+    """`workbench.kernels.weight_only_cpu`, imported on first use (it is not needed off the CPU path)."""
+    from workbench.kernels import weight_only_cpu
+
+    return weight_only_cpu
+
+
 class _PackedWeight(nn.Module):
     """Holds a format's tensors as buffers (saved by state_dict, counted by size_bytes)."""
 
@@ -416,11 +423,17 @@ class WeightOnlyLinear(_FollowsDevice, _PackedWeight):
         again only when the stored tensors change (loading a state dict, ``copy_``, moving the module)."""
         from workbench.kernels import weight_only_cpu
 
-        zero = getattr(self, "zero", None)
-        # (inference tensors - a module built under torch.inference_mode - have no version counter; loading a
-        # state dict drops the cache in any case, see _load_from_state_dict)
-        key = tuple((t.data_ptr(), None if t.is_inference() else t._version, t.dtype)
-                    for t in (self.qweight, self.scale, zero) if t is not None)
+        buffers = self._buffers
+        tensors = (buffers["qweight"], buffers["scale"], buffers.get("zero"))
+        # the key: which tensors, where their data is and how often it was written in place (this runs on every
+        # forward, so it is kept to a few attribute reads). Inference tensors - a module built under
+        # torch.inference_mode - have no version counter; loading a state dict drops the cache in any case, see
+        # _load_from_state_dict.
+        try:
+            key = tuple((t.data_ptr(), t._version, t.dtype) for t in tensors if t is not None)
+        except RuntimeError:
+            key = tuple((t.data_ptr(), None if t.is_inference() else t._version, t.dtype)
+                        for t in tensors if t is not None)
         cached = self.__dict__.get("_cpu_packed")
         if cached is None or cached[0] != key:
             cached = (key, weight_only_cpu.pack(self._tensors(), self.fmt, self.K))
@@ -447,19 +460,22 @@ class WeightOnlyLinear(_FollowsDevice, _PackedWeight):
         return _fill(new, linear, smooth=smooth, perm=perm).set_kernel(kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., in)
-        if hasattr(self, "smooth"):
-            x = x / self.smooth.to(x.dtype)
-        if hasattr(self, "perm"):   # every path below computes with the stored (permuted) K order
-            x = x.index_select(-1, self.perm)
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        if self.kernel is KernelPath.TRITON:
-            return self._triton(x, bias)
+        # (module attributes are read from nn.Module's own dicts: on small layers the per-call Python cost is a
+        # measurable share of the whole forward, see workbench/kernels/README.md)
+        smooth, perm = self._buffers.get("smooth"), self._buffers.get("perm")
+        if smooth is not None:
+            x = x / smooth.to(x.dtype)
+        if perm is not None:   # every path below computes with the stored (permuted) K order
+            x = x.index_select(-1, perm)
+        bias = self._parameters.get("bias")
+        if bias is not None and bias.dtype != x.dtype:
+            bias = bias.to(x.dtype)
         if self.kernel is KernelPath.CPU and not (x.requires_grad and torch.is_grad_enabled()):
             # an inference kernel (fp32 math, result in x's dtype); when autograd needs the input's gradient
             # (training through the layer) the reference's differentiable math below runs instead
-            from workbench.kernels import weight_only_cpu
-
-            return weight_only_cpu.linear_unchecked(x, self._cpu_weight(), None if bias is None else bias.detach())
+            return _weight_only_cpu().linear_unchecked(x, self._cpu_weight(), None if bias is None else bias.detach())
+        if self.kernel is KernelPath.TRITON:
+            return self._triton(x, bias)
         return F.linear(x, self.dequantized_weight(x.dtype), bias)
 
     def _triton(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

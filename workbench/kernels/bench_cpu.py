@@ -119,7 +119,14 @@ def decode_tokens_per_s(model: nn.Module | str = "tiny-lm", new_tokens: int = 64
     base = wb.models.load(model) if isinstance(model, str) else model
     base = base.eval()
     Q = wb.quant
-    linears = [n for n, m in base.named_modules() if isinstance(m, nn.Linear)]
+    # every Linear except one whose weight is tied to another layer (a Llama's lm_head shares the embedding's
+    # table: the plan would refuse it alone) - that one stays fp32 on every path
+    holders: dict[int, int] = {}
+    for m in base.modules():
+        for t in m.parameters(recurse=False):
+            holders[id(t)] = holders.get(id(t), 0) + 1
+    linears = [n for n, m in base.named_modules() if isinstance(m, nn.Linear) and holders[id(m.weight)] == 1]
+
     def plan(cfg):
         return wb.Plan({n: cfg for n in linears})
 

@@ -62,6 +62,25 @@ def test_half_inputs_compute_in_fp32_and_return_their_dtype(dtype):
     torch.testing.assert_close(y, torch.nn.functional.linear(x.float(), dense).to(dtype))
 
 
+@pytest.mark.parametrize("N,K", [(48, 96), (1100, 512)])   # one block of decoded rows; several (2 MB blocks)
+def test_bf16_prefill_is_the_references_bf16_math_where_the_cpu_has_bf16(N, K):
+    """bf16 inputs above `PREFILL_ROWS`: on a CPU with bf16 arithmetic the kernel runs the reference's own bf16
+    math (weight decoded in fp32, rounded to bf16, bf16 GEMM); elsewhere it computes in fp32 and rounds."""
+    t, w, dense = _layer(fm.IntFormat(4, 32, symmetric=False), N, K)
+    x = torch.randn(2, 20, K).to(torch.bfloat16)
+    bias = torch.randn(N)
+    y = wk.weight_only_linear_cpu(x, w, bias)
+    assert y.dtype == torch.bfloat16 and y.shape == (2, 20, N)
+    if wk.load_extension().native_bf16():
+        expected = torch.nn.functional.linear(x, dense.to(torch.bfloat16), bias.to(torch.bfloat16))
+        if N == 48:   # one block: the very GEMM the reference calls
+            assert torch.equal(y, expected)
+        else:         # column blocks: each output is still one bf16 dot product over all of K
+            torch.testing.assert_close(y, expected, rtol=1.6e-2, atol=1e-2 * expected.abs().max().item())
+    else:
+        assert torch.equal(y, torch.nn.functional.linear(x.float(), dense, bias).to(torch.bfloat16))
+
+
 def test_bad_inputs_are_refused_by_name():
     _, w, _ = _layer(fm.IntFormat(4, 32), 16, 64)
     with pytest.raises(ValueError, match="shape \\(..., K = 64\\)"):

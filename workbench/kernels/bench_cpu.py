@@ -4,7 +4,8 @@
    int8 per-channel and int4 g128 weight-only layers as the package builds them (``kernel="auto"``, the default:
    `workbench.kernels.weight_only_cpu` on the CPU) and on ``kernel="reference"``; PyTorch's packed CPU kernels
    ``aten._weight_int8pack_mm`` / ``aten._weight_int4pack_mm_for_cpu`` with bf16 activations (their fast path)
-   on weights of the same shape. Interleaved rounds after a warm-up, one thread by default: the median, the
+   on weights of the same shape; the package's layers also with bf16 activations (a bf16 model's layer).
+   Interleaved rounds after a warm-up, one thread by default: the median, the
    fastest and slowest round (spread), the speedup over fp32 and bf16, and the roofline ceiling of each path
    against fp32 at small M: fp32 weight bytes / the path's weight bytes.
 2. `decode_tokens_per_s`: greedy generation of ``new_tokens`` tokens at batch 1 from a causal LM of the zoo (any
@@ -87,6 +88,10 @@ def weight_only_table(K: int = 4096, N: int = 4096, ms=(1, 16, 256), threads: in
     with num_threads(threads), torch.inference_mode():
         calls_of = {"fp32": lambda x: F.linear(x, w32), "bf16": lambda x: F.linear(x.bfloat16(), wbf)}
         calls_of.update({p: m for p, m in layers.items()})
+        for p in ("int8 WO auto (ours)", f"int4 g{group} WO auto (ours)"):   # a bf16 model's layer: bf16 x
+            calls_of[p.replace("(ours)", "(ours, bf16 x)")] = lambda x, m=layers[p]: m(x.bfloat16())
+            weight_bytes[p.replace("(ours)", "(ours, bf16 x)")] = weight_bytes[p]
+            kernels[p.replace("(ours)", "(ours, bf16 x)")] = kernels[p]
         if aten:
             int8, int4 = _aten_int8(N, K), _aten_int4(N, K, group)
             calls_of["aten int8 (bf16 x)"] = lambda x: int8(x.bfloat16())

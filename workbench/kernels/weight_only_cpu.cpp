@@ -390,6 +390,16 @@ Weight view(const torch::Tensor& q, const torch::Tensor& scale, const c10::optio
 
 }  // namespace
 
+// bf16 arithmetic in hardware (AVX512_BF16 / AMX): oneDNN's bf16 GEMM is then faster than its fp32 one.
+bool native_bf16() {
+#if WB_X86
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
 std::string cpu_isa() {
   return best_isa() == Isa::Avx512 ? "avx512" : best_isa() == Isa::Avx2 ? "avx2" : "scalar";
 }
@@ -493,18 +503,20 @@ torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& scale, const c
 
 // y (M, N) = x (M, K) @ W^T + bias for many rows of x: blocks of weight rows decoded (all threads) into a
 // per-thread fp32 buffer of about 2 MB that is reused from call to call (no page faults, stays in L2/L3), each
-// block multiplied by PyTorch's fp32 GEMM.
+// block multiplied by PyTorch's GEMM: fp32, or for bf16 x (given only where the CPU has bf16 arithmetic) the
+// block rounded to bf16 and a bf16 GEMM - what the reference computes for bf16 inputs.
 torch::Tensor prefill(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
                       const c10::optional<torch::Tensor>& zero, const c10::optional<torch::Tensor>& lut,
                       int64_t bits, int64_t group, const c10::optional<torch::Tensor>& bias, int64_t block_rows,
                       const std::string& isa) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.device().is_cpu(),
-              "weight_only_linear_cpu: x must be a contiguous 2-D float32 CPU tensor");
+  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat || bf16) && x.is_contiguous() && x.device().is_cpu(),
+              "weight_only_linear_cpu: x must be a contiguous 2-D float32 (or bfloat16) CPU tensor");
   const Weight W = view(q, scale, zero, lut, bits, group, x.size(1));
   const int64_t M = x.size(0), K = W.K, N = W.N;
   const bool has_bias = bias.has_value() && bias->defined();
-  TORCH_CHECK(!has_bias || (bias->scalar_type() == torch::kFloat && bias->numel() == N),
-              "weight_only_linear_cpu: bias must be float32 (N,)");
+  TORCH_CHECK(!has_bias || (bias->scalar_type() == x.scalar_type() && bias->numel() == N),
+              "weight_only_linear_cpu: bias must have x's dtype and shape (N,)");
   const Kernels kern = kernels_for(parse_isa(isa));
   if (M == 0 || N == 0) return torch::empty({M, N}, x.options());
   const int64_t nb = std::min(N, block_rows > 0 ? block_rows
@@ -519,7 +531,8 @@ torch::Tensor prefill(const torch::Tensor& x, const torch::Tensor& q, const torc
       std::vector<uint8_t> c(K + 64);
       for (int64_t r = r0; r < r1; ++r) decode_row(W, kern, n0 + r, c.data(), buf + r * K);
     });
-    auto wb = torch::from_blob(buf, {rows, K}, x.options());
+    auto wb = torch::from_blob(buf, {rows, K}, x.options().dtype(torch::kFloat));
+    if (bf16) wb = wb.to(torch::kBFloat16);
     if (rows == N) return has_bias ? at::addmm(*bias, x, wb.t()) : at::mm(x, wb.t());  // one block: no copy
     auto ob = out.narrow(1, n0, rows);
     if (has_bias) {
@@ -535,5 +548,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv, "weight-only Linear, one decoded weight row at a time (see kernels/weight_only_cpu.py)");
   m.def("prefill", &prefill, "weight-only Linear for many rows: blocks of decoded rows times an fp32 GEMM");
   m.def("decode", &decode, "the stored weight decoded to fp32 (N, K)");
+  m.def("native_bf16", &native_bf16, "whether the CPU has bf16 arithmetic (AVX512_BF16)");
   m.def("cpu_isa", &cpu_isa, "the vector ISA used on this CPU: avx512, avx2 or scalar");
 }

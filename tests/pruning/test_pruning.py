@@ -64,6 +64,7 @@ def test_csr_storage_saves_bytes_and_computes_the_same(config, tmp_path):
         assert torch.equal(again(x), sparse(x))
 
 
+@pytest.mark.slow   # trains (fine-tuning): ~30 s
 def test_magnitude_beats_random_and_finetune_recovers(tmp_path):
     """digits-cnn at 50 % unstructured sparsity + a 3-epoch fine-tune loses <= 0.5 points."""
     model = wb.models.load("digits-cnn")

@@ -15,6 +15,7 @@ def test_polynomial_schedule():
         wb.prune.polynomial_sparsity(1, 1.2, 4)
 
 
+@pytest.mark.slow   # trains through a pruning schedule: ~15 s
 def test_gradual_beats_one_shot_at_high_sparsity(tmp_path):
     model = wb.models.load("digits-mlp")
     task = wb.tasks.load("digits")

@@ -36,6 +36,7 @@ def test_channels_removed_and_dependents_fixed(digits):
     torch.testing.assert_close(a, b)
 
 
+@pytest.mark.slow   # fine-tunes each pruned model: ~25 s each
 @pytest.mark.parametrize("criterion", ["l1", "l2", "taylor"])
 def test_fine_tune_recovers(digits, criterion):
     model = wb.models.load("digits-cnn")

@@ -48,6 +48,7 @@ def test_bad_qat_configs():
         wb.qat.convert(model)
 
 
+@pytest.mark.slow   # QAT training: 8-16 s each
 @pytest.mark.parametrize("learnable_scales", [False, True], ids=["ste", "lsq"])
 def test_qat_recovers_most_of_what_ptq_loses(learnable_scales):
     """digits-cnn with 2-bit per-channel weights everywhere: RTN loses ~26 points; 3 epochs of QAT win back >= 70 %."""

@@ -13,7 +13,9 @@ from workbench import teach
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 LESSONS = {"10_number_formats": "formats", "11_quantization_basics": "basics", "12_ptq_algorithms": "ptq",
            "13_qat": "qat", "20_pruning": "pruning", "30_distillation": "distillation",
-           "40_mixed_precision": "precision", "41_fp8_recipes": "fp8", "50_kernels": "kernels"}
+           "40_mixed_precision": "precision", "41_fp8_recipes": "fp8", "50_kernels": "kernels",
+           "14_integer_only": "integer", "15_sensitivity_bits": "sensitivity", "21_pruning_beyond": "gradual",
+           "60_llm_decode": "llm"}
 
 
 def _code_cells(stem):

@@ -235,8 +235,8 @@ def time_24(out_features: int = 4096, in_features: int = 4096, batches=(1, 64), 
 
 # --- exercises: worked solutions and checks -----------------------------------------------------------------
 
-def _solution_schedule(final, steps):
-    answer = [final * (1 - (1 - t / steps) ** 3) for t in range(1, steps + 1)]
+def _solution_schedule(finals, steps):
+    answer = [finals[-1] * (1 - (1 - t / steps) ** 3) for t in range(1, steps + 1)]
     return answer
 
 
@@ -251,11 +251,11 @@ def check_schedule(answer, final: float, steps: int) -> Feedback:
                             "that starts slowly and ends fast, the opposite of Zhu & Gupta: use (1 - t/n)^3"),
                            ([final * (1 - (1 - t / steps) ** 3) for t in range(0, steps)],
                             "off by one step: t runs from 1 to n, and step n reaches the final sparsity")],
-                 solution=functools.partial(_solution_schedule, final, steps))
+                 solution=functools.partial(_solution_schedule, [final], steps))   # the notebook's finals[-1]
 
 
-def _solution_magnitude_mask(w, sparsity):
-    prune = round(sparsity * w.numel())
+def _solution_magnitude_mask(w, finals):
+    prune = round(finals[0] * w.numel())
     order = w.abs().flatten().argsort(stable=True)
     answer = torch.ones(w.numel(), dtype=torch.bool)
     answer[order[:prune]] = False
@@ -272,7 +272,7 @@ def check_magnitude_mask(answer, w: torch.Tensor, sparsity: float) -> Feedback:
                  hint="rank |w| over the whole tensor, prune the round(sparsity * numel) smallest (True = kept)",
                  mistakes=[(signed.reshape(w.shape), "you ranked w, not |w|: large negative weights matter too"),
                            (~expected, "the mask is inverted: True marks a weight that is kept")],
-                 solution=functools.partial(_solution_magnitude_mask, w, sparsity))
+                 solution=functools.partial(_solution_magnitude_mask, w, [sparsity]))   # the notebook's finals[0]
 
 
 def _solution_wanda_scores(W, X):
@@ -316,10 +316,10 @@ def check_wanda_mask(answer, W: torch.Tensor, X: torch.Tensor, sparsity: float =
                  solution=functools.partial(_solution_wanda_mask, W.detach(), X, sparsity))
 
 
-def _solution_nm_mask(scores):
-    groups = scores.reshape(-1, 4)                                   # 4 consecutive inputs of a row
+def _solution_nm_mask(S):
+    groups = S.reshape(-1, 4)                                        # 4 consecutive inputs of a row
     top = groups.topk(2, dim=1).indices
-    answer = torch.zeros_like(groups, dtype=torch.bool).scatter_(1, top, True).reshape(scores.shape)
+    answer = torch.zeros_like(groups, dtype=torch.bool).scatter_(1, top, True).reshape(S.shape)
     return answer
 
 
@@ -334,10 +334,10 @@ def check_nm_mask(answer, scores: torch.Tensor) -> Feedback:
                  solution=functools.partial(_solution_nm_mask, scores))
 
 
-def _solution_obs_update(W, U, keep0):
-    w = W[:, 0]
-    err = (w - w * keep0) / U[0, 0]
-    answer = W[:, 1:] - torch.outer(err, U[0, 1:])
+def _solution_obs_update(ex):
+    w = ex.W[:, 0]
+    err = (w - w * ex.keep0) / ex.U[0, 0]
+    answer = ex.W[:, 1:] - torch.outer(err, ex.U[0, 1:])
     return answer
 
 
@@ -355,11 +355,11 @@ def check_obs_update(answer, ex: OBSExample) -> Feedback:
                            (ex.W[:, 1:] - torch.outer(w * ex.keep0 / ex.U[0, 0], ex.U[0, 1:]),
                             "the error is the pruned part of the column (w where keep0 is False), not the kept part"),
                            (ex.W[:, 1:], "that is columns 1.. unchanged: magnitude pruning, no feedback")],
-                 solution=functools.partial(_solution_obs_update, ex.W, ex.U, ex.keep0))
+                 solution=functools.partial(_solution_obs_update, ex))
 
 
-def _solution_obs_saliency(W, U):
-    answer = W.pow(2) / torch.diag(U).pow(2)
+def _solution_obs_saliency(ex):
+    answer = ex.W.pow(2) / torch.diag(ex.U).pow(2)
     return answer
 
 
@@ -372,11 +372,11 @@ def check_obs_saliency(answer, ex: OBSExample) -> Feedback:
                       "still free (j and after) has diagonal U_jj^2: w^2 / U_jj^2, broadcast over rows",
                  mistakes=[(ex.W.pow(2) / d, "square the diagonal too: [H_F^-1]_jj = U_jj^2"),
                            (ex.W.abs() / d, "the saliency is quadratic in w")],
-                 solution=functools.partial(_solution_obs_saliency, ex.W, ex.U))
+                 solution=functools.partial(_solution_obs_saliency, ex))
 
 
-def _solution_24_bytes(out_features, in_features):
-    kept = out_features * in_features // 2
+def _solution_24_bytes(out_24, in_24):
+    kept = out_24 * in_24 // 2
     answer = kept * 2 + kept * 2 // 8                                # fp16 values + 2-bit positions
     return answer
 
@@ -394,8 +394,8 @@ def check_24_bytes(answer, out_features: int, in_features: int) -> Feedback:
                  solution=functools.partial(_solution_24_bytes, out_features, in_features))
 
 
-def _solution_24_ceiling(out_features, in_features, sparse_bytes):
-    answer = out_features * in_features * 2 / sparse_bytes
+def _solution_24_ceiling(out_24, in_24, sparse_bytes):
+    answer = out_24 * in_24 * 2 / sparse_bytes
     return answer
 
 
@@ -420,8 +420,8 @@ def check_best_pruner(answer, table, pattern: str = "2:4") -> Feedback:
     mistakes = [(m, f"{m} measured {column[m]:.2f} at {pattern}; another method did better (lower is better)")
                 for m in column.index if m != expected]
     return check(f"best pruner at {pattern}", given, expected, hint=hint, mistakes=mistakes,
-                 solution=functools.partial(_solution_best_pruner, table, pattern))
+                 solution=functools.partial(_solution_best_pruner, table[[pattern]].set_axis(["2:4"], axis=1)))
 
 
-def _solution_best_pruner(table, pattern):
-    return table[pattern].idxmin()
+def _solution_best_pruner(ppl):
+    return ppl["2:4"].idxmin()           # the notebook's question (the check passes the column it asks about)

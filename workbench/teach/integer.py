@@ -608,12 +608,12 @@ def check_fold_bn(answer, conv: nn.Conv2d, bn: nn.BatchNorm2d) -> Feedback:
                  mistakes=mistakes, solution=functools.partial(_solution_fold_bn, conv, bn))
 
 
-def _solution_integer_linear(q_x, layer):
-    acc = (q_x.int() - layer.input_zero_point) @ layer.weight.int().T + layer.bias_int32
-    prod = acc.long() * layer.multiplier
-    magnitude = (prod.abs() + (1 << (layer.shift - 1))) >> layer.shift
+def _solution_integer_linear(q_in, ex):
+    acc = (q_in.int() - ex.input_zero_point) @ ex.weight.int().T + ex.bias_int32
+    prod = acc.long() * ex.multiplier
+    magnitude = (prod.abs() + (1 << (ex.shift - 1))) >> ex.shift
     scaled = torch.where(prod < 0, -magnitude, magnitude)
-    return (scaled + layer.output_zero_point).clamp(layer.output_zero_point, 127).to(torch.int8)
+    return (scaled + ex.output_zero_point).clamp(ex.output_zero_point, 127).to(torch.int8)
 
 
 @dataclass(frozen=True)

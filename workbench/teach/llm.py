@@ -17,7 +17,6 @@ what each low-bit format buys. What it needs beyond the package's public API liv
 from __future__ import annotations
 
 import functools
-import math
 import statistics
 import time
 
@@ -348,8 +347,8 @@ def _rounding_ties(answer, expected: torch.Tensor, x: torch.Tensor, step: torch.
 def _solution_weight_bytes(shapes, bits, group_size):
     answer = 0
     for n, k in shapes.values():
-        groups = math.ceil(k / group_size)
-        answer += n * k * bits // 8 + n * groups * 2
+        groups = -(-k // group_size)                                # ceil(k / group_size): a partial group counts
+        answer += n * k * bits // 8 + n * groups * 2                # the codes + one fp16 scale per group
     return answer
 
 
@@ -367,8 +366,8 @@ def check_weight_bytes(answer, shapes, bits: int = 4, group_size: int = 64) -> F
                  solution=functools.partial(_solution_weight_bytes, shapes, bits, group_size))
 
 
-def _solution_roofline(bandwidth, weight_bytes, kv_bytes):
-    return bandwidth / (weight_bytes + kv_bytes)
+def _solution_roofline(bandwidth, w4_bytes, kv_bytes):
+    return bandwidth / (w4_bytes + kv_bytes)
 
 
 def check_roofline_bound(answer, bandwidth: float, weight_bytes: float, kv_bytes: float) -> Feedback:
@@ -460,8 +459,7 @@ def check_int4_pack(answer, codes: torch.Tensor) -> Feedback:
                  solution=functools.partial(_solution_int4_pack, codes))
 
 
-def _solution_nf4(W, group_size):
-    book = nf4_codebook()
+def _solution_nf4(W, group_size, book):
     groups = W.reshape(-1, group_size)                              # (N * K / g, g)
     scale = groups.abs().amax(dim=1, keepdim=True).half().float()
     codes = (groups / scale).unsqueeze(-1).sub(book).abs().argmin(dim=-1)
@@ -481,7 +479,7 @@ def check_nf4(answer, W: torch.Tensor, group_size: int = 64) -> Feedback:
                       "values (argmin of the distance), multiply back",
                  mistakes=[(fm.decode(fm.encode(W, int4), int4, W.shape[1]),
                             "that is the uniform int4 grid; NF4 uses the 16 normal-quantile values of nf4_codebook()")],
-                 solution=functools.partial(_solution_nf4, W, group_size))
+                 solution=functools.partial(_solution_nf4, W, group_size, nf4_codebook()))
 
 
 def _solution_kv_int8(k):

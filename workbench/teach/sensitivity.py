@@ -16,6 +16,7 @@ from typing import Mapping, Sequence
 
 from torch import nn
 
+import workbench as wb  # the name the lesson's notebook (and its worked solutions) use
 from workbench.analysis.search import KEEP, solve
 from workbench.analysis.sweep import pareto
 from workbench.measurement.footprint import size_bytes
@@ -203,7 +204,7 @@ def pareto_figure(plans, base: float, fp32_bytes: int, metric: str = "accuracy")
 def _solution_scan(model, task, layers, config, base):
     answer = {}
     for name in layers:
-        changed = apply(model, Plan({name: config}), progress=False)
+        changed = wb.apply(model, wb.Plan({name: config}), progress=False)
         answer[name] = base - task.evaluate(changed)[task.primary.name]
     return answer
 
@@ -223,11 +224,11 @@ def check_scan(answer, model: nn.Module, task, table, candidate: str, config) ->
                                                                base))
 
 
-def _solution_layer_bytes(weight_shape, bits):
-    out_features, fan_in = weight_shape[0], math.prod(weight_shape[1:])
-    codes = out_features * fan_in * bits // 8
-    scales = 2 * out_features            # one fp16 scale per output channel
-    bias = 4 * out_features              # the fp32 bias stays
+def _solution_layer_bytes(weight, int4):
+    out_features = weight.shape[0]
+    codes = weight.numel() * int4.bits // 8     # packed: 8 // bits codes per byte
+    scales = 2 * out_features                   # one fp16 scale per output channel
+    bias = 4 * out_features                     # the fp32 bias stays
     return codes + scales + bias
 
 
@@ -245,7 +246,7 @@ def check_layer_bytes(answer, model: nn.Module, layer: str, config) -> Feedback:
                 (n * bits + 2 * out + 4 * out, "bits, not bytes: the codes take bits / 8 bytes each")]
     return check(f"bytes of {layer} at {bits} bits", answer, expected, rtol=0, atol=0,
                  hint="packed codes (bits / 8 bytes per weight) + fp16 scale per output channel + fp32 bias",
-                 mistakes=mistakes, solution=functools.partial(_solution_layer_bytes, tuple(w.shape), bits))
+                 mistakes=mistakes, solution=functools.partial(_solution_layer_bytes, w.detach(), config))
 
 
 def _solution_plan_bytes(opts, plan):
@@ -287,8 +288,8 @@ def check_predicted(answer, opts, plan: Mapping[str, str], base: float) -> Feedb
 
 
 def _solution_measured(model, task, plan, configs):
-    wb_plan = Plan({layer: configs[option] for layer, option in plan.items() if option != "keep"})
-    return task.evaluate(apply(model, wb_plan, progress=False))[task.primary.name]
+    wb_plan = wb.Plan({layer: configs[option] for layer, option in plan.items() if option != "keep"})
+    return task.evaluate(wb.apply(model, wb_plan, progress=False))[task.primary.name]
 
 
 def check_measured(answer, model: nn.Module, task, plan: Mapping[str, str], configs: Mapping, opts,

@@ -99,3 +99,24 @@ def test_training_in_fp8_reaches_fp32_accuracy(scaling, digits_mlp, digits_task)
     a32 = wb.measure(fp32, digits_task, quick=True, threads=1).primary_value
     a8 = wb.measure(wb.precision.fp8_restore(fp8), digits_task, quick=True, threads=1).primary_value
     assert a32 > 0.9 and a8 > a32 - 0.03, (a8, a32)
+
+
+def test_matched_layers_it_cannot_replace_are_reported_not_skipped_silently():
+    """MHA's out_proj (read by nn.MultiheadAttention directly) and GPT-2's Conv1D stay in full precision, and the
+    warning names each with its reason; a model with nothing it can replace is an error that names them."""
+    layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True)
+    with pytest.warns(UserWarning, match=r"passed over 1 matched layer.*self_attn\.out_proj \(MultiheadAttention "
+                                         r"uses its weight directly"):
+        out = wb.precision.fp8_training(layer)
+    assert sorted(fp8_layers(out)) == ["linear1", "linear2"]
+    out(torch.randn(2, 5, 16)).sum().backward()          # the MHA still runs, and trains
+
+    transformers = pytest.importorskip("transformers")
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64,
+                                                                n_positions=16))
+    with pytest.warns(UserWarning, match=r"passed over 4 matched layer.*transformers Conv1D"):
+        out = wb.precision.fp8_training(gpt2, layers="*")
+    assert list(fp8_layers(out)) == ["lm_head"]
+    with pytest.raises(ValueError, match=r"no nn\.Linear matches 'transformer\.h\.\*'.*c_attn: a transformers "
+                                         r"Conv1D"):
+        wb.precision.fp8_training(gpt2, layers="transformer.h.*")

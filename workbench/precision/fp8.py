@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import fnmatch
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -152,15 +153,44 @@ def fp8_training(model: nn.Module, recipe: Fp8Recipe | None = None, layers: str 
     if not isinstance(recipe, Fp8Recipe):
         raise TypeError(f"recipe must be an Fp8Recipe, got {type(recipe).__name__}")
     names = [n for n, m in model.named_modules() if type(m) is nn.Linear and fnmatch.fnmatchcase(n, layers)]
+    passed = {n: why for n, why in _not_fp8(model).items() if fnmatch.fnmatchcase(n, layers)}
     if not names:
         found = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
         raise ValueError(f"fp8_training: no nn.Linear matches {layers!r} in {type(model).__name__} "
-                         f"(its Linear layers: {found[:8]}{' ...' if len(found) > 8 else ''})")
+                         f"(its Linear layers: {found[:8]}{' ...' if len(found) > 8 else ''})"
+                         + "".join(f"; {n}: {why}" for n, why in list(passed.items())[:4]))
+    if passed:   # nothing silent: the matched layers that stay in full precision, each with its reason
+        items = [f"{n} ({why})" for n, why in passed.items()]
+        warnings.warn(f"fp8_training passed over {len(items)} matched layer(s), which keep training in full "
+                      f"precision: {'; '.join(items[:3])}{f'; and {len(items) - 3} more' if len(items) > 3 else ''}",
+                      UserWarning, stacklevel=2)
     out = model if inplace else copy.deepcopy(model)
     for name in names:
         parent, _, leaf = name.rpartition(".")
         holder = out.get_submodule(parent) if parent else out
         setattr(holder, leaf, Fp8Linear(getattr(holder, leaf), recipe))
+    return out
+
+
+def _not_fp8(model: nn.Module) -> dict[str, str]:
+    """Linear-like layers `fp8_training` does not replace, each with the reason: an ``nn.Linear`` subclass (its
+    forward, or its owner, may not go through ``nn.Linear.forward`` - ``nn.MultiheadAttention`` reads its
+    ``out_proj`` weight directly) and Hugging Face's ``Conv1D`` (GPT-2's Linear, weight stored (in, out))."""
+    owners = {}
+    for name, m in model.named_modules():
+        for child, sub in m.named_children():
+            owners[f"{name}.{child}" if name else child] = m
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, Fp8Linear) or type(m) is nn.Linear:
+            continue
+        if isinstance(m, nn.Linear):
+            owner = owners.get(name)
+            out[name] = (f"{type(owner).__name__} uses its weight directly, not through its forward"
+                         if isinstance(owner, nn.MultiheadAttention) else
+                         f"{type(m).__name__} is a subclass of nn.Linear whose forward may differ")
+        elif type(m).__name__ == "Conv1D" and getattr(getattr(m, "weight", None), "ndim", 0) == 2:
+            out[name] = "a transformers Conv1D (GPT-2's Linear, weight stored (in, out)), not an nn.Linear"
     return out
 
 

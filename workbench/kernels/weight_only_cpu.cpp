@@ -422,14 +422,19 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& q, const torch::
   const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
 #if WB_X86
-  const bool in_registers = !W.lut && (W.bits == 4 || W.bits == 8) && W.group % 32 == 0 && K % 32 == 0;
-  if (parse_isa(isa) == Isa::Avx512 && in_registers) {
+  // Whole 32-value chunks of 4- or 8-bit integer codes: decoded in registers (gemv_row_avx512 / _avx2).
+  const Isa use = parse_isa(isa);
+  if (use >= Isa::Avx2 && !W.lut && (W.bits == 4 || W.bits == 8) && W.group % 32 == 0 && K % 32 == 0) {
+    using RowsFn = void (*)(int, const uint8_t*, const float*, const float*, const float*, int64_t, int64_t,
+                            int64_t, const float*, float*);
+    const RowsFn rows_fn = use == Isa::Avx512 ? (W.bits == 4 ? gemv_rows_avx512<4> : gemv_rows_avx512<8>)
+                                              : (W.bits == 4 ? gemv_rows_avx2<4> : gemv_rows_avx2<8>);
     std::vector<float> xsum(M * W.G, 0.f);  // (M, G): x's per-group sums
     for (int64_t m = 0; m < M; ++m)
       for (int64_t k = 0; k < K; ++k) xsum[m * W.G + k / W.group] += xp[m * K + k];
-    std::vector<float> xd;                  // 4-bit codes: x in the nibble order (deinterleave32)
+    std::vector<float> xd;                  // AVX-512, 4-bit codes: x in the nibble order (deinterleave32)
     const float* xs = xp;
-    if (W.bits == 4) {
+    if (use == Isa::Avx512 && W.bits == 4) {
       xd.resize(M * K);
       for (int64_t m = 0; m < M; ++m) deinterleave32(xp + m * K, K, xd.data() + m * K);
       xs = xd.data();
@@ -439,30 +444,8 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& q, const torch::
       for (int64_t n = n0; n < n1; ++n) {
         for (int64_t m = 0; m < M; m += 4) {
           const int rows = static_cast<int>(std::min<int64_t>(4, M - m));
-          const uint8_t* qn = W.q + n * W.row_bytes;
-          const float *sn = W.scale + n * W.G, *zn = W.zero + n * W.G;
-          if (W.bits == 4) gemv_rows_avx512<4>(rows, qn, sn, zn, xs + m * K, K, W.group, W.G, xsum.data() + m * W.G, d);
-          else gemv_rows_avx512<8>(rows, qn, sn, zn, xs + m * K, K, W.group, W.G, xsum.data() + m * W.G, d);
-          for (int i = 0; i < rows; ++i) op[(m + i) * N + n] = bp ? d[i] + bp[n] : d[i];
-        }
-      }
-    });
-    return out;
-  }
-  // Whole 32-value chunks of 4- or 8-bit integer codes: decoded in registers (gemv_row_avx2).
-  if (parse_isa(isa) >= Isa::Avx2 && in_registers) {
-    std::vector<float> xsum(M * W.G, 0.f);  // (M, G): x's per-group sums
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t k = 0; k < K; ++k) xsum[m * W.G + k / W.group] += xp[m * K + k];
-    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-      float d[4];
-      for (int64_t n = n0; n < n1; ++n) {
-        for (int64_t m = 0; m < M; m += 4) {
-          const int rows = static_cast<int>(std::min<int64_t>(4, M - m));
-          const uint8_t* qn = W.q + n * W.row_bytes;
-          const float *sn = W.scale + n * W.G, *zn = W.zero + n * W.G;
-          if (W.bits == 4) gemv_rows_avx2<4>(rows, qn, sn, zn, xp + m * K, K, W.group, W.G, xsum.data() + m * W.G, d);
-          else gemv_rows_avx2<8>(rows, qn, sn, zn, xp + m * K, K, W.group, W.G, xsum.data() + m * W.G, d);
+          rows_fn(rows, W.q + n * W.row_bytes, W.scale + n * W.G, W.zero + n * W.G, xs + m * K, K, W.group, W.G,
+                  xsum.data() + m * W.G, d);
           for (int i = 0; i < rows; ++i) op[(m + i) * N + n] = bp ? d[i] + bp[n] : d[i];
         }
       }

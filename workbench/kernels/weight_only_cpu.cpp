@@ -306,6 +306,42 @@ WB_TARGET("avx512f") void gemv_row_avx512(const uint8_t* q, const float* s, cons
   }
 }
 
+// Row n of the weight decoded straight from its 4- or 8-bit codes (whole 32-value groups) into fp32 - the
+// reference's (u - z) * s, bit for bit (no FMA contraction) - or, for the bf16 prefill, rounded to bf16 to nearest
+// even as PyTorch rounds (no fp32 row written in between). The bf16 variant runs only where the CPU has AVX512_BF16.
+template <bool BF16>
+WB_TARGET("avx512f,avx512bf16") void decode_row_avx512(const Weight& W, int64_t n, void* dst) {
+  const uint8_t* q = W.q + n * W.row_bytes;
+  const float *s = W.scale + n * W.G, *z = W.zero + n * W.G;
+  const __m128i m4 = _mm_set1_epi8(0x0F);
+  for (int64_t g = 0; g < W.G; ++g) {
+    const __m512 vs = _mm512_set1_ps(s[g]), vz = _mm512_set1_ps(z[g]);
+    const int64_t k1 = std::min(W.K, (g + 1) * W.group);
+    for (int64_t k = g * W.group; k < k1; k += 32) {
+      __m128i c0, c1;  // codes k .. k + 15 and k + 16 .. k + 31, in order
+      if (W.bits == 4) {
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k / 2));
+        const __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+        c0 = _mm_unpacklo_epi8(lo, hi);
+        c1 = _mm_unpackhi_epi8(lo, hi);
+      } else {
+        c0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k));
+        c1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k + 16));
+      }
+      const __m512 w0 = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c0)), vz), vs);
+      const __m512 w1 = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c1)), vz), vs);
+      if constexpr (BF16) {
+        auto* o = static_cast<uint16_t*>(dst) + k;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), (__m256i)_mm512_cvtneps_pbh(w0));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16), (__m256i)_mm512_cvtneps_pbh(w1));
+      } else {
+        _mm512_storeu_ps(static_cast<float*>(dst) + k, w0);
+        _mm512_storeu_ps(static_cast<float*>(dst) + k + 16, w1);
+      }
+    }
+  }
+}
+
 template <int BITS>
 WB_TARGET("avx512f") void gemv_rows_avx512(int rows, const uint8_t* q, const float* s, const float* z,
                                             const float* x, int64_t K, int64_t group, int64_t G, const float* xsum,
@@ -500,22 +536,40 @@ torch::Tensor prefill(const torch::Tensor& x, const torch::Tensor& q, const torc
   const bool has_bias = bias.has_value() && bias->defined();
   TORCH_CHECK(!has_bias || (bias->scalar_type() == x.scalar_type() && bias->numel() == N),
               "weight_only_linear_cpu: bias must have x's dtype and shape (N,)");
-  const Kernels kern = kernels_for(parse_isa(isa));
+  const Isa use = parse_isa(isa);
+  const Kernels kern = kernels_for(use);
   if (M == 0 || N == 0) return torch::empty({M, N}, x.options());
   const int64_t nb = std::min(N, block_rows > 0 ? block_rows
                                                 : std::max<int64_t>((int64_t{2} << 20) / (4 * K) / 16 * 16, 16));
   thread_local std::vector<float> scratch;
   if (static_cast<int64_t>(scratch.size()) < nb * K) scratch.resize(nb * K);
+  // AVX-512, 4- or 8-bit codes in whole 32-value groups: rows decoded in one pass (to bf16 directly for bf16 x)
+  const bool direct = WB_X86 && use == Isa::Avx512 && !W.lut && (W.bits == 4 || W.bits == 8) &&
+                      W.group % 32 == 0 && K % 32 == 0 && (!bf16 || native_bf16());
   auto out = nb == N ? torch::Tensor() : torch::empty({M, N}, x.options());
   for (int64_t n0 = 0; n0 < N; n0 += nb) {
     const int64_t rows = std::min(nb, N - n0);
     float* buf = scratch.data();
     at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
+#if WB_X86
+      if (direct) {
+        for (int64_t r = r0; r < r1; ++r) {
+          if (bf16) decode_row_avx512<true>(W, n0 + r, reinterpret_cast<uint16_t*>(buf) + r * K);
+          else decode_row_avx512<false>(W, n0 + r, buf + r * K);
+        }
+        return;
+      }
+#endif
       std::vector<uint8_t> c(K + 64);
       for (int64_t r = r0; r < r1; ++r) decode_row(W, kern, n0 + r, c.data(), buf + r * K);
     });
-    auto wb = torch::from_blob(buf, {rows, K}, x.options().dtype(torch::kFloat));
-    if (bf16) wb = wb.to(torch::kBFloat16);
+    torch::Tensor wb;
+    if (direct && bf16) {
+      wb = torch::from_blob(buf, {rows, K}, x.options());   // bf16 rows, already rounded
+    } else {
+      wb = torch::from_blob(buf, {rows, K}, x.options().dtype(torch::kFloat));
+      if (bf16) wb = wb.to(torch::kBFloat16);
+    }
     if (rows == N) return has_bias ? at::addmm(*bias, x, wb.t()) : at::mm(x, wb.t());  // one block: no copy
     auto ob = out.narrow(1, n0, rows);
     if (has_bias) {

@@ -91,6 +91,20 @@ void dot_scalar(const float* w, const float* x, int64_t ldx, int rows, int64_t K
 }
 
 #if WB_X86
+// Codes k .. k + 31 of a row of 4- or 8-bit codes (k a multiple of 32) as bytes, in order, in c0 and c1 (SSE2).
+inline void codes32_in_order(const uint8_t* q, int64_t k, int bits, __m128i& c0, __m128i& c1) {
+  if (bits == 4) {  // byte b holds codes 2b (low nibble) and 2b + 1
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k / 2));
+    const __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+    c0 = _mm_unpacklo_epi8(lo, hi);
+    c1 = _mm_unpackhi_epi8(lo, hi);
+  } else {
+    c0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k));
+    c1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k + 16));
+  }
+}
+
 // Decode paths read the weight as one stream (rows are contiguous) and prefetch this far ahead of it: one core's
 // stream of a weight that is not in cache otherwise stalls on memory latency at a fraction of the bandwidth
 // (4096 x 4096 int4 g128 at M = 1 from DRAM: 2.9 ms without, 1.0 ms with; workbench/kernels/README.md).
@@ -171,7 +185,6 @@ WB_TARGET("avx2,fma") void gemv_row_avx2(const uint8_t* q, const float* s, const
   __m256 acc[ROWS][A];
   for (int i = 0; i < ROWS; ++i)
     for (int a = 0; a < A; ++a) acc[i][a] = _mm256_setzero_ps();
-  const __m128i m4 = _mm_set1_epi8(0x0F);
   __m256 gacc[4];  // one row of x: the current group's unscaled sums
   for (int j = 0; j < 4; ++j) gacc[j] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
@@ -180,15 +193,7 @@ WB_TARGET("avx2,fma") void gemv_row_avx2(const uint8_t* q, const float* s, const
     for (int64_t k = g * group; k < k1; k += 32) {
       _mm_prefetch(reinterpret_cast<const char*>(q + k * BITS / 8 + kPrefetchBytes), _MM_HINT_T0);  // see avx512
       __m128i c0, c1;  // codes k .. k + 15 and k + 16 .. k + 31 as bytes
-      if (BITS == 4) {
-        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k / 2));
-        const __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
-        c0 = _mm_unpacklo_epi8(lo, hi);
-        c1 = _mm_unpackhi_epi8(lo, hi);
-      } else {
-        c0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k));
-        c1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k + 16));
-      }
+      codes32_in_order(q, k, BITS, c0, c1);
       __m256 w[4];
       w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c0));
       w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(c0, 8)));
@@ -219,17 +224,6 @@ WB_TARGET("avx2,fma") void gemv_row_avx2(const uint8_t* q, const float* s, const
   }
 }
 
-template <int BITS>
-WB_TARGET("avx2,fma") void gemv_rows_avx2(int rows, const uint8_t* q, const float* s, const float* z,
-                                          const float* x, int64_t K, int64_t group, int64_t G, const float* xsum,
-                                          float* out) {
-  switch (rows) {
-    case 1: gemv_row_avx2<1, BITS>(q, s, z, x, K, group, G, xsum, out); break;
-    case 2: gemv_row_avx2<2, BITS>(q, s, z, x, K, group, G, xsum, out); break;
-    case 3: gemv_row_avx2<3, BITS>(q, s, z, x, K, group, G, xsum, out); break;
-    default: gemv_row_avx2<4, BITS>(q, s, z, x, K, group, G, xsum, out); break;
-  }
-}
 
 // ---------------------------------------------------------------------------------------------------------
 // AVX-512 (F) decode path, same math as gemv_row_avx2 with 16 lanes. 4-bit codes are not put back in order:
@@ -313,21 +307,12 @@ template <bool BF16>
 WB_TARGET("avx512f,avx512bf16") void decode_row_avx512(const Weight& W, int64_t n, void* dst) {
   const uint8_t* q = W.q + n * W.row_bytes;
   const float *s = W.scale + n * W.G, *z = W.zero + n * W.G;
-  const __m128i m4 = _mm_set1_epi8(0x0F);
   for (int64_t g = 0; g < W.G; ++g) {
     const __m512 vs = _mm512_set1_ps(s[g]), vz = _mm512_set1_ps(z[g]);
     const int64_t k1 = std::min(W.K, (g + 1) * W.group);
     for (int64_t k = g * W.group; k < k1; k += 32) {
       __m128i c0, c1;  // codes k .. k + 15 and k + 16 .. k + 31, in order
-      if (W.bits == 4) {
-        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k / 2));
-        const __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
-        c0 = _mm_unpacklo_epi8(lo, hi);
-        c1 = _mm_unpackhi_epi8(lo, hi);
-      } else {
-        c0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k));
-        c1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k + 16));
-      }
+      codes32_in_order(q, k, W.bits, c0, c1);
       const __m512 w0 = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c0)), vz), vs);
       const __m512 w1 = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c1)), vz), vs);
       if constexpr (BF16) {
@@ -342,17 +327,15 @@ WB_TARGET("avx512f,avx512bf16") void decode_row_avx512(const Weight& W, int64_t 
   }
 }
 
+// The register-decode row kernels by rows of x (1 .. 4), for gemv's dispatch.
+using RowFn = void (*)(const uint8_t*, const float*, const float*, const float*, int64_t, int64_t, int64_t,
+                       const float*, float*);
 template <int BITS>
-WB_TARGET("avx512f") void gemv_rows_avx512(int rows, const uint8_t* q, const float* s, const float* z,
-                                            const float* x, int64_t K, int64_t group, int64_t G, const float* xsum,
-                                            float* out) {
-  switch (rows) {
-    case 1: gemv_row_avx512<1, BITS>(q, s, z, x, K, group, G, xsum, out); break;
-    case 2: gemv_row_avx512<2, BITS>(q, s, z, x, K, group, G, xsum, out); break;
-    case 3: gemv_row_avx512<3, BITS>(q, s, z, x, K, group, G, xsum, out); break;
-    default: gemv_row_avx512<4, BITS>(q, s, z, x, K, group, G, xsum, out); break;
-  }
-}
+constexpr RowFn kAvx2Rows[4] = {gemv_row_avx2<1, BITS>, gemv_row_avx2<2, BITS>, gemv_row_avx2<3, BITS>,
+                                gemv_row_avx2<4, BITS>};
+template <int BITS>
+constexpr RowFn kAvx512Rows[4] = {gemv_row_avx512<1, BITS>, gemv_row_avx512<2, BITS>, gemv_row_avx512<3, BITS>,
+                                  gemv_row_avx512<4, BITS>};
 #endif  // WB_X86
 
 Isa detect_isa() {
@@ -461,10 +444,8 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& q, const torch::
   // Whole 32-value chunks of 4- or 8-bit integer codes: decoded in registers (gemv_row_avx512 / _avx2).
   const Isa use = parse_isa(isa);
   if (use >= Isa::Avx2 && !W.lut && (W.bits == 4 || W.bits == 8) && W.group % 32 == 0 && K % 32 == 0) {
-    using RowsFn = void (*)(int, const uint8_t*, const float*, const float*, const float*, int64_t, int64_t,
-                            int64_t, const float*, float*);
-    const RowsFn rows_fn = use == Isa::Avx512 ? (W.bits == 4 ? gemv_rows_avx512<4> : gemv_rows_avx512<8>)
-                                              : (W.bits == 4 ? gemv_rows_avx2<4> : gemv_rows_avx2<8>);
+    const RowFn* row_fns = use == Isa::Avx512 ? (W.bits == 4 ? kAvx512Rows<4> : kAvx512Rows<8>)
+                                              : (W.bits == 4 ? kAvx2Rows<4> : kAvx2Rows<8>);
     std::vector<float> xsum(M * W.G, 0.f);  // (M, G): x's per-group sums
     for (int64_t m = 0; m < M; ++m)
       for (int64_t k = 0; k < K; ++k) xsum[m * W.G + k / W.group] += xp[m * K + k];
@@ -480,8 +461,8 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& q, const torch::
       for (int64_t n = n0; n < n1; ++n) {
         for (int64_t m = 0; m < M; m += 4) {
           const int rows = static_cast<int>(std::min<int64_t>(4, M - m));
-          rows_fn(rows, W.q + n * W.row_bytes, W.scale + n * W.G, W.zero + n * W.G, xs + m * K, K, W.group, W.G,
-                  xsum.data() + m * W.G, d);
+          row_fns[rows - 1](W.q + n * W.row_bytes, W.scale + n * W.G, W.zero + n * W.G, xs + m * K, K, W.group,
+                            W.G, xsum.data() + m * W.G, d);
           for (int i = 0; i < rows; ++i) op[(m + i) * N + n] = bp ? d[i] + bp[n] : d[i];
         }
       }

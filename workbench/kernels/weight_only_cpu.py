@@ -29,8 +29,9 @@ Why not PyTorch's packed kernels (``aten._weight_int4pack_mm_for_cpu``, ``aten._
 bf16 activations (fp32 ones fall to a scalar loop), keep scales and zeros in bf16 (our fp16 scales lose 3 bits),
 take int4 with groups that are multiples of 32 only (no asymmetric uint8 zero as such, no NF4 / int2). Speed
 depends on the CPU: on an AVX2 machine they ran at 2.6 ms (int4) / 2.4 ms (int8) for a 4096 x 4096 layer at M = 1
-where this kernel took 2.1 / 2.0; on an AVX-512 + AMX Xeon aten's int4 took 1.0 ms against this kernel's 1.3 and
-its int8 1.9 against 2.0 (`python -m workbench.kernels.bench_cpu` measures all of them side by side).
+where this kernel took 2.1 / 2.0; on an AVX-512 + AMX Xeon (three runs) aten's int4 took 1.0-1.1 ms against this
+kernel's 1.3 and its int8 1.5-1.9 against 1.65-1.84 (`python -m workbench.kernels.bench_cpu` measures all of them
+side by side).
 
 Vector code chosen at run time (``cpu_isa()``): AVX-512 for the decode path of 4- and 8-bit integer codes in whole
 32-value groups (16 lanes; 4-bit codes meet x reordered to their nibble order instead of being put back in order),

@@ -421,8 +421,6 @@ class WeightOnlyLinear(_FollowsDevice, _PackedWeight):
     def _cpu_weight(self):
         """The stored weight as `workbench.kernels.weight_only_cpu` reads it (fp32 scales / zeros), made once and made
         again only when the stored tensors change (loading a state dict, ``copy_``, moving the module)."""
-        from workbench.kernels import weight_only_cpu
-
         buffers = self._buffers
         tensors = (buffers["qweight"], buffers["scale"], buffers.get("zero"))
         # the key: which tensors, where their data is and how often it was written in place (this runs on every
@@ -436,7 +434,7 @@ class WeightOnlyLinear(_FollowsDevice, _PackedWeight):
                         for t in tensors if t is not None)
         cached = self.__dict__.get("_cpu_packed")
         if cached is None or cached[0] != key:
-            cached = (key, weight_only_cpu.pack(self._tensors(), self.fmt, self.K))
+            cached = (key, _weight_only_cpu().pack(self._tensors(), self.fmt, self.K))
             self.__dict__["_cpu_packed"] = cached
         return cached[1]
 

@@ -19,12 +19,12 @@ from workbench import quantization as quant
 from workbench.analysis import Budget, pareto, search, sensitivity, sweep
 from workbench.measurement import Metrics, Speedup, compare, layer_table, measure, size_bytes, speedup
 from workbench.plans import ApplyError, Plan, applied_plans, applied_report, apply
-from workbench.plans.io import load, save
+from workbench.plans.io import empty_weights, load, save
 from workbench.quantization import qat
 
 __version__ = "0.1.0"
 
 __all__ = ["models", "tasks", "precision", "quant", "qat", "prune", "lowrank", "distill", "training", "measurement",
            "plots", "reports", "measure", "Metrics", "compare", "speedup", "Speedup", "layer_table", "size_bytes",
-           "Plan", "apply", "applied_plans", "applied_report", "ApplyError", "save", "load", "analysis", "sensitivity",
-           "search", "Budget", "sweep", "pareto", "ui", "teach", "__version__"]
+           "Plan", "apply", "applied_plans", "applied_report", "ApplyError", "save", "load", "empty_weights",
+           "analysis", "sensitivity", "search", "Budget", "sweep", "pareto", "ui", "teach", "__version__"]

@@ -51,5 +51,8 @@ def test_bench_honest_smoke():
 def test_bench_inplace_memory_smoke():
     from workbench.benchmarks.memory import bench_inplace_memory
 
-    r = bench_inplace_memory(layers=1, hidden=64, intermediate=128, threads=1, timeout=300)
+    arch = dict(num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=256)
+    r = bench_inplace_memory(arch, samples=4, seq=32, threads=1, load=True, timeout=300)
     assert r["model_bytes"] > 0 and r["peak_after"] >= r["peak_before"] and r["seconds"] > 0
+    assert 0 < r["load_file_bytes"] < r["model_bytes"] and r["load_seconds"] > 0

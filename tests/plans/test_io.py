@@ -102,3 +102,28 @@ def test_foreign_and_tampered_files(tmp_path, digits_mlp):
     version = _rewrite_metadata(good, tmp_path / "d.safetensors", format_version="7")
     with pytest.raises(ValueError, match="file format version '7'"):
         wb.load(version, base=digits_mlp)
+
+
+def test_load_on_an_empty_weights_base_copies_no_weights(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    small = wb.apply(model, {"lm_head": None, "model.embed_tokens": None, "*": wb.quant.WeightOnly(4, 32)},
+                     progress=False)
+    path = wb.save(small, tmp_path / "llama.safetensors")
+    with wb.empty_weights():
+        base = transformers.LlamaForCausalLM(cfg)
+    assert all(p.is_meta for p in base.parameters()) and not any(b.is_meta for b in base.buffers())
+    again = wb.load(path, base=base)
+    assert not any(t.is_meta for t in [*again.parameters(), *again.buffers()])
+    assert all(p.is_meta for p in base.parameters())   # the base is not filled in
+    x = torch.randint(0, 128, (2, 12))
+    with torch.inference_mode():
+        assert torch.equal(small(x).logits, again(x).logits)
+    # a base wholly on the meta device lacks the rotary table the file does not hold: said, naming it
+    with torch.device("meta"):
+        bare = transformers.LlamaForCausalLM(cfg)
+    with pytest.raises(ValueError, match="inv_freq.*meta device"):
+        wb.load(path, base=bare)

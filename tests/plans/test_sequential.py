@@ -143,16 +143,26 @@ def test_a_list_of_parallel_branches_is_not_taken_for_blocks():
     assert set(wb.applied_report(small).calibration) == {"original"}
 
 
-def test_failure_mid_pipeline_leaves_an_inplace_model_untouched():
+def fail_at(monkeypatch, layer: str) -> None:
+    """GPTQ fails on ``layer`` (as a non-positive-definite Hessian would)."""
+    import workbench.quantization.gptq as gptq
+
+    real = gptq.gptq_quantize
+
+    def failing(w, inputs, *a, **k):
+        if k.get("name") == layer:
+            raise ValueError(f"the Hessian of {layer!r} is not positive definite (injected)")
+        return real(w, inputs, *a, **k)
+    monkeypatch.setattr(gptq, "gptq_quantize", failing)
+
+
+def test_failure_mid_pipeline_leaves_an_inplace_model_untouched(monkeypatch):
     model, data = tiny_llama(2), batches(2)
     before = {n: type(m) for n, m in model.named_modules()}
     weights = {n: p.clone() for n, p in model.named_parameters()}
-    # group 48 does not divide the MLP's 64 inputs and AWQ needs whole groups: block 0's attention is done, its
-    # down_proj fails
-    plan = {"lm_head": None, "model.embed_tokens": None, "*.down_proj": wb.quant.WeightOnly(bits=4, group_size=48,
-                                                                                        method="awq"), "*": GPTQ}
+    fail_at(monkeypatch, "model.layers.0.mlp.down_proj")   # block 0's attention is done, its down_proj fails
     with pytest.raises(Exception, match="down_proj"):
-        wb.apply(model, plan, calibration=data, inplace=True, progress=False)
+        wb.apply(model, PLAN, calibration=data, inplace=True, progress=False)
     assert {n: type(m) for n, m in model.named_modules()} == before
     assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())
 
@@ -171,3 +181,58 @@ def test_gptq_is_fed_a_hessian_built_batch_by_batch_not_the_inputs(monkeypatch):
     model = tiny_llama(2)
     wb.apply(model, PLAN, calibration=batches(2), progress=False)
     assert len(seen) == 14 and all(isinstance(s, gptq.HessianAccumulator) and s.n == 2 * 2 * 16 for s in seen)
+
+
+def test_layers_reading_one_input_share_one_hessian(monkeypatch):
+    import workbench.quantization.gptq as gptq
+
+    seen, real = {}, gptq.gptq_quantize
+    monkeypatch.setattr(gptq, "gptq_quantize",
+                        lambda w, inputs, *a, **k: seen.setdefault(k["name"], inputs) and real(w, inputs, *a, **k))
+    model = tiny_llama(2)
+    wb.apply(model, PLAN, calibration=batches(2), progress=False)
+    for b in range(2):
+        p = f"model.layers.{b}."
+        acc = {n.removeprefix(p): s for n, s in seen.items() if n.startswith(p)}
+        assert acc["self_attn.q_proj"] is acc["self_attn.k_proj"] is acc["self_attn.v_proj"]
+        assert acc["mlp.gate_proj"] is acc["mlp.up_proj"]
+        assert len({id(s) for s in acc.values()}) == 4   # qkv, o_proj, gate/up, down_proj
+        assert acc["self_attn.q_proj"].users == 3 and acc["mlp.up_proj"].users == 2 and acc["mlp.down_proj"].users == 1
+        assert all(s.H is None for s in acc.values())   # every Hessian handed over, none kept
+
+
+def test_inplace_failure_in_a_later_block_restores_the_spilled_layers(monkeypatch, tmp_path):
+    import tempfile
+
+    from workbench.plans.spill import Spill
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    freed, stash = [], Spill.stash
+    monkeypatch.setattr(Spill, "stash", lambda self, modules: freed.append(stash(self, modules)) or freed[-1])
+    model, data = tiny_llama(2), batches(2)
+    x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(7))
+    with torch.inference_mode():
+        want = model(x).logits
+    before = {n: type(m) for n, m in model.named_modules()}
+    weights = {n: p.clone() for n, p in model.named_parameters()}
+    fail_at(monkeypatch, "model.layers.1.mlp.down_proj")
+    with pytest.raises(Exception, match="layers.1.mlp.down_proj"):
+        wb.apply(model, PLAN, calibration=data, inplace=True, progress=False)
+    # block 0 was compressed and its fp32 layers moved to disk (7 weight matrices) before block 1 failed
+    assert len(freed) == 1 and freed[0] == sum(p.numel() * 4 for n, p in weights.items()
+                                               if n.startswith("model.layers.0.") and "norm" not in n)
+    assert {n: type(m) for n, m in model.named_modules()} == before
+    assert all(p.device.type == "cpu" and torch.equal(p, weights[n]) for n, p in model.named_parameters())
+    with torch.inference_mode():
+        assert torch.equal(model(x).logits, want)
+    assert list(tmp_path.iterdir()) == []   # the spill files are gone
+
+
+def test_inplace_success_leaves_no_spill_files_and_no_meta_tensors(monkeypatch, tmp_path):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    model = tiny_llama(2)
+    out = wb.apply(model, PLAN, calibration=batches(2), inplace=True, progress=False)
+    assert out is model and list(tmp_path.iterdir()) == []
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])

@@ -130,3 +130,28 @@ def test_gptq_takes_a_short_last_group(act_order):
         ref = linear(x)
         err_gptq, err_rtn = ((m(x) - ref).pow(2).mean().item() for m in (q, rtn))
     assert err_gptq < 0.9 * err_rtn
+
+
+def test_a_version_1_file_with_act_order_loads_as_the_static_groups_it_holds(tmp_path):
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    lin, X = layer(), outlier_inputs()
+    static = Q.WeightOnly(4, 32, method="gptq", act_order=True, static_groups=True)
+    qs = wb.apply(lin, {"0": static}, calibration=[X], progress=False)
+    path = wb.save(qs, tmp_path / "v2.safetensors")
+    with safe_open(str(path), "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    assert meta["format_version"] == "2"
+    # a version 1 file of the same layer: act_order=True meant static groups, and the field did not exist
+    plans = json.loads(meta["plans"])
+    del plans[0]["entries"][0]["config"]["static_groups"]
+    save_file(tensors, str(tmp_path / "v1.safetensors"), metadata={**meta, "format_version": "1",
+                                                                    "plans": json.dumps(plans)})
+    again = wb.load(tmp_path / "v1.safetensors", base=lin)
+    assert wb.applied_plans(again)[0]["0"] == static and not hasattr(again[0], "perm")
+    x = torch.randn(3, 96)
+    with torch.no_grad():
+        assert torch.equal(qs(x), again(x))

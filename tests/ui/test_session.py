@@ -69,12 +69,13 @@ def test_failures_leave_nothing_half_applied(session, digits_task):
     assert cnn.assigned == {}  # fc1 was not assigned either
     session.apply_and_measure()
     good = session.work.fc1
-    # AWQ / HQQ need whole groups (plain rounding and GPTQ take a short last group): refused when set
-    with pytest.raises(ValueError, match="layer .fc2.: group_size 7 does not divide"):
-        session.set("fc2", wb.quant.WeightOnly(bits=4, group_size=7, symmetric=False, method="hqq"))
+    # the Triton kernels need whole groups (the other paths take a short last group): refused when set
+    bad = wb.quant.WeightOnly(bits=4, group_size=7, kernel="triton")
+    with pytest.raises(ValueError, match="layer .fc2.: .*no 'triton' kernel"):
+        session.set("fc2", bad)
     session.set("fc1", INT8)
     # bypassing the check: fails on apply
-    session.assigned["fc2"] = wb.quant.WeightOnly(bits=4, group_size=7, symmetric=False, method="hqq")
+    session.assigned["fc2"] = bad
     with pytest.raises(wb.ApplyError, match="'fc2'"):
         session.apply_and_measure()
     assert session.work.fc1 is good and len(session.history) == 1  # fc1 not swapped in either

@@ -69,8 +69,8 @@ def main(argv=None) -> None:
     p.add_argument("--bits", type=int, nargs="+", default=[4, 3])
     p.add_argument("--methods", nargs="+", default=["rtn", "gptq", "awq", "hqq"])
     p.add_argument("--pipelines", nargs="+", default=["sequential"], choices=["sequential", "original"])
-    p.add_argument("--group", type=int, default=64, help="group size (tiny-llama's 864-wide down_proj needs a "
-                   "divisor of 864 and 320, e.g. 32, for AWQ and HQQ)")
+    p.add_argument("--group", type=int, default=64, help="group size (one that does not divide a layer's inputs, "
+                   "e.g. 64 for tiny-llama's 864-wide down_proj, leaves a short last group)")
     a = p.parse_args(argv)
     torch.manual_seed(0)
     print(bench_quantization(a.models, a.calib, a.quick, a.threads, tuple(a.bits), tuple(a.methods),

@@ -44,6 +44,7 @@ from workbench.plans.layers import (
 from workbench.plans.plan import Plan
 from workbench.plans.registry import Config, handler_for
 from workbench.plans.sequential import BlockList, Pipeline, capture_block_inputs, find_blocks, run_block, runs_as_chain
+from workbench.plans.spill import Spill
 
 __all__ = ["apply", "build_skeleton", "applied_plans", "applied_report", "ApplyError", "normalize_calibration",
            "PLANS_ATTR", "Pipeline"]
@@ -155,6 +156,7 @@ def apply(model: nn.Module, plan: Plan | Mapping[str, Config | None], calibratio
     flags = {m: m.use_nested_tensor for m in target.modules() if hasattr(m, "use_nested_tensor")}
     groups = tie_groups(target)
     swapped: list[dict[str, nn.Module]] = []   # what the sequential pipeline already put in place, in order
+    spill = Spill(target) if inplace else None   # in place, what the blocks replaced waits on disk, not in memory
     fallback = ""
     try:
         canonicalize_for(target, plan)   # the Linear-in-disguise layers the plan reaches, as survey saw them
@@ -171,7 +173,7 @@ def apply(model: nn.Module, plan: Plan | Mapping[str, Config | None], calibratio
                                   f"its layers are calibrated from the original model's activations "
                                   f"(pipeline='original')", stacklevel=2)
         if blocks is not None:
-            done = _apply_sequential(target, assignments, needing, blocks, batches, progress, swapped)
+            done = _apply_sequential(target, assignments, needing, blocks, batches, progress, swapped, spill)
         else:
             inputs = capture_inputs(target, [a.name for a in needing], batches, progress) if needing else {}
             done = {}
@@ -180,6 +182,9 @@ def apply(model: nn.Module, plan: Plan | Mapping[str, Config | None], calibratio
                 inputs.pop(a.name, None)   # this layer's recorded inputs are no longer needed
         _share_tied_groups(groups, {n: t.module for n, t in done.items()}, {n: t.config for n, t in done.items()})
     except BaseException:
+        if spill is not None:
+            spill.restore()
+            spill.close()
         for previous in reversed(swapped):
             swap_layers(target, previous)
         if inplace and originals:   # the user's model is left exactly as it was
@@ -187,6 +192,8 @@ def apply(model: nn.Module, plan: Plan | Mapping[str, Config | None], calibratio
             for m, flag in flags.items():
                 m.use_nested_tensor = flag
         raise
+    if spill is not None:
+        spill.close()
     placed = {n for step in swapped for n in step}
     swap_layers(target, {n: t.module for n, t in done.items() if n not in placed})
     # A config whose structure depends on the data (e.g. a rank chosen by an energy threshold) is recorded
@@ -209,11 +216,13 @@ def apply(model: nn.Module, plan: Plan | Mapping[str, Config | None], calibratio
 
 
 def _apply_sequential(target: nn.Module, assignments, needing, blocks: BlockList, batches, progress: bool,
-                      swapped: list[dict[str, nn.Module]]) -> dict[str, Transformed]:
+                      swapped: list[dict[str, nn.Module]], spill: Spill | None = None) -> dict[str, Transformed]:
     """Transform ``assignments`` block by block (see `workbench.plans.sequential`): each block's layers are
     calibrated on the outputs of the compressed blocks before it and put in place at once (what they replaced
-    is appended to ``swapped``, for the caller's rollback). Layers outside the blocks come last, calibrated in
-    one pass of the model with every block compressed."""
+    is appended to ``swapped``, for the caller's rollback, and its tensors moved to ``spill`` when given).
+    Layers whose statistics can be shared and that read the very same input tensor (a decoder's q / k / v,
+    gate / up) share one accumulator (`_Feed`). Layers outside the blocks come last, calibrated in one pass of
+    the model with every block compressed."""
     calibrated = {a.name for a in needing}
     per_block: dict[str, list] = {b: [] for b in blocks.names}
     outside: list = []
@@ -233,11 +242,13 @@ def _apply_sequential(target: nn.Module, assignments, needing, blocks: BlockList
             inputs = {a.name: _statistics(a.name, target.get_submodule(a.name), a.config) for a in mine
                       if a.name in calibrated}
             if inputs:
+                feed = _Feed(inputs)
                 handles = [target.get_submodule(n).register_forward_pre_hook(
-                    lambda mod, args, _n=n: _add(inputs[_n], args)) for n in inputs]
+                    lambda mod, args, _n=n: feed(_n, args)) for n in inputs]
                 try:
                     for s in states:
                         run_block(block, s)
+                        feed.next_batch()
                 finally:
                     for h in handles:
                         h.remove()
@@ -247,6 +258,8 @@ def _apply_sequential(target: nn.Module, assignments, needing, blocks: BlockList
                 new[a.name] = done[a.name].module
             if new:
                 swapped.append(swap_layers(target, new))
+                if spill is not None:
+                    spill.stash(swapped[-1])
             if i < last:   # the next calibrated block's inputs: this (compressed) block's outputs
                 for s in states:
                     s.hidden = run_block(block, s)
@@ -265,6 +278,47 @@ def _statistics(name: str, module: nn.Module, config: Config):
     by batch, e.g. GPTQ's Hessian) or, for a technique without one, a list of the recorded inputs."""
     found = handler_for(config).accumulator(name, module, config)
     return [] if found is None else found
+
+
+class _Feed:
+    """The forward pre-hooks' target while a block runs: feeds each layer's statistics (``stats``: name ->
+    accumulator or list of inputs). On the first batch, a layer whose input is the very tensor an earlier layer
+    of the block read, and whose accumulator is of the same kind and width (it has a ``users`` count, as
+    `HessianAccumulator` does), is linked to that layer's accumulator: ``stats`` then maps both names to one
+    object and the input is accumulated once. Later batches must show the same sharing."""
+
+    def __init__(self, stats: dict):
+        self.stats = stats
+        self.leader: dict[str, str] = {}
+        self.first = True
+        self.seen: dict[int, tuple[str, torch.Tensor]] = {}   # id(input) -> (layer, input), this batch
+
+    def __call__(self, name: str, args: tuple) -> None:
+        stat = self.stats[name]
+        x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if x is None or not hasattr(stat, "users"):
+            _add(stat, args)
+            return
+        before = self.seen.get(id(x))
+        if name in self.leader:
+            if before is None or before[0] != self.leader[name]:
+                raise RuntimeError(f"calibration: {name!r} read the same input as {self.leader[name]!r} on the "
+                                   f"first batch but not on a later one; use pipeline='original'")
+            return
+        if self.first and before is not None:
+            other = self.stats[before[0]]
+            if type(other) is type(stat) and getattr(other, "K", None) == getattr(stat, "K", None) \
+                    and getattr(other, "dtype", None) == getattr(stat, "dtype", None):
+                self.leader[name] = before[0]
+                other.users += 1
+                self.stats[name] = other
+                return
+        self.seen.setdefault(id(x), (name, x))
+        _add(stat, args)
+
+    def next_batch(self) -> None:
+        self.first = False
+        self.seen.clear()
 
 
 def _add(statistics, args: tuple) -> None:
@@ -317,9 +371,18 @@ def _warn_passed_over(passed) -> None:
                       f"(wb.applied_report(model) lists every layer)", stacklevel=3)
 
 
-def build_skeleton(model: nn.Module, plans: Sequence[Plan]) -> nn.Module:
-    """A deep copy of ``model`` with the compressed *structure* of ``plans`` (values to be loaded)."""
-    target = copy.deepcopy(_check_module(model))
+def build_skeleton(model: nn.Module, plans: Sequence[Plan], values: bool = True) -> nn.Module:
+    """A deep copy of ``model`` with the compressed *structure* of ``plans`` (values to be loaded).
+    ``values=False``: the copy's parameters and persistent buffers are meta tensors (nothing of ``model``'s
+    weights is copied; what `wb.load` fills from a file), non-persistent buffers are copied."""
+    _check_module(model)
+    memo: dict[int, Any] = {}
+    if not values:
+        for t in model.state_dict(keep_vars=True).values():
+            if id(t) not in memo:
+                meta = torch.empty_like(t, device="meta")
+                memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    target = copy.deepcopy(model, memo)
     for plan in plans:
         if plan.fold_batchnorm:
             _fold(target)

@@ -11,9 +11,11 @@ needs it; `workbench.analysis.estimate` adds the training estimate and re-export
   into seconds with this machine's measured matmul throughput).
   With ``pipeline="original"``: peak = model copy (unless in place) + max(one-batch capture peak + the other
   batches' inputs, all recorded inputs + the largest layer's work). With ``pipeline="sequential"`` (`wb.apply`'s
-  default) only one block is held at a time: peak = model copy + max(one-batch capture peak, the hidden states
-  of every batch at a block boundary + the largest block's kept statistics - accumulators such as GPTQ's
-  Hessians, or the recorded inputs of layers without one - + the largest layer's work).
+  default) only one block is held at a time: peak = model copy + max(the peak of one batch run up to the
+  last block, the hidden states of every batch at a block boundary + the largest block's kept statistics -
+  accumulators such as GPTQ's Hessians, one per input that layers share, or the recorded inputs of layers
+  without one - + the largest layer's work); in place, what the blocks replace is spilled to disk
+  (`workbench.plans.spill`) and not counted.
   time = forward time x batches + the sum of per-layer times.
 
 It returns an `Estimate` that prints as a short sentence, says whether it fits in the memory available now,
@@ -176,7 +178,11 @@ def estimate_calibration(model: nn.Module, plan, calibration: Iterable[Any], *, 
     peak = copy_bytes + max(capture_peak + recorded - per_batch, recorded + work_bytes)
     blocks = _sequential_blocks(model, needing, batches, pipeline)
     if blocks is not None:
+        from workbench.plans.sequential import runs_as_chain
+
         hidden, kept = _block_bytes(model, needing, blocks, batches, records, scale)
+        # the one full pass it makes checks the chain of blocks on one batch and stops after the last block
+        capture_peak = peak_allocated_during(functools.partial(runs_as_chain, model, blocks, batches[0]))
         peak = copy_bytes + max(capture_peak, hidden + kept + work_bytes)
         recorded = hidden + kept
     parts = {"model copy bytes": copy_bytes, "pipeline": "sequential" if blocks is not None else "original",
@@ -207,12 +213,20 @@ def _block_bytes(model: nn.Module, needing, blocks, batches, records, scale: flo
     first = capture_block_inputs(model, blocks.names[0], batches[:1], progress=False)[0]
     hidden = int(first.hidden.untyped_storage().nbytes() * scale)
     per_block: dict[str, int] = {}
+    shared: set[tuple] = set()
     for a in needing:
         block = blocks.block_of(a.name)
         stats = _statistics(a.name, model.get_submodule(a.name), a.config)
         if isinstance(stats, list):   # no accumulator: the layer's inputs are kept, one batch's worth scaled
             size = int(sum(t.untyped_storage().nbytes() for b in records.get(a.name, []) for t in b) * scale)
         else:
-            size = sum(t.nbytes for t in vars(stats).values() if isinstance(t, torch.Tensor))
+            planned = getattr(stats, "nbytes", None)   # (an accumulator that allocates at its first batch)
+            size = int(planned) if planned is not None else sum(
+                t.nbytes for t in vars(stats).values() if isinstance(t, torch.Tensor))
+            seen = records.get(a.name)
+            if hasattr(stats, "users") and seen and seen[0]:   # layers reading one input share one accumulator
+                key = (block, seen[0][0].untyped_storage().data_ptr(), type(stats), getattr(stats, "K", None))
+                size = 0 if key in shared else size
+                shared.add(key)
         per_block[block or ""] = per_block.get(block or "", 0) + size
     return hidden, max(per_block.values(), default=0)

@@ -5,9 +5,19 @@ metadata, the applied plans as JSON plus the zoo name of the base model. `load` 
 compressed structure on a base model (given, or the zoo model named in the file) from the plans
 alone (`build_skeleton`), checks that every tensor's name, shape and dtype match that structure
 exactly, and only then fills in the values.
+
+Memory: the structure is built with meta tensors (no copy of the base's weights), and each tensor is read
+from the memory-mapped file straight into its place, so loading needs about the file's bytes on top of the
+base. The base itself may hold no weights: build it under `empty_weights` (parameters on the meta device,
+buffers real) and an int4 file of a model larger than memory's fp copy loads in about the int4 bytes.
+
+File format versions: 2 (this one) stores GPTQ act-order layers with a ``perm`` buffer (groups in activation
+order); version 1 files, whose act-order groups were those of the original columns, load with
+``static_groups=True``, which is what they hold.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -18,10 +28,34 @@ from torch import nn
 from workbench.plans.apply import applied_plans, build_skeleton
 from workbench.plans.plan import Plan
 
-__all__ = ["save", "load", "FILE_FORMAT", "FILE_FORMAT_VERSION"]
+__all__ = ["save", "load", "empty_weights", "FILE_FORMAT", "FILE_FORMAT_VERSION"]
 
 FILE_FORMAT = "workbench.model"
-FILE_FORMAT_VERSION = 1
+FILE_FORMAT_VERSION = 2
+_READS = ("1", "2")
+
+
+@contextlib.contextmanager
+def empty_weights():
+    """Modules built inside get their parameters on the meta device (no memory, no initialisation cost);
+    buffers - e.g. rotary position tables computed at construction - are real. A base for `load`::
+
+        with wb.empty_weights():
+            base = transformers.LlamaForCausalLM(config)
+        model = wb.load("llama-int4.safetensors", base=base)
+    """
+    original = nn.Module.register_parameter
+
+    def register(module, name, param):
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register   # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original   # type: ignore[method-assign]
 
 
 def save(model: nn.Module, path: str | os.PathLike) -> Path:
@@ -59,9 +93,9 @@ def _read_metadata(path: Path) -> dict[str, str]:
     if meta.get("format") != FILE_FORMAT:
         raise ValueError(f"{path} is a safetensors file but not one written by wb.save "
                          f"(its metadata has no \"format\": \"{FILE_FORMAT}\")")
-    if meta.get("format_version") != str(FILE_FORMAT_VERSION):
+    if meta.get("format_version") not in _READS:
         raise ValueError(f"{path} has workbench file format version {meta.get('format_version')!r}; "
-                         f"this workbench reads version {FILE_FORMAT_VERSION}")
+                         f"this workbench reads versions {', '.join(_READS)}")
     return meta
 
 
@@ -72,6 +106,12 @@ def _plans_from(meta: dict[str, str], path: Path) -> list[Plan]:
         raise ValueError(f"{path}: the plans metadata is not valid JSON ({e})") from None
     if not isinstance(raw, list):
         raise ValueError(f"{path}: the plans metadata must be a JSON list")
+    if meta.get("format_version") == "1":   # act-order groups were those of the original columns then
+        for p in raw:
+            for entry in p.get("entries", []) if isinstance(p, dict) else []:
+                cfg = entry.get("config") if isinstance(entry, dict) else None
+                if isinstance(cfg, dict) and cfg.get("act_order") is True and "static_groups" not in cfg:
+                    cfg["static_groups"] = True
     try:
         return [Plan.from_dict(p) for p in raw]
     except (ValueError, TypeError) as e:
@@ -79,10 +119,10 @@ def _plans_from(meta: dict[str, str], path: Path) -> list[Plan]:
 
 
 def load(path: str | os.PathLike, base: nn.Module | str | None = None) -> nn.Module:
-    """Rebuild the model saved at ``path`` on ``base`` (an nn.Module, a zoo name, or None for the
-    zoo model recorded in the file). ``base`` is not modified."""
+    """Rebuild the model saved at ``path`` on ``base`` (an nn.Module - its weights may be on the meta device, see
+    `empty_weights` -, a zoo model name, or None for the zoo model recorded in the file). ``base`` is not
+    modified; none of its weights are copied (they come from the file)."""
     from safetensors import safe_open
-    from safetensors.torch import load_model
 
     from workbench import models
 
@@ -99,31 +139,52 @@ def load(path: str | os.PathLike, base: nn.Module | str | None = None) -> nn.Mod
         raise TypeError(f"base must be an nn.Module or a zoo model name, got {type(base).__name__}")
     if applied_plans(base):
         raise ValueError("base must be the uncompressed model, but plans were already applied to it")
+    device = next((t.device for t in [*base.parameters(), *base.buffers()] if t.device.type != "meta"),
+                  torch.device("cpu"))
     try:
-        model = build_skeleton(base, plans)
+        model = build_skeleton(base, plans, values=False)
     except ValueError as e:
         raise ValueError(f"{path}: its plans do not fit the base model: {e}") from None
 
-    expected = model.state_dict()
-    with safe_open(str(path), "pt") as f:
+    expected = model.state_dict(keep_vars=True)
+    with safe_open(str(path), "pt", device=str(device)) as f:
         stored = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
-    problems = []
-    for key, t in expected.items():
-        if key not in stored:
-            # safetensors stores one copy of shared tensors; load_model restores the sharing
-            if not any(t.data_ptr() == o.data_ptr() for k2, o in expected.items() if k2 != key and k2 in stored):
-                problems.append(f"missing tensor {key!r}")
-            continue
-        shape, dtype = stored[key]
-        want = str(t.dtype).removeprefix("torch.")
-        if shape != tuple(t.shape) or not _same_dtype(dtype, want):
-            problems.append(f"{key!r}: file has {dtype} {list(shape)}, the model expects {want} {list(t.shape)}")
-    extra = sorted(set(stored) - set(expected))
-    if extra:
-        problems.append(f"unexpected tensors {extra[:5]}")
-    if problems:
-        raise ValueError(f"{path} does not match the model its plans describe: " + "; ".join(problems[:5]))
-    load_model(model, str(path), strict=True)
+        by_object: dict[int, list[str]] = {}
+        for key, t in expected.items():
+            by_object.setdefault(id(t), []).append(key)
+        problems = []
+        for key, t in expected.items():
+            if key not in stored:
+                # safetensors stores one copy of shared tensors: another name of the same tensor is enough
+                if not any(k in stored for k in by_object[id(t)]):
+                    problems.append(f"missing tensor {key!r}")
+                continue
+            shape, dtype = stored[key]
+            want = str(t.dtype).removeprefix("torch.")
+            if shape != tuple(t.shape) or not _same_dtype(dtype, want):
+                problems.append(f"{key!r}: file has {dtype} {list(shape)}, the model expects {want} {list(t.shape)}")
+        extra = sorted(set(stored) - set(expected))
+        if extra:
+            problems.append(f"unexpected tensors {extra[:5]}")
+        if problems:
+            raise ValueError(f"{path} does not match the model its plans describe: " + "; ".join(problems[:5]))
+        filled: dict[int, torch.Tensor] = {}
+        for key, t in expected.items():   # each tensor read once from the mapped file, straight into its place
+            if id(t) not in filled:
+                value = f.get_tensor(next(k for k in by_object[id(t)] if k in stored))
+                filled[id(t)] = nn.Parameter(value, t.requires_grad) if isinstance(t, nn.Parameter) else value
+            owner, _, attr = key.rpartition(".")
+            module = model.get_submodule(owner)
+            slots: dict = module._parameters if attr in module._parameters else module._buffers
+            slots[attr] = filled[id(t)]
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
+    if left:
+        raise ValueError(f"{path}: the base holds {left[:5]} on the meta device and the file does not have them "
+                         f"(build the base with wb.empty_weights(), which keeps buffers real)")
+    for m in model.modules():   # modules built on the meta device choose their "auto" kernel again, on this one
+        set_kernel = getattr(m, "set_kernel", None)
+        if getattr(m, "kernel_request", None) == "auto" and callable(set_kernel):
+            set_kernel("auto")
     return model.eval() if not base.training else model
 
 

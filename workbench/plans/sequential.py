@@ -191,7 +191,8 @@ def run_block(block: nn.Module, inputs: BlockInputs) -> torch.Tensor:
 
 def runs_as_chain(model: nn.Module, blocks: BlockList, batch) -> str | None:
     """Check on one batch that each block runs once and takes the previous block's output as its hidden
-    states (a list of parallel branches does not); returns why not, or None."""
+    states (a list of parallel branches does not); returns why not, or None. The model stops after the last
+    block (an LM head's logits for a whole batch can outweigh a block)."""
     seen: list[tuple[int, torch.Tensor | None]] = []
     handles = []
     for i, name in enumerate(blocks.names):
@@ -201,11 +202,15 @@ def runs_as_chain(model: nn.Module, blocks: BlockList, batch) -> str | None:
 
         def post(mod, args, kwargs, out, _i=i):
             seen.append((_i, block_output(out)))
+            if _i == len(blocks.names) - 1:
+                raise _Stop   # what follows the blocks (e.g. an LM head's logits) need not run
         m = model.get_submodule(name)
         handles += [m.register_forward_pre_hook(pre, with_kwargs=True), m.register_forward_hook(post, with_kwargs=True)]
     try:
         with torch.inference_mode():
             _call(model, batch)
+    except _Stop:
+        pass
     except Exception as e:
         return f"a calibration batch could not be run through {type(model).__name__}: {type(e).__name__}: {e}"
     finally:

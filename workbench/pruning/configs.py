@@ -281,7 +281,7 @@ class _OneShotHandler(_PruneHandler):
         N, K = module.weight.shape
         if isinstance(config, Wanda):
             return 8 * 3 * N * K, 2.0 * tokens * K + 10.0 * N * K
-        return 2 * 8 * K * K + 4 * 8 * N * K, 2.0 * tokens * K * K + 2.0 * K ** 3 + 2.0 * N * K * K
+        return 2 * 4 * K * K + 4 * 4 * N * K, 2.0 * tokens * K * K + 2.0 * K ** 3 + 2.0 * N * K * K   # fp32 H, Hinv, W
 
     def apply(self, name, module, config, inputs):
         from workbench.pruning.oneshot import sparsegpt_prune, wanda_mask

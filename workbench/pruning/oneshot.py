@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from workbench.quantization.gptq import hessian
+from workbench.quantization.gptq import hessian, inverse_hessian_factor
 
 __all__ = ["NormAccumulator", "input_norms", "wanda_mask", "sparsegpt_prune"]
 
@@ -100,17 +100,13 @@ def sparsegpt_prune(weight: torch.Tensor, inputs, sparsity: float = 0.5, nm: tup
     keep-mask). ``inputs``: recorded calibration inputs or a `HessianAccumulator`."""
     N, K = weight.shape
     _check_nm(K, nm, name)
-    W = weight.detach().to("cpu", torch.float64).clone()                               # (N, K)
-    H = hessian(inputs, K, name)
+    W = weight.detach().to("cpu", torch.float32).clone()                               # (N, K)
+    H = hessian(inputs, K, name).to(torch.float32)
     dead = torch.diag(H) == 0
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
-    H += torch.eye(K, dtype=torch.float64) * (damp * torch.mean(torch.diag(H)))
-    try:
-        Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
-    except torch.linalg.LinAlgError:
-        raise ValueError(f"the Hessian of {name!r} is not positive definite even with damp={damp}; "
-                         f"use more calibration data or a larger damp") from None
+    Hinv = inverse_hessian_factor(H, damp, name)   # (H is consumed)
+    del H
     if nm is not None:
         block_size = max(1, block_size // nm[1]) * nm[1]   # N:M groups never straddle blocks
     keep = torch.ones(N, K, dtype=torch.bool)

@@ -70,8 +70,9 @@ def _clip_search(W: torch.Tensor, X: torch.Tensor, fmt: fm.IntFormat, steps: int
     less for groups of 64-128). For groups wider than the token count the products with X are cheaper and
     are used instead."""
     N, K = W.shape
-    g = K if fmt.group_size is None else fmt.group_size
-    G = K // g
+    g, G = fmt.groups(K)   # a short last group is zero-padded here (zero inputs: no error from the padding)
+    real_W, W, X = W, fm.padded_groups(W, g).reshape(N, G * g), fm.padded_groups(X, g).reshape(X.shape[0], G * g)
+    K = G * g
     Xg = X.reshape(-1, G, g)                                                   # (T, G, g)
     T = Xg.shape[0]
     H = torch.einsum("tgk,tgl->gkl", Xg, Xg) / T if g < T else None           # (G, g, g)
@@ -95,5 +96,5 @@ def _clip_search(W: torch.Tensor, X: torch.Tensor, fmt: fm.IntFormat, steps: int
         best_err = torch.where(better, err, best_err)
         best_scale = torch.where(better, scale, best_scale)
         best_zero = torch.where(better, zero, best_zero)
-    codes = fm.int_codes(W, best_scale, best_zero, fmt)
+    codes = fm.int_codes(real_W, best_scale, best_zero, fmt)
     return fm.pack_int(codes, best_scale, best_zero, fmt)

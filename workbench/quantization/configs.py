@@ -14,8 +14,8 @@ with an error naming it.
 Groups: ``WeightOnly(bits=8)`` is per output channel (``group_size=None``); other bit widths and NF4 default to
 groups of 64. A group size that does not divide a layer's input size leaves a short last group in each row
 (quantized as if zero-padded: the same numbers); ``module.note`` says so. GPTQ chooses the short group's scale from
-its own columns like any other group; AWQ and HQQ need whole groups: there a non-dividing group size is refused
-with a fix that works.
+its own columns like any other group; AWQ's clipping search and HQQ's zero-point optimisation see only the short
+group's real columns (the padding has zero inputs, and is masked out of HQQ's objective).
 """
 from __future__ import annotations
 
@@ -56,26 +56,6 @@ class Method(str, enum.Enum):
 
 
 _CALIBRATED = (Method.GPTQ, Method.AWQ)
-
-
-def _divisors(K: int, limit: int = 4) -> str:
-    found = [d for d in range(min(K, 256), 1, -1) if K % d == 0][:limit]
-    return ", ".join(map(str, found)) or "none below 256"
-
-
-def _check_whole_groups(name: str, config, K: int) -> None:
-    """AWQ and HQQ work group by group on whole groups: refuse a short last group with fixes that work."""
-    g = config.group_size
-    if g is not None and K % g:
-        raise ValueError(f"group_size {g} does not divide the input dimension {K} of {name!r}, and "
-                         f"method={config.method.value!r} needs whole groups; use group_size=None (per channel), a "
-                         f"divisor of {K} ({_divisors(K)}), or method='rtn' (which quantizes a short last group)")
-
-
-def _weight_rows(module: nn.Module) -> int:
-    if isinstance(module, nn.Embedding):
-        return module.embedding_dim
-    return module.weight[0].numel()
 
 
 def _computation(name: str, module: nn.Module, technique: str):
@@ -182,17 +162,11 @@ class _WeightOnlyHandler(_FormatHandler):
     def calibration_cost(self, module: nn.Module, config, tokens: int) -> tuple[int, float]:
         """(peak working bytes, floating-point operations) of calibrating ``module`` on ``tokens`` inputs."""
         N, K = module.weight.shape[0], module.weight[0].numel()
-        if config.method is Method.GPTQ:  # float64 Hessian and its inverse, fp32 weight copies, error block
-            return 2 * 8 * K * K + 4 * 4 * N * K, 2.0 * tokens * K * K + 2.0 * K ** 3 + 2.0 * N * K * K
+        if config.method is Method.GPTQ:  # fp32 Hessian and its inverse factor, fp32 weight copy, codes
+            return 2 * 4 * K * K + 5 * N * K, 2.0 * tokens * K * K + 2.0 * K ** 3 + 2.0 * N * K * K
         if config.method is Method.AWQ:   # inputs (tokens, K), reference and candidate outputs (tokens, N), 21+20 steps
             return 4 * (2 * tokens * K + 2 * tokens * N + 3 * N * K), 2.0 * tokens * K * N * (1 + 21 + 20)
         return 4 * 3 * N * K, 20.0 * N * K
-
-    def _check(self, name: str, module: nn.Module, config):
-        found = super()._check(name, module, config)
-        if config.method not in (Method.RTN, Method.GPTQ):
-            _check_whole_groups(name, config, _weight_rows(module))
-        return found
 
     def _linear_tensors(self, name: str, module: nn.Module, config, fmt: fm.WeightFormat, inputs):
         if config.method is Method.GPTQ:

@@ -46,7 +46,7 @@ from workbench.quantization.primitives import (
 )
 
 __all__ = ["WeightFormat", "IntFormat", "NF4Format", "FP8Format", "FORMATS", "register_format", "encode", "decode",
-           "empty", "validate", "check_finite", "int_qparams", "int_codes", "pack_int", "groups", "short_group_note"]
+           "empty", "validate", "check_finite", "int_qparams", "int_codes", "pack_int", "groups", "padded_groups", "short_group_note"]
 
 FORMATS: dict[str, type["WeightFormat"]] = {}   # name -> format class, filled by `register_format`
 
@@ -103,7 +103,7 @@ def _check_group_size(group_size) -> None:
         raise ValueError(f"group_size must be a positive int or None (per channel), got {group_size!r}")
 
 
-def _padded(w: torch.Tensor, g: int) -> torch.Tensor:
+def padded_groups(w: torch.Tensor, g: int) -> torch.Tensor:
     """``(rows, K)`` -> ``(rows * G, g)``, zero-padding the short last group of each row."""
     rows, K = w.shape
     if K % g:
@@ -195,7 +195,7 @@ class NF4Format(WeightFormat):
     def encode(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         rows, K = w.shape
         g, G = self.groups(K)
-        wg = _padded(w.float(), g)                                                  # (rows * G, g)
+        wg = padded_groups(w.float(), g)                                                  # (rows * G, g)
         scale = fp16_scale(wg.abs().amax(dim=1, keepdim=True))                      # (rows * G, 1)
         codes = nf4_codes(wg, scale)                                                # (rows * G, g)
         return {"qweight": packing.pack(codes.reshape(rows, -1)[:, :K], 4), "scale": scale.reshape(rows, G).half()}
@@ -277,7 +277,7 @@ def int_qparams(w: torch.Tensor, fmt: IntFormat) -> tuple[torch.Tensor, torch.Te
     """fp16-representable scale and unsigned zero point, each ``(rows, K // g)``."""
     rows, K = w.shape
     g, G = fmt.groups(K)
-    wg = _padded(w.float(), g)                                        # (rows * G, g)
+    wg = padded_groups(w.float(), g)                                        # (rows * G, g)
     scale, zp = choose_qparams(wg, fmt.bits, fmt.symmetric, signed=True)
     scale = fp16_scale(scale)
     qmin, _ = qrange(fmt.bits, True)
@@ -288,7 +288,7 @@ def int_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: Int
     """Unsigned codes ``(rows, K)`` of ``w`` for given per-group scale / zero (used by RTN and GPTQ)."""
     rows, K = w.shape
     g, _ = fmt.groups(K)                                              # (the last group may be short)
-    u = quantize(_padded(w.float(), g), scale.reshape(-1, 1), zero.reshape(-1, 1), 0, (1 << fmt.bits) - 1,
+    u = quantize(padded_groups(w.float(), g), scale.reshape(-1, 1), zero.reshape(-1, 1), 0, (1 << fmt.bits) - 1,
                  torch.uint8)
     return u.reshape(rows, -1)[:, :K]
 

@@ -29,10 +29,10 @@ def hqq_quantize(weight: torch.Tensor, fmt: fm.IntFormat, iters: int = 20, p: fl
         raise ValueError("HQQ optimises real-valued zero points: use IntFormat(symmetric=False, float_zero=True)")
     W = weight.detach().float()
     rows, K = W.shape
-    g = K if fmt.group_size is None else fmt.group_size
-    if K % g:
-        raise ValueError(f"group_size {g} does not divide the input dimension {K}")
-    Wg = W.reshape(-1, g)                                                      # (G, g)
+    g, G = fmt.groups(K)   # a group size that does not divide K leaves a short last group (zero-padded, as RTN)
+    Wg = fm.padded_groups(W, g)                                                # (rows * G, g)
+    real = fm.padded_groups(torch.ones(1, K), g).expand(rows, G, g).reshape(-1, g)   # 1: real, 0: padding
+    count = real.sum(dim=1, keepdim=True)
     maxq = (1 << fmt.bits) - 1
     scale, zp = choose_qparams(Wg, fmt.bits, symmetric=False, signed=False)  # unsigned codes 0..maxq
     scale = fp16_scale(scale)
@@ -41,13 +41,13 @@ def hqq_quantize(weight: torch.Tensor, fmt: fm.IntFormat, iters: int = 20, p: fl
     for _ in range(iters):
         Wq = torch.clamp(torch.round(Wg / scale + zero), 0, maxq)
         Wr = (Wq - zero) * scale
-        err = float((Wg - Wr).abs().mean())
+        err = float(((Wg - Wr).abs() * real).sum() / real.sum())
         if err >= best_err:
             break
         best_err, best_zero = err, zero
         We = _shrink_lp(Wg - Wr, beta, p)
-        zero = (Wq - (Wg - We) / scale).mean(dim=1, keepdim=True)
+        zero = ((Wq - (Wg - We) / scale) * real).sum(dim=1, keepdim=True) / count
         beta *= kappa
     zero = best_zero.to(torch.float16).float()                                 # what is stored
-    codes = torch.clamp(torch.round(Wg / scale + zero), 0, maxq).to(torch.uint8).reshape(rows, K)
-    return fm.pack_int(codes, scale.reshape(rows, K // g), zero.reshape(rows, K // g), fmt)
+    codes = torch.clamp(torch.round(Wg / scale + zero), 0, maxq).to(torch.uint8).reshape(rows, G * g)[:, :K]
+    return fm.pack_int(codes, scale.reshape(rows, G), zero.reshape(rows, G), fmt)

@@ -210,10 +210,11 @@ def input_padding_of(name: str, conv: nn.Module) -> InputPadding | None:
     sizes = [(kh * a["dilation"][0] + 2 * a["stride"][0] + 1, kw * a["dilation"][1] + 3 * a["stride"][1] + 2)]
     sizes.append((sizes[0][0] + 1, sizes[0][1] + 3))
     inputs = [torch.randn(1, conv.in_channels, h, w, generator=gen) for h, w in sizes]
+    device = torch.device("cpu") if conv.weight.device.type == "meta" else conv.weight.device   # (a wb.load skeleton)
     with torch.no_grad():
-        cpu = {k: v.to(conv.weight.device) for k, v in params.items()}
+        cpu = {k: v.to(device) for k, v in params.items()}
         try:
-            outs = [torch.func.functional_call(conv, cpu, (x.to(conv.weight.device),)).cpu() for x in inputs]
+            outs = [torch.func.functional_call(conv, cpu, (x.to(device),)).cpu() for x in inputs]
         except Exception as e:
             raise ValueError(f"{name!r} ({kind}) could not be run to identify its padding: {type(e).__name__}: "
                              f"{e}") from e

@@ -25,7 +25,7 @@ from workbench.pruning import masks
 from workbench.pruning.modules import SemiStructuredLinear
 from workbench.pruning.oneshot import input_norms, sparsegpt_prune, wanda_mask
 from workbench.pruning.schedules import polynomial_sparsity
-from workbench.quantization.gptq import hessian
+from workbench.quantization.gptq import hessian, inverse_hessian_factor
 from workbench.teach import Feedback, check
 
 __all__ = ["schedule_figure", "gradual_vs_oneshot", "gradual_figure", "llm_pruning", "llm_figure", "layer_errors",
@@ -183,9 +183,7 @@ class OBSExample:
 def obs_example(weight: torch.Tensor, X: torch.Tensor, rows: int = 8, cols: int = 6,
                 damp: float = 0.01) -> OBSExample:
     W = weight.detach().double().cpu()[:rows, :cols].clone()
-    H = hessian([(X[:, :cols],)], cols)
-    H += torch.eye(cols, dtype=torch.float64) * (damp * torch.mean(torch.diag(H)))
-    U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    U = inverse_hessian_factor(hessian([(X[:, :cols],)], cols, dtype=torch.float64), damp)
     keep0 = masks.magnitude_mask(W[:, 0], 0.5)
     return OBSExample(W, U, keep0)
 

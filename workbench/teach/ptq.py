@@ -24,7 +24,7 @@ from torch import nn
 
 from workbench.quantization import formats  # the name the lesson's notebook (and a worked solution) uses
 from workbench.quantization import formats as fm
-from workbench.quantization.gptq import GPTQStep, gptq_quantize, hessian
+from workbench.quantization.gptq import GPTQStep, gptq_quantize, hessian, inverse_hessian_factor
 from workbench.quantization.smoothquant import activation_absmax, smoothing_factors
 from workbench.teach import Feedback, as_number, check
 
@@ -107,7 +107,7 @@ def gptq_trace(weight: torch.Tensor, X: torch.Tensor, bits: int = 4, group_size:
     if K % g:
         raise ValueError(f"group_size {g} does not divide the input dimension {K}")
     frame_every = g if frame_every is None else frame_every
-    H_err = hessian([(X,)], K)                                                     # undamped: the true objective
+    H_err = hessian([(X,)], K, dtype=torch.float64)   # undamped: the true objective
     rtn = fm.decode(fm.encode(weight.detach().float().cpu(), fmt), fmt, K).double()  # (N, K)
     E = W_orig - rtn
     G = E.T @ E                                                                    # (K, K): RTN error Gram
@@ -467,9 +467,7 @@ def feedback_example(weight: torch.Tensor, X: torch.Tensor, rows: int = 6, cols:
                      damp: float = 0.01) -> FeedbackExample:
     """The first ``rows`` x ``cols`` block of a real layer, with the factor GPTQ would use for those columns."""
     W = weight.detach().double().cpu()[:rows, :cols].clone()
-    H = hessian([(X[:, :cols],)], cols)
-    H += torch.eye(cols, dtype=torch.float64) * (damp * torch.mean(torch.diag(H)))
-    U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    U = inverse_hessian_factor(hessian([(X[:, :cols],)], cols, dtype=torch.float64), damp)
     fmt = fm.IntFormat(bits, None, True)
     scale, zero = fm.int_qparams(W.float(), fmt)
     q0 = ((fm.int_codes(W.float(), scale, zero, fmt).double() - zero.double()) * scale.double())[:, 0]

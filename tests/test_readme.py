@@ -136,6 +136,10 @@ PARSED_ONLY = {   # command -> why it is not run; its arguments are parsed by th
     "python -m workbench.benchmarks.quantization --models tiny-lm --calib 32 --threads 1 --methods rtn gptq awq "
     "--pipelines sequential original": "tiny-lm x 3 methods x 2 pipelines: two minutes",
     "python -m workbench.kernels.bench_cpu": "4096-wide layers and a decode loop, interleaved rounds: a minute",
+    "python -m workbench.benchmarks.memory --arch llama-200m --load": "in-place GPTQ of a 254 M Llama: a minute "
+    "(tests/plans/test_memory_bound.py runs it)",
+    "python -m workbench.benchmarks.quantization --models tiny-llama --calib 32 --threads 1 --methods rtn gptq awq "
+    "hqq --pipelines sequential original": "tiny-llama x 4 methods x 2 bit widths x 2 pipelines: three minutes",
     "python -m workbench.benchmarks.pruning": "timing rounds on 4096-wide layers: a minute",
     "python -m workbench.benchmarks.analysis": "MiniLM sensitivity, cold: 95 s",
     "python -m workbench.benchmarks.ui": "MiniLM in the workbench: a minute",

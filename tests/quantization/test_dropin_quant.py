@@ -232,16 +232,17 @@ def test_defaults_work_on_any_shape():
     assert small[0].scale.shape == (30, 2)
 
 
-def test_calibrated_methods_refuse_short_groups_with_fixes_that_work():
+def test_every_method_takes_a_short_last_group():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(100, 30))
     calib = [torch.randn(64, 100)]
-    with pytest.raises(wb.ApplyError, match="use group_size=None .*a divisor of 100 .*method='rtn'"):
-        wb.apply(model, {"0": Q.WeightOnly(4, 64, method="awq")}, calibration=calib, progress=False)
-    # GPTQ takes a short last group, as round-to-nearest does
-    for fix in (Q.WeightOnly(4, 64, method="gptq"), Q.WeightOnly(4, None, method="awq"),
-                Q.WeightOnly(4, 50, method="awq"), Q.WeightOnly(4, 64)):
-        wb.apply(model, {"0": fix}, calibration=calib, progress=False)
+    x = torch.randn(8, 100)
+    for config in (Q.WeightOnly(4, 64), Q.WeightOnly(4, 64, method="gptq"), Q.WeightOnly(4, 64, method="awq"),
+                   Q.WeightOnly(4, 64, symmetric=False, method="hqq")):
+        q = wb.apply(model, {"0": config}, calibration=calib, progress=False)
+        assert q[0].scale.shape == (30, 2) and "last group of each row holds 36 values" in q[0].note, config
+        with torch.no_grad():
+            torch.testing.assert_close(q(x), model(x), rtol=0.2, atol=0.2)
 
 
 # --- QAT takes what PTQ takes ---------------------------------------------------------------------------------

@@ -133,7 +133,7 @@ def test_errors_are_shown_not_raised(app):
     app.choose(wb.quant.WeightOnly(bits=4, group_size=128))
     app.set_button.click()
     # bypass the check: fails on apply
-    app.session.assigned["fc2"] = wb.quant.WeightOnly(bits=4, group_size=7, symmetric=False, method="hqq")
+    app.session.assigned["fc2"] = wb.quant.WeightOnly(bits=4, group_size=7, kernel="triton")
     app.apply_button.click()
     assert "ApplyError" in app.status.value and "fc2" in app.status.value
     assert len(app.session.history) == 1 and not app.apply_button.disabled and app.progress_label.value == "failed"

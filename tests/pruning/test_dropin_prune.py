@@ -115,7 +115,7 @@ def test_layers_are_chosen_by_what_they_compute():
     assert isinstance(wb.apply(scaled, {"*": wb.prune.Magnitude(0.5)})[0], _Scaled)   # still its own class
     with pytest.raises(wb.ApplyError, match=r"'0'.*_Cached.*does not compute with its \.weight"):
         wb.apply(nn.Sequential(_Cached(8, 8)), {"*": wb.prune.Magnitude(0.5)})
-    why = wb.pruning.configs._HANDLER.why_not(scaled[0], wb.prune.Magnitude(0.5, storage="csr"))
+    why = wb.plans.handler_for(wb.prune.Magnitude()).why_not(scaled[0], wb.prune.Magnitude(0.5, storage="csr"))
     assert "storage 'csr' replaces an nn.Linear" in why
     with pytest.raises(ValueError, match=r"Magnitude cannot handle \(_Scaled\)"):
         wb.apply(scaled, {"0": wb.prune.Magnitude(0.5, storage="csr")})

@@ -45,20 +45,9 @@ __all__ = ["Magnitude", "Random", "NM", "Wanda", "SparseGPT", "global_plan", "fi
 STORAGES = ("mask", "dense", "csr", "2:4")
 
 
-def _mask_for(config, w: torch.Tensor, name: str) -> torch.Tensor:
-    """A keep-mask of ``w``'s shape (N:M groups run along the input channels, at each kernel position)."""
-    if isinstance(config, Magnitude):
-        return masks.magnitude_mask(w, config.sparsity)
-    if isinstance(config, Random):
-        return masks.random_mask(w, config.sparsity, config.seed)
-    return masks.nm_mask(w, config.n, config.m, name)
-
-
 def _nm(config) -> tuple[int, int] | None:
-    """The N:M pattern a config prunes to (None: unstructured)."""
-    if isinstance(config, NM):
-        return config.n, config.m
-    return getattr(config, "nm", None)
+    """The N:M pattern a config prunes to (None: unstructured): every pruning config's ``pattern``."""
+    return config.pattern
 
 
 def _kept(config, numel: int) -> int:
@@ -176,11 +165,16 @@ class _PruneHandler(Handler):
     def needs_calibration(self, config) -> bool:
         return False
 
+    def mask(self, config, w: torch.Tensor, name: str) -> torch.Tensor:
+        """The keep-mask of ``w`` (its shape; N:M groups run along the input channels, at each kernel position):
+        what each pruning config's own handler decides."""
+        raise NotImplementedError(f"{type(self).__name__} must define mask()")
+
     def apply(self, name, module, config, inputs):
         w = module.weight.detach()
         if not torch.isfinite(w).all():
             raise ValueError(f"weight of {name!r} contains NaN or Inf")
-        mask = _mask_for(config, w, name)      # a pruned layer's zeros score 0: they stay pruned (Random: below)
+        mask = self.mask(config, w, name)      # a pruned layer's zeros score 0: they stay pruned (Random: below)
         if isinstance(module, Pruned):
             mask &= module.mask.reshape(mask.shape)
         plain = _plain(module)
@@ -210,23 +204,36 @@ def _check_storage(config) -> None:
                          f"(or Wanda / SparseGPT with nm=(2, 4)), not {config!r}")
 
 
-_HANDLER = _PruneHandler()
+class _MagnitudeHandler(_PruneHandler):
+    def mask(self, config, w, name):
+        return masks.magnitude_mask(w, config.sparsity)
 
 
-@register_config(_HANDLER, kind="prune.Magnitude")
+class _RandomHandler(_PruneHandler):
+    def mask(self, config, w, name):
+        return masks.random_mask(w, config.sparsity, config.seed)
+
+
+class _NMHandler(_PruneHandler):
+    def mask(self, config, w, name):
+        return masks.nm_mask(w, config.n, config.m, name)
+
+
+@register_config(_MagnitudeHandler(), kind="prune.Magnitude")
 @dataclass(frozen=True)
 class Magnitude(Config):
     """Unstructured magnitude pruning of ``sparsity`` of the layer's weights."""
 
     sparsity: float = 0.5
     storage: str = "mask"
+    pattern = None   # the N:M pattern pruned to (None: unstructured)
 
     def __post_init__(self):
         masks.check_sparsity(self.sparsity, "Magnitude.sparsity")
         _check_storage(self)
 
 
-@register_config(_HANDLER, kind="prune.Random")
+@register_config(_RandomHandler(), kind="prune.Random")
 @dataclass(frozen=True)
 class Random(Config):
     """Random unstructured pruning (the baseline every criterion must beat)."""
@@ -234,13 +241,14 @@ class Random(Config):
     sparsity: float = 0.5
     seed: int = 0
     storage: str = "mask"
+    pattern = None
 
     def __post_init__(self):
         masks.check_sparsity(self.sparsity, "Random.sparsity")
         _check_storage(self)
 
 
-@register_config(_HANDLER, kind="prune.NM")
+@register_config(_NMHandler(), kind="prune.NM")
 @dataclass(frozen=True)
 class NM(Config):
     """N:M semi-structured magnitude pruning (2:4 by default): keep the n largest |w| of every m consecutive input
@@ -257,9 +265,14 @@ class NM(Config):
             raise ValueError(f"NM needs integers 0 < n < m, got {self.n}:{self.m}")
         _check_storage(self)
 
+    @property
+    def pattern(self) -> tuple[int, int]:
+        return self.n, self.m
+
 
 class _OneShotHandler(_PruneHandler):
-    """Wanda and SparseGPT: calibrated one-shot pruning of nn.Linear (see `workbench.pruning.oneshot`)."""
+    """Wanda and SparseGPT: calibrated one-shot pruning of nn.Linear (see `workbench.pruning.oneshot`); each has
+    its own handler below (its statistics, its cost, its pruning)."""
 
     def why_not(self, module: nn.Module, config) -> str | None:
         base = _plain_class(module)
@@ -270,36 +283,54 @@ class _OneShotHandler(_PruneHandler):
     def needs_calibration(self, config) -> bool:
         return True
 
-    def accumulator(self, name: str, module: nn.Module, config):
-        from workbench.pruning.oneshot import NormAccumulator
-        from workbench.quantization.gptq import HessianAccumulator
-
-        cls = NormAccumulator if isinstance(config, Wanda) else HessianAccumulator
-        return cls(module.in_features, name)
-
-    def calibration_cost(self, module: nn.Module, config, tokens: int) -> tuple[int, float]:
-        N, K = module.weight.shape
-        if isinstance(config, Wanda):
-            return 8 * 3 * N * K, 2.0 * tokens * K + 10.0 * N * K
-        return 2 * 4 * K * K + 4 * 4 * N * K, 2.0 * tokens * K * K + 2.0 * K ** 3 + 2.0 * N * K * K   # fp32 H, Hinv, W
+    def prune(self, w: torch.Tensor, inputs, config, name: str) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(the updated weight, or None when only masked; the keep-mask)."""
+        raise NotImplementedError(f"{type(self).__name__} must define prune()")
 
     def apply(self, name, module, config, inputs):
-        from workbench.pruning.oneshot import sparsegpt_prune, wanda_mask
-
         w = module.weight.detach()
         if not torch.isfinite(w).all():
             raise ValueError(f"weight of {name!r} contains NaN or Inf")
         plain = copy.deepcopy(_plain(module))
-        if isinstance(config, Wanda):
-            mask = wanda_mask(w, inputs, config.sparsity, config.nm, name)
-        else:
-            updated, mask = sparsegpt_prune(w, inputs, config.sparsity, config.nm, config.damp,
-                                            config.block_size, name)
+        updated, mask = self.prune(w, inputs, config, name)
+        if updated is not None:
             with torch.no_grad():
                 plain.weight.copy_(updated)
         if isinstance(module, Pruned):
             mask &= _rows(module.mask)
         return _build(plain, config, mask)
+
+
+class _WandaHandler(_OneShotHandler):
+    def accumulator(self, name: str, module: nn.Module, config):
+        from workbench.pruning.oneshot import NormAccumulator
+
+        return NormAccumulator(module.in_features, name)
+
+    def calibration_cost(self, module: nn.Module, config, tokens: int) -> tuple[int, float]:
+        N, K = module.weight.shape
+        return 8 * 3 * N * K, 2.0 * tokens * K + 10.0 * N * K
+
+    def prune(self, w, inputs, config, name):
+        from workbench.pruning.oneshot import wanda_mask
+
+        return None, wanda_mask(w, inputs, config.sparsity, config.nm, name)
+
+
+class _SparseGPTHandler(_OneShotHandler):
+    def accumulator(self, name: str, module: nn.Module, config):
+        from workbench.quantization.gptq import HessianAccumulator
+
+        return HessianAccumulator(module.in_features, name)
+
+    def calibration_cost(self, module: nn.Module, config, tokens: int) -> tuple[int, float]:
+        N, K = module.weight.shape   # fp32 Hessian and its inverse factor, the working weight and the mask
+        return 2 * 4 * K * K + 4 * 4 * N * K, 2.0 * tokens * K * K + 2.0 * K ** 3 + 2.0 * N * K * K
+
+    def prune(self, w, inputs, config, name):
+        from workbench.pruning.oneshot import sparsegpt_prune
+
+        return sparsegpt_prune(w, inputs, config.sparsity, config.nm, config.damp, config.block_size, name)
 
 
 def _check_oneshot(config) -> None:
@@ -313,10 +344,7 @@ def _check_oneshot(config) -> None:
     _check_storage(config)
 
 
-_ONESHOT = _OneShotHandler()
-
-
-@register_config(_ONESHOT, kind="prune.Wanda")
+@register_config(_WandaHandler(), kind="prune.Wanda")
 @dataclass(frozen=True)
 class Wanda(Config):
     """Wanda: prune the weights with the lowest |w| x ||x||_2 (calibrated; nn.Linear): ``sparsity`` of each
@@ -331,8 +359,12 @@ class Wanda(Config):
             object.__setattr__(self, "nm", tuple(self.nm))
         _check_oneshot(self)
 
+    @property
+    def pattern(self) -> tuple[int, int] | None:
+        return self.nm
 
-@register_config(_ONESHOT, kind="prune.SparseGPT")
+
+@register_config(_SparseGPTHandler(), kind="prune.SparseGPT")
 @dataclass(frozen=True)
 class SparseGPT(Config):
     """SparseGPT: OBS pruning with the error fed back into the kept weights (calibrated; nn.Linear): ``sparsity``
@@ -352,6 +384,10 @@ class SparseGPT(Config):
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"SparseGPT.block_size must be a positive int, got {self.block_size!r}")
         _check_oneshot(self)
+
+    @property
+    def pattern(self) -> tuple[int, int] | None:
+        return self.nm
 
 
 def global_plan(model: nn.Module, patterns, sparsity: float, storage: str = "mask") -> Plan:

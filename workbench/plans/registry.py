@@ -89,6 +89,13 @@ class Handler(abc.ABC):
         """Why ``supports`` refused ``module`` (shown to the user), or None (default) for a generic sentence."""
         return None
 
+    def from_trained(self, name: str, layer: nn.Module, config: Config, weight_scale: torch.Tensor | None = None,
+                     input_padding: Any = None) -> nn.Module:
+        """The real compressed module for ``layer``, a float layer trained under this config's fake quantization
+        (`wb.qat.convert`): ``weight_scale`` the learned step sizes, if any; ``input_padding`` a "same"-padding
+        convolution's. Default: the technique has no quantization-aware training."""
+        raise ValueError(f"{name!r}: {type(config).__name__} has no quantization-aware training to convert from")
+
 
 _HANDLERS: dict[type, Handler] = {}
 _KINDS: dict[str, type] = {}

@@ -44,6 +44,7 @@ from workbench.quantization.modules import (
     weight_only_conv,
 )
 from workbench.quantization.observers import OBSERVERS, ObserverAccumulator
+from workbench.quantization.primitives import fp16_scale
 
 __all__ = ["Method", "WeightOnly", "NF4", "FP8", "Dynamic", "Static"]
 
@@ -99,6 +100,29 @@ class _FormatHandler(Handler):
     def _permuted(self, config) -> bool:
         """Whether the stored weight has permuted input columns (GPTQ act-order with dynamic groups)."""
         return False
+
+    def from_trained(self, name, layer, config, weight_scale=None, input_padding=None):
+        """The stored module for a QAT-trained float ``layer``: round to nearest on the trained weights, or, with
+        learned ``weight_scale`` (LSQ), those scales (rounded to fp16, as every stored scale is)."""
+        fmt = config.format()
+        tensors = None
+        if weight_scale is not None:
+            w2d = layer.weight.reshape(layer.weight.shape[0], -1)
+            rows, K = w2d.shape
+            scale = fp16_scale(weight_scale.detach().abs().reshape(rows, -1))
+            _, zero = fm.int_qparams(w2d, fmt)
+            if fmt.symmetric:
+                zero = torch.full_like(zero, 1 << (fmt.bits - 1))
+            tensors = fm.pack_int(fm.int_codes(w2d, scale, zero, fmt), scale, zero, fmt)
+        if isinstance(layer, nn.Embedding):
+            new = WeightOnlyEmbedding.from_float(layer, fmt, name)
+            for key, t in (tensors or {}).items():
+                getattr(new, key).copy_(t)
+            return new
+        if isinstance(layer, nn.Linear):
+            return WeightOnlyLinear.from_float(layer, fmt, name, tensors=tensors, kernel=self._kernel(config))
+        return weight_only_conv(conv_args(layer, input_padding)["op"]).from_float(
+            layer, fmt, name, tensors=tensors, input_padding=input_padding)
 
     def apply(self, name: str, module: nn.Module, config, inputs: Sequence[tuple[torch.Tensor, ...]] | None):
         kind, padding = self._check(name, module, config)
@@ -398,6 +422,10 @@ def _check_w8a8(config) -> None:
 
 class _DynamicHandler(_W8A8Handler):
     static = False
+
+    def from_trained(self, name, layer, config, weight_scale=None, input_padding=None):
+        """A QAT-trained nn.Linear as W8A8 (int8 per-channel weights of the trained values)."""
+        return W8A8Linear.from_float(layer, name, kernel=config.kernel)
 
 
 class _StaticHandler(_W8A8Handler):

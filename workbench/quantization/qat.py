@@ -29,14 +29,7 @@ from workbench.plans.layers import applied_plans, canonicalize_for, record_plan,
 from workbench.plans.plan import Plan
 from workbench.quantization import formats as fm
 from workbench.quantization.configs import Dynamic, Method, WeightOnly, _computation
-from workbench.quantization.modules import (
-    KernelPath,
-    W8A8Linear,
-    WeightOnlyEmbedding,
-    WeightOnlyLinear,
-    conv_args,
-    weight_only_conv,
-)
+from workbench.quantization.modules import KernelPath
 from workbench.quantization.primitives import choose_qparams, fp16_scale, qrange
 
 __all__ = ["prepare", "convert", "fake_quantize_ste", "QATLinear", "QATConv1d", "QATConv2d", "QATConvTranspose2d",
@@ -254,34 +247,12 @@ def prepare(model: nn.Module, plan: Plan, learnable_scales: bool = False, kernel
 
 
 def _real_module(name: str, qat: nn.Module) -> nn.Module:
-    config = qat.qconfig
+    """The config's own handler builds the stored module from the trained float layer (`Handler.from_trained`)."""
+    from workbench.plans.registry import handler_for
+
     with torch.no_grad():
-        plain = _plain_copy(qat)
-        if isinstance(config, Dynamic):
-            return W8A8Linear.from_float(plain, name, kernel=config.kernel)
-        fmt = config.format()
-        if qat.weight_scale is None:  # the same round-to-nearest as PTQ, on the trained weights
-            tensors = None
-        else:  # store the learned scales (rounded to fp16, as every stored scale is)
-            w2d = plain.weight.reshape(plain.weight.shape[0], -1)
-            rows, K = w2d.shape
-            scale = fp16_scale(qat.weight_scale.detach().abs().reshape(rows, -1))
-            _, zero = fm.int_qparams(w2d, fmt)
-            if fmt.symmetric:
-                zero = torch.full_like(zero, 1 << (fmt.bits - 1))
-            tensors = fm.pack_int(fm.int_codes(w2d, scale, zero, fmt), scale, zero, fmt)
-        if isinstance(plain, nn.Embedding):
-            new = WeightOnlyEmbedding.from_float(plain, fmt, name)
-            if tensors is not None:
-                for key, t in tensors.items():
-                    getattr(new, key).copy_(t)
-            return new
-        if isinstance(plain, nn.Linear):
-            return WeightOnlyLinear.from_float(plain, fmt, name, tensors=tensors,
-                                               kernel=getattr(config, "kernel", "auto"))
-        padding = getattr(qat, "input_padding", None)
-        return weight_only_conv(conv_args(plain, padding)["op"]).from_float(plain, fmt, name, tensors=tensors,
-                                                                            input_padding=padding)
+        return handler_for(qat.qconfig).from_trained(name, _plain_copy(qat), qat.qconfig, qat.weight_scale,
+                                                     getattr(qat, "input_padding", None))
 
 
 def convert(model: nn.Module) -> nn.Module:

@@ -17,13 +17,35 @@ from tqdm.auto import tqdm
 
 from workbench.measurement.latency import threads_option
 
-__all__ = ["fit_classifier", "train_epoch", "one_cycle"]
+__all__ = ["fit_classifier", "train_epoch", "optimizer_step", "one_cycle"]
 
 
 def one_cycle(params, *, lr: float, weight_decay: float, total_steps: int, optimizer_cls=torch.optim.AdamW):
     """The optimizer and its one-cycle learning-rate schedule, as every trainer here uses them."""
     opt = optimizer_cls(params, lr=lr, weight_decay=weight_decay)
     return opt, torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=total_steps)
+
+
+def optimizer_step(loss: torch.Tensor, opt, sched=None, *, weight: float = 1.0, where: tuple[int, int] = (0, 1),
+                   clip: float | None = None, params=None) -> float:
+    """One update from a batch's loss - the step every trainer here takes. The loss reported is the global
+    batch's (``weight``: this worker's share, `distributed.shard`; one all-reduce inside a data-parallel worker)
+    and is checked first: a NaN/Inf raises ``FloatingPointError`` before anything changes. Then zero the
+    gradients, backward (weighted inside a worker, so DDP's average is the global batch's gradient), clip the
+    gradient norm of ``params`` to ``clip`` if given, step the optimizer and the schedule."""
+    from workbench.distributed import global_mean
+
+    reported = global_mean(loss.detach() * weight, where)
+    if not torch.isfinite(reported):
+        raise FloatingPointError(f"the loss became {reported.item()}; try a smaller lr")
+    opt.zero_grad(set_to_none=True)
+    (loss * weight if where[1] > 1 else loss).backward()
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(params, clip)
+    opt.step()
+    if sched is not None:
+        sched.step()
+    return reported.item()
 
 
 def train_epoch(model: nn.Module, opt, sched, n: int, batch_size: int, generator: torch.Generator,
@@ -33,7 +55,7 @@ def train_epoch(model: nn.Module, opt, sched, n: int, batch_size: int, generator
 
     ``where = (rank, world)`` inside a data-parallel worker: each global batch of ``batch_size`` is shared
     between the workers (`distributed.shard`) and the loss reported is the global batch's."""
-    from workbench.distributed import global_mean, shard
+    from workbench.distributed import shard
 
     model.train()
     perm = torch.randperm(n, generator=generator)
@@ -42,15 +64,7 @@ def train_epoch(model: nn.Module, opt, sched, n: int, batch_size: int, generator
         idx, weight = shard(perm[i:i + batch_size], where)
         if len(idx) == 0:       # a short last batch leaves this worker nothing: it joins with zero weight
             idx, weight = perm[i:i + 1], 0.0
-        loss = batch_loss(idx)
-        reported = global_mean(loss.detach() * weight, where)
-        if not torch.isfinite(reported):
-            raise FloatingPointError(f"the loss became {reported.item()}; try a smaller lr")
-        opt.zero_grad(set_to_none=True)
-        (loss * weight if where[1] > 1 else loss).backward()
-        opt.step()
-        sched.step()
-        total += reported.item() * len(perm[i:i + batch_size])
+        total += optimizer_step(batch_loss(idx), opt, sched, weight=weight, where=where) * len(perm[i:i + batch_size])
     return total / n
 
 

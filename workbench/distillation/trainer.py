@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from workbench import distributed
 from workbench.distillation.losses import check_kd_args, embedding_loss, kd_loss
 from workbench.measurement.latency import threads_option
-from workbench.training import one_cycle, train_epoch
+from workbench.training import one_cycle, optimizer_step, train_epoch
 
 __all__ = ["fit", "fit_embeddings"]
 
@@ -209,16 +209,13 @@ def fit_embeddings(student: nn.Module, teacher: nn.Module, task, *, epochs: int 
                 part, weight = distributed.shard_batch(b, where)
                 t_part = t[where[0]::where[1]]
                 loss = embedding_loss(embed(net, part), t_part, kind)
-                reported = distributed.global_mean(loss.detach() * weight, where)
-                if not torch.isfinite(reported):
+                try:
+                    total += optimizer_step(loss, opt, weight=weight, where=where)
+                except FloatingPointError as e:
                     student.load_state_dict(good)
-                    warnings.warn(f"distillation stopped at epoch {epoch}: the loss became {reported.item()}; the "
-                                  f"last good weights were kept", RuntimeWarning, stacklevel=2)
+                    warnings.warn(f"distillation stopped at epoch {epoch}: {e}; the last good weights were kept",
+                                  RuntimeWarning, stacklevel=2)
                     return pd.DataFrame(rows, columns=["epoch", "train_loss"])
-                opt.zero_grad(set_to_none=True)
-                (loss * weight).backward()
-                opt.step()
-                total += reported.item()
             good = _state(student)
             rows.append({"epoch": epoch, "train_loss": total / len(batches)})
     finally:

@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from workbench.models.architectures import DigitsCNN, DigitsMLP, Mnist1dCNN, TinyLM, TinyLMConfig
 from workbench.tasks import data
+from workbench.training import optimizer_step
 
 __all__ = ["train", "TRAINABLE"]
 
@@ -69,12 +70,9 @@ def _pretrain_lm(model: torch.nn.Module, stream: torch.Tensor, *, steps: int, ba
         yb = torch.stack([stream[s + 1:s + 1 + block] for s in starts]).to(device)  # (B, T)
         logits = logits_of(xb)                                                      # (B, T, V)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), yb.reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        value = optimizer_step(loss, opt, clip=1.0, params=model.parameters())
         if step % log_every == 0:
-            bar.set_postfix(loss=f"{loss.item():.3f}")
+            bar.set_postfix(loss=f"{value:.3f}")
 
 
 def _train_tiny_lm(steps: int = 2000, batch_size: int = 32, lr: float = 2e-3, seed: int = 0):

@@ -135,3 +135,82 @@ def test_embedding_distillation_with_two_workers_matches_one_process():
     assert runs[2][0]["train_loss"].iloc[-1] < runs[2][0]["train_loss"].iloc[0]
     for a, b in zip(runs[1][1].parameters(), runs[2][1].parameters()):
         torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-3)
+
+
+def test_fsdp_shards_each_block_then_the_model(monkeypatch):
+    """`shard_model` in a one-process gloo group: every block of tiny-lm's ModuleList and the model become FSDP
+    modules whose parameters are sharded DTensors, and the forward still computes the same logits."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from workbench.models.architectures import TinyLM, TinyLMConfig
+
+    torch.manual_seed(0)
+    model = TinyLM(TinyLMConfig(vocab_size=32, n_layer=2, dropout=0.0)).eval()
+    x = torch.randint(0, 32, (2, 16))
+    with torch.no_grad():
+        want = model(x)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(distributed._free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        distributed.shard_model(model)
+        assert all(isinstance(b, FSDPModule) for b in model.h) and isinstance(model, FSDPModule)
+        assert all(isinstance(p, DTensor) for p in model.parameters())
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), want)
+        assert set(distributed._full_state(model)) == set(TinyLM(TinyLMConfig(vocab_size=32, n_layer=2)).state_dict())
+    finally:
+        dist.destroy_process_group()
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        wb.training.fit_classifier(DigitsMLP(), data.digits(), epochs=1, lr=1e-3, strategy="zero")
+
+
+@pytest.mark.slow   # two FSDP worker processes train
+def test_two_fsdp_workers_equal_one_process_without_batchnorm():
+    split = data.digits()
+    runs = []
+    for workers in (1, 2):
+        torch.manual_seed(0)
+        model = DigitsMLP()
+        history = wb.training.fit_classifier(model, split, epochs=1, lr=3e-3, batch_size=64, workers=workers,
+                                             strategy="fsdp", progress=False)
+        runs.append((history, model))
+    (h1, m1), (h2, m2) = runs
+    np.testing.assert_allclose(h2, h1, rtol=1e-4)
+    for (k, a), b in zip(m1.state_dict().items(), m2.state_dict().values()):
+        torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-3, msg=k)
+    assert all(type(p) is nn.Parameter for p in m2.parameters())   # plain weights came back, not shards
+
+
+@pytest.mark.slow   # two FSDP worker processes train
+def test_fsdp_digits_cnn_reaches_single_process_accuracy_and_lm_embedding_distillation_matches():
+    split = data.digits()
+    acc = {}
+    for workers in (1, 2):
+        torch.manual_seed(0)
+        model = DigitsCNN()
+        wb.training.fit_classifier(model, split, epochs=3, lr=3e-3, batch_size=64, workers=workers,
+                                   strategy="fsdp", progress=False)
+        acc[workers] = _accuracy(model, split)
+    assert acc[1] > 0.95 and abs(acc[2] - acc[1]) <= 0.005 + 1e-9, acc
+    # a model with blocks (tiny-lm's ModuleList: one shard group per block), distilled on its logits
+    from workbench.models.architectures import TinyLM, TinyLMConfig
+
+    cfg = TinyLMConfig(vocab_size=32, n_layer=2, dropout=0.0)
+    torch.manual_seed(0)
+    teacher = TinyLM(cfg).eval()
+    g = torch.Generator().manual_seed(1)
+    task = wb.tasks.Fidelity(teacher, torch.randint(0, 32, (8, 16), generator=g),
+                             calibration=torch.randint(0, 32, (16, 16), generator=g))
+    runs = {}
+    for workers in (1, 2):
+        torch.manual_seed(2)
+        student = TinyLM(cfg)
+        history = wb.distill.fit_embeddings(student, teacher, task, epochs=2, lr=1e-3, n=16, batch_size=4,
+                                            workers=workers, strategy="fsdp", progress=False)
+        runs[workers] = (history, student)
+    np.testing.assert_allclose(runs[2][0]["train_loss"], runs[1][0]["train_loss"], rtol=1e-4)
+    for a, b in zip(runs[1][1].parameters(), runs[2][1].parameters()):
+        torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-3)

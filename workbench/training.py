@@ -71,23 +71,25 @@ def train_epoch(model: nn.Module, opt, sched, n: int, batch_size: int, generator
 @threads_option
 def fit_classifier(model: nn.Module, task, *, epochs: int, lr: float, batch_size: int = 64,
                    weight_decay: float = 1e-4, seed: int = 0, progress: bool = True,
-                   optimizer_cls=torch.optim.AdamW, return_optimizer: bool = False, workers: int = 1):
+                   optimizer_cls=torch.optim.AdamW, return_optimizer: bool = False, workers: int = 1,
+                   strategy: str = "ddp"):
     """Train ``model`` on ``task``'s training split (a classification task, or a `tasks.data.Split`).
 
     ``optimizer_cls``: any AdamW-like class taking ``(params, lr=, weight_decay=)``, e.g.
     ``wb.precision.AdamW8bit``. ``return_optimizer``: return ``(history, optimizer)`` to inspect its state.
-    ``workers``: data-parallel processes (DDP, same global ``batch_size``); the trained weights come back into
-    ``model``."""
+    ``workers``: data-parallel processes (same global ``batch_size``), replicating the model (``strategy="ddp"``)
+    or sharding it (``"fsdp"``, `workbench.distributed`); the trained weights come back into ``model``."""
     from workbench import distributed
     from workbench.tasks.base import check_model, model_device
 
     check_model(model)
+    distributed.check_strategy(strategy)
     if distributed.check_workers(workers) > 1 and not distributed.is_worker():
         if return_optimizer:
             raise ValueError("return_optimizer=True needs workers=1: the optimizer lives in the worker processes")
         return distributed.launch(fit_classifier, model, (task,), dict(
             epochs=epochs, lr=lr, batch_size=batch_size, weight_decay=weight_decay, seed=seed, progress=progress,
-            optimizer_cls=optimizer_cls), workers)
+            optimizer_cls=optimizer_cls), workers, strategy=strategy)
     split = getattr(task, "split", task)
     if not hasattr(split, "x_train"):
         raise TypeError(f"fit_classifier needs a classification task (digits, mnist1d) or a Split, got {task!r}")
@@ -99,9 +101,9 @@ def fit_classifier(model: nn.Module, task, *, epochs: int, lr: float, batch_size
     g = torch.Generator().manual_seed(seed)
     x = torch.from_numpy(split.x_train).to(device)
     y = torch.from_numpy(split.y_train).to(device)
+    net, where = distributed.prepare(model)   # (before the optimizer: FSDP replaces the parameters)
     opt, sched = one_cycle([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay,
                            total_steps=epochs * math.ceil(len(x) / batch_size), optimizer_cls=optimizer_cls)
-    net, where = distributed.prepare(model)
     history: list[float] = []
     try:
         for _ in tqdm(range(epochs), desc="epochs", disable=not progress or where[0] > 0, leave=False):

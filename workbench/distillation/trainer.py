@@ -77,19 +77,22 @@ def _flat_features(t: torch.Tensor) -> torch.Tensor:
 def fit(student: nn.Module, teacher: nn.Module, task, *, epochs: int = 10, lr: float = 1e-3, alpha: float = 0.5,
         temperature: float = 4.0, batch_size: int = 64, patience: int | None = 3, seed: int = 0,
         weight_decay: float = 1e-4, features: dict[str, str] | None = None, beta: float = 1.0,
-        progress: bool = True, workers: int = 1):
+        progress: bool = True, workers: int = 1, strategy: str = "ddp"):
     """See the module docstring. ``features``: ``{student layer: teacher layer}`` whose outputs are matched with
     an MSE (weight ``beta``), through a learned `Projection` where the channel widths differ. ``workers``:
-    data-parallel processes (DDP) sharing each global batch of ``batch_size``."""
+    data-parallel processes sharing each global batch of ``batch_size``, replicating the student (``strategy=
+    "ddp"``) or sharding it (``"fsdp"``)."""
     import pandas as pd
 
     from workbench.distillation.losses import Projection, feature_loss
 
     check_kd_args(alpha, temperature)
+    distributed.check_strategy(strategy)
     if distributed.check_workers(workers) > 1 and not distributed.is_worker():
         return distributed.launch(fit, student, (teacher, task), dict(
             epochs=epochs, lr=lr, alpha=alpha, temperature=temperature, batch_size=batch_size, patience=patience,
-            seed=seed, weight_decay=weight_decay, features=features, beta=beta, progress=progress), workers)
+            seed=seed, weight_decay=weight_decay, features=features, beta=beta, progress=progress), workers,
+            strategy=strategy)
     split = getattr(task, "split", task)          # a classification task, or a tasks.data.Split
     if not hasattr(split, "x_train"):
         raise TypeError(f"fit needs a classification task (digits, mnist1d) or a Split; for sentence encoders "
@@ -177,7 +180,8 @@ def fit(student: nn.Module, teacher: nn.Module, task, *, epochs: int = 10, lr: f
 
 @threads_option
 def fit_embeddings(student: nn.Module, teacher: nn.Module, task, *, epochs: int = 3, lr: float = 5e-5,
-                   n: int = 150, batch_size: int = 8, kind: str = "cosine", progress: bool = True, workers: int = 1):
+                   n: int = 150, batch_size: int = 8, kind: str = "cosine", progress: bool = True, workers: int = 1,
+                   strategy: str = "ddp"):
     """Distil a sentence encoder on ``n`` calibration documents of ``task`` (embedding loss); returns the history.
     ``workers``: data-parallel processes (DDP), each taking its share of every calibration batch."""
     import pandas as pd
@@ -187,17 +191,19 @@ def fit_embeddings(student: nn.Module, teacher: nn.Module, task, *, epochs: int 
     def embed(model, b):  # a tensor, a tuple or a Hugging Face ModelOutput (its logits / last_hidden_state)
         return output_tensor(call(model, b), "fit_embeddings")
 
+    distributed.check_strategy(strategy)
     if distributed.check_workers(workers) > 1 and not distributed.is_worker():
         if batch_size < workers:
             raise ValueError(f"batch_size={batch_size} cannot be shared by workers={workers}")
         return distributed.launch(fit_embeddings, student, (teacher, task), dict(
-            epochs=epochs, lr=lr, n=n, batch_size=batch_size, kind=kind, progress=progress), workers)
+            epochs=epochs, lr=lr, n=n, batch_size=batch_size, kind=kind, progress=progress), workers,
+            strategy=strategy)
     batches = task.calibration(n, batch_size=batch_size)
     teacher.eval()
     with torch.no_grad():
         targets = [embed(teacher, b) for b in batches]
+    net, where = distributed.prepare(student)   # (before the optimizer: FSDP replaces the parameters)
     opt = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=lr)
-    net, where = distributed.prepare(student)
     rows = []
     good = _state(student)
     try:

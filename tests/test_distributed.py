@@ -50,22 +50,24 @@ def test_unpicklable_model_gets_a_clear_error_and_stays_untouched():
         wb.training.fit_classifier(DigitsMLP(), data.digits(), epochs=1, lr=1e-3, workers=2, return_optimizer=True)
 
 
-def test_two_workers_equal_one_process_without_batchnorm():
-    """No BatchNorm: DDP's averaged gradient is the global batch's, so the runs agree step for step (up to the
-    order of float sums), including the short last batch (1257 % 64 = 41 samples)."""
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
+def test_two_workers_equal_one_process_without_batchnorm(strategy):
+    """No BatchNorm: the averaged gradient (DDP's all-reduce, FSDP's reduce-scatter) is the global batch's, so the
+    runs agree step for step (up to the order of float sums), including the short last batch (1257 % 64 = 41)."""
     split = data.digits()
     runs = []
     for workers in (1, 2):
         torch.manual_seed(0)
         model = DigitsMLP()
         history = wb.training.fit_classifier(model, split, epochs=1, lr=3e-3, batch_size=64, workers=workers,
-                                             progress=False)
+                                             strategy=strategy, progress=False)
         runs.append((history, model))
     (h1, m1), (h2, m2) = runs
     np.testing.assert_allclose(h2, h1, rtol=1e-4)
     for (k, a), b in zip(m1.state_dict().items(), m2.state_dict().values()):
         torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-3, msg=k)
     assert not m2.training
+    assert all(type(p) is nn.Parameter for p in m2.parameters())   # plain weights came back, not shards
 
 
 @pytest.mark.slow   # two DDP worker processes train; the quick tier keeps the BatchNorm-free equivalence
@@ -165,23 +167,6 @@ def test_fsdp_shards_each_block_then_the_model(monkeypatch):
         dist.destroy_process_group()
     with pytest.raises(ValueError, match="strategy must be one of"):
         wb.training.fit_classifier(DigitsMLP(), data.digits(), epochs=1, lr=1e-3, strategy="zero")
-
-
-@pytest.mark.slow   # two FSDP worker processes train
-def test_two_fsdp_workers_equal_one_process_without_batchnorm():
-    split = data.digits()
-    runs = []
-    for workers in (1, 2):
-        torch.manual_seed(0)
-        model = DigitsMLP()
-        history = wb.training.fit_classifier(model, split, epochs=1, lr=3e-3, batch_size=64, workers=workers,
-                                             strategy="fsdp", progress=False)
-        runs.append((history, model))
-    (h1, m1), (h2, m2) = runs
-    np.testing.assert_allclose(h2, h1, rtol=1e-4)
-    for (k, a), b in zip(m1.state_dict().items(), m2.state_dict().values()):
-        torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-3, msg=k)
-    assert all(type(p) is nn.Parameter for p in m2.parameters())   # plain weights came back, not shards
 
 
 @pytest.mark.slow   # two FSDP worker processes train

@@ -180,6 +180,16 @@ def test_fsdp_digits_cnn_reaches_single_process_accuracy_and_lm_embedding_distil
                                    strategy="fsdp", progress=False)
         acc[workers] = _accuracy(model, split)
     assert acc[1] > 0.95 and abs(acc[2] - acc[1]) <= 0.005 + 1e-9, acc
+    # distillation validates after every epoch (a forward without gradients): training goes on after it
+    teacher = wb.models.load("digits-mlp")
+    histories = {}
+    for workers in (1, 2):
+        torch.manual_seed(0)
+        student = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+        histories[workers] = wb.distill.fit(student, teacher, split, epochs=3, lr=3e-3, workers=workers,
+                                            strategy="fsdp", patience=None, progress=False)
+    np.testing.assert_allclose(histories[2]["train_loss"], histories[1]["train_loss"], rtol=1e-4)
+    assert histories[2]["train_loss"].is_monotonic_decreasing
     # a model with blocks (tiny-lm's ModuleList: one shard group per block), distilled on its logits
     from workbench.models.architectures import TinyLM, TinyLMConfig
 

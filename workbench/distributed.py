@@ -20,14 +20,19 @@ order. Tested here: CPU / gloo with 2 workers on 2 cores. NCCL (CUDA models) fol
 ``strategy="fsdp"`` shards instead of replicating (PyTorch's FSDP2, ``fully_shard``): every block of the model -
 each child of an ``nn.ModuleList`` holding parameters, e.g. a decoder's layers - and then the model itself, so each
 worker keeps 1/N of the parameters, gradients and AdamW state (the state is 2x the parameters: most of training's
-memory) and all-gathers one block's parameters at a time for its forward and backward. Losses, batches and
-schedules are the DDP ones (the runs agree with one process up to float-sum order); the trained weights are
-gathered to a full state dict for the hand-back. Each worker still starts from a full (unpickled) copy of the
-model, so the model itself must fit one worker once; the training state need not. Tested here: CPU / gloo, 2
-workers, on the digits MLP / CNN and tiny-lm; NCCL sharding is the same code, not run on more than one GPU.
+memory) and all-gathers one block's parameters at a time for its forward and backward. Only rank 0 receives the
+weights; the other workers receive the model's structure on the meta device, allocate just their shards and get
+rank 0's values broadcast into them, so N workers hold one copy of the weights between them at start-up (rank 0's,
+until it is sharded), not N. Losses, batches and schedules are the DDP ones (the runs agree with one process up to
+float-sum order); the trained weights are gathered to a full state dict for the hand-back. A forward without
+gradients (a probe, a validation pass) reshards the root at once: FSDP2 otherwise keeps its gathered parameters
+for a backward that never comes, and the next training step would not reach the shards. Tested here: CPU / gloo,
+2 workers, on the digits MLP / CNN, distillation with per-epoch validation, and tiny-lm; NCCL sharding is the
+same code, not run on more than one GPU.
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import pickle
@@ -41,7 +46,7 @@ import torch
 from torch import nn
 
 __all__ = ["launch", "check_workers", "check_strategy", "prepare", "shard", "shard_batch", "global_mean",
-           "is_worker", "STRATEGIES"]
+           "is_worker", "strategy_here", "shard_model", "STRATEGIES"]
 
 STRATEGIES = ("ddp", "fsdp")
 _STRATEGY_ENV = "WORKBENCH_PARALLEL_STRATEGY"   # set in each worker by `launch`, read by `prepare`
@@ -90,18 +95,42 @@ def prepare(model: nn.Module) -> tuple[nn.Module, tuple[int, int]]:
     return DDP(model, device_ids=ids, find_unused_parameters=False), _rank_world()
 
 
-def shard_model(model: nn.Module) -> nn.Module:
+def strategy_here() -> str | None:
+    """Inside a worker, the strategy it runs ("ddp" or "fsdp"); None outside."""
+    return (os.environ.get(_STRATEGY_ENV) or "ddp") if is_worker() else None
+
+
+def shard_model(model: nn.Module, sync: bool = True) -> nn.Module:
     """FSDP2 in place: each block (a child with parameters of an ``nn.ModuleList``) is its own shard group, then
-    the model (the rest: embeddings, heads, small layers). Returns ``model``."""
-    from torch.distributed.fsdp import fully_shard
+    the model (the rest: embeddings, heads, small layers). Parts already sharded stay as they are. ``sync``: first
+    give every worker rank 0's values of what is not sharded yet (a module each worker created with its own
+    random initialisation, as DDP does when it wraps a model). Returns ``model``."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if sync and is_worker():
+        with torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                if t.device.type != "meta" and not hasattr(t, "device_mesh"):   # (a DTensor is sharded already)
+                    dist.broadcast(t.data, 0)
 
     for module in model.modules():
         if isinstance(module, nn.ModuleList):
             for block in module:
-                if any(True for _ in block.parameters()):
+                if not isinstance(block, FSDPModule) and any(True for _ in block.parameters()):
                     fully_shard(block)
-    fully_shard(model)
+    if not isinstance(model, FSDPModule):
+        fully_shard(model)
+        # FSDP2 keeps the root's parameters gathered after a forward (for the backward that follows); after a
+        # forward without gradients (a shape probe, a validation pass) the next training forward would then use
+        # those gathered copies, and the sharded parameters would never get a gradient: reshard right away
+        model.register_forward_hook(_reshard_without_grad)
     return model
+
+
+def _reshard_without_grad(module: nn.Module, args, output) -> None:
+    if not torch.is_grad_enabled():
+        module.reshard()   # type: ignore[operator]   # (an FSDPModule)
 
 
 def _full_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -209,22 +238,53 @@ def _decode(text: str) -> Any:
     return data["value"]
 
 
-def _worker(rank: int, world: int, port: int, fn: Callable, payload: bytes, out_dir: str, threads: int,
-            strategy: str = "ddp") -> None:
+def _empty_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and persistent buffers are meta tensors (nothing copied); what the
+    FSDP workers other than rank 0 start from."""
+    memo: dict[int, Any] = {}
+    for t in model.state_dict(keep_vars=True).values():
+        if id(t) not in memo:
+            meta = torch.empty_like(t, device="meta")
+            memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
+
+
+def _shard_and_load(model: nn.Module, rank: int, device: torch.device) -> nn.Module:
+    """FSDP start-up: only rank 0 holds the weights (the others hold meta tensors); every worker shards the
+    model, the others allocate just their shards, and rank 0's full state is broadcast into them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    full = {k: v.detach() for k, v in model.state_dict().items()} if rank == 0 else {}
+    kept = {n: b.detach().clone() for n, b in model.named_buffers() if b.device.type != "meta"}
+    shard_model(model, sync=False)
+    if rank != 0:
+        model.to_empty(device=device)
+        with torch.no_grad():   # non-persistent buffers (not in a state dict) were real all along
+            for n, b in model.named_buffers():
+                if n in kept:
+                    b.copy_(kept[n])
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    return model
+
+
+def _worker(rank: int, world: int, port: int, fn: Callable, payloads: tuple[bytes, bytes], out_dir: str,
+            threads: int, strategy: str, device_type: str) -> None:
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from workbench.tasks.base import model_device
-
-    model, args, kwargs = pickle.loads(payload)   # our own bytes from `launch`: each worker gets its own copy
+    # our own bytes from `launch`: each worker gets its own copy (FSDP: only rank 0 a copy with weights)
+    model, args, kwargs = pickle.loads(payloads[0] if rank == 0 else payloads[1])
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **{_STRATEGY_ENV: strategy})
-    device = model_device(model)
+    device = torch.device(f"cuda:{rank}" if device_type == "cuda" else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(rank)
-        model.to(f"cuda:{rank}")
+        if strategy != "fsdp" or rank == 0:
+            model.to(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
+        if strategy == "fsdp":
+            _shard_and_load(model, rank, device)
         with _threads(threads):
             result = fn(model, *args, **kwargs)
         state = _full_state(model)   # (every worker takes part in gathering FSDP's shards)
@@ -260,10 +320,13 @@ def launch(fn: Callable, model: nn.Module, args: tuple, kwargs: dict, workers: i
     # Plain pickle bytes, not the objects: torch.multiprocessing would move the tensors into shared memory, and
     # the workers' optimizers would then all step the same parameters.
     payload = pickle.dumps((model, args, kwargs))
+    # FSDP: the workers other than rank 0 get the model's structure only (meta tensors), and their shards from
+    # rank 0 (`_shard_and_load`): N workers hold one copy of the weights between them, not N
+    others = pickle.dumps((_empty_copy(model), args, kwargs)) if strategy == "fsdp" else payload
     per_worker = threads or max(1, torch.get_num_threads() // workers)
     with tempfile.TemporaryDirectory(prefix="workbench-ddp-") as out_dir:
-        mp.start_processes(_worker, args=(workers, _free_port(), fn, payload, out_dir, per_worker, strategy),
-                           nprocs=workers, join=True, start_method="spawn")
+        mp.start_processes(_worker, args=(workers, _free_port(), fn, (payload, others), out_dir, per_worker, strategy,
+                                          device.type), nprocs=workers, join=True, start_method="spawn")
         result = _decode((Path(out_dir) / "result.json").read_text())
         model.load_state_dict(load_file(str(Path(out_dir) / "model.safetensors")), strict=True)
     model.eval()

@@ -128,7 +128,13 @@ def fit(student: nn.Module, teacher: nn.Module, task, *, epochs: int = 10, lr: f
                 projections[s_name.replace(".", "_")] = Projection(ds, dt)
             proj_for[s_name] = projections[s_name.replace(".", "_")] if ds != dt else None
 
-    net, where = distributed.prepare(_Trained(student, projections) if len(projections) else student)
+    if len(projections) and distributed.strategy_here() == "fsdp":
+        # the student was sharded (and has run) on its own: each projection is sharded as its own group
+        for proj in projections.values():
+            distributed.shard_model(proj)
+        net, where = distributed.prepare(student)
+    else:
+        net, where = distributed.prepare(_Trained(student, projections) if len(projections) else student)
 
     def batch_loss(idx):
         loss = kd_loss(net(x[idx]), t_logits[idx], y[idx], alpha, temperature)

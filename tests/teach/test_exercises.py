@@ -40,6 +40,8 @@ def _digits_cnn():
 
 
 X13, S13 = torch.tensor([-1.5, -1.3, -0.6, -0.2, 0.1, 0.3, 0.7, 1.0, 1.2]), 0.3
+X13_LEAF = X13.clone().requires_grad_(True)                # the STE exercise's x: autograd must reach it
+UPSTREAM13 = torch.tensor([0.8, -1.1, 0.3, 1.7, -0.4, 0.9, -1.6, 0.6, 1.3])
 LOGITS = torch.tensor([6.0, 1.5, -2.0, 0.3, 4.2, -1.0, 0.0, 2.2, -3.1, 1.1])
 CODES = torch.randint(0, 16, (4, 16), generator=_g(), dtype=torch.uint8)
 
@@ -95,11 +97,13 @@ CASES = [
                                               _layer()[1].abs().amax(0) ** 0.5 / _layer()[0].abs().amax(0) ** 0.5),
      "other way"),
     ("12 best method", lambda a: PT.check_best_method(a, _methods(), bits=3), lambda: "gptq", "another method"),
-    ("13 fake-quant forward", lambda a: Q.check_fake_quantize(a, X13, S13, bits=3),
-     lambda: (X13 / S13).round() * S13, "clamped"),
-    ("13 STE backward", lambda a: Q.check_ste_gradient(a, X13, S13, bits=3),
-     lambda: ((X13 / S13 >= -4) & (X13 / S13 <= 3)).float(), "*rounded* code"),
-    ("13 recovered", lambda a: Q.check_recovered(a, 0.99, 0.70, 0.95), lambda: 0.95 - 0.70, "divide"),
+    ("13 STE fake-quant", lambda a: Q.check_ste_fake_quantize(a, X13_LEAF, S13, 1, bits=3),
+     lambda: ((torch.round(X13_LEAF / S13) + 1).clamp(-4, 3) - 1) * S13, "derivative is 0"),
+    ("13 LSQ step gradient", lambda a: Q.check_lsq_step_gradient(a, X13, S13, 1, 3, UPSTREAM13),
+     lambda: Q.lsq_step_gradient(X13, S13, 1, 3, UPSTREAM13) * math.sqrt(X13.numel() * 3), "before LSQ's scaling"),
+    ("13 code usage", lambda a: Q.check_code_usage(a, _weight((16, 8, 3, 3)), bits=2),
+     lambda: (lambda r: [int(((r / (r.abs().max() / 1.5)).round().clamp(-2, 1) == c).sum()) for c in range(-2, 2)])(
+         _weight((16, 8, 3, 3)).reshape(16, -1)), "whole tensor"),
     ("20 global mask", lambda a: PN.check_global_mask(a, _global_weights(), 0.7, "a"),
      lambda: wb.pruning.masks.magnitude_mask(_global_weights()["a"], 0.7), "all the layers"),
     ("20 2:4 mask", lambda a: PN.check_nm_mask(a, torch.randn(8, 16, 3, 3, generator=_g()), n=2, m=4),

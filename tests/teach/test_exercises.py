@@ -87,8 +87,9 @@ CASES = [
      lambda: _wrong_group(_weight()), "one scale per row"),
     ("11 best clipping", lambda a: B.check_best_clipping(a, B.clipping_curve(_layer()[1], bits=8, points=40)),
      lambda: float(_layer()[1].abs().max()), "no clipping"),
-    ("12 GPTQ feedback", lambda a: PT.check_feedback_update(a, PT.feedback_example(*_layer(), bits=3)),
-     lambda: PT.feedback_example(*_layer(), bits=3).W[:, 1:].clone(), "without any error feedback"),
+    ("12 GPTQ block", lambda a: PT.check_gptq_block(a, PT.gptq_block(*_layer(), bits=3)),
+     lambda: (lambda b: (b.W / b.scale[:, None]).round().clamp(b.qmin, b.qmax) * b.scale[:, None])(
+         PT.gptq_block(*_layer(), bits=3)), "round-to-nearest"),
     ("12 AWQ alpha", lambda a: PT.check_awq_alpha(a, *_layer(), bits=3, group_size=16),
      lambda: PT._alpha_search(*_layer(), wb.quant.formats.IntFormat(3, 16), _layer()[1].abs().mean(0),
                               on_weights=True), "*weights*"),

@@ -193,6 +193,9 @@ def test_gptq_block_check(toy):
     assert "*inverse* Hessian" in P.check_gptq_block(_gptq_by_hand(toy, factor=of_h), toy).hint
     assert "clamp the codes" in P.check_gptq_block(_gptq_by_hand(toy, clamp=False), toy).hint
     assert "1 / U[j, j]" in P.check_gptq_block(_gptq_by_hand(toy, divide=False), toy).hint
+    lower = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(
+        toy.H + toy.damp * toy.H.diagonal().mean() * torch.eye(8, dtype=torch.float64))))
+    assert "*upper* factor" in P.check_gptq_block(_gptq_by_hand(toy, factor=lower), toy).hint
     fb = P.check_gptq_block(toy.W[:, 1:], toy)
     assert fb.status == "failed" and "shape (8, 8)" in fb.message and "whole block" in fb.hint
 

@@ -527,8 +527,9 @@ def check_gptq_block(answer, block: GPTQBlock) -> Feedback:
     n = block.W.shape[1]
     mistakes = [
         (_gptq_loop(block, U, feedback=False), "those are round-to-nearest values: each column's rounding error must "
-                                               "be fed forward, and each column quantized as the feedback of the "
-                                               "earlier ones has left it, not as it was at the start"),
+                                               "be fed forward (along row j of the *upper* factor: a lower one holds "
+                                               "zeros right of its diagonal), and each column quantized as the "
+                                               "feedback of the earlier ones has left it, not as it was at the start"),
         (_gptq_loop(block, U, sign=-1.0), "the feedback has the wrong sign: the columns still to come move against "
                                           "the error, to cancel it in the layer's output"),
         (_gptq_loop(block, U, divide=False), "the error is scaled by 1 / U[j, j] before it is fed forward"),
@@ -537,8 +538,6 @@ def check_gptq_block(answer, block: GPTQBlock) -> Feedback:
         (_gptq_loop(block, torch.linalg.cholesky(torch.linalg.inv(block.H), upper=True)),
          f"the Hessian is damped before it is inverted: add damp × mean(diag H) = {block.damp:g} × "
          f"{float(block.H.diagonal().mean()):.3g} to its diagonal"),
-        (_gptq_loop(block, torch.linalg.cholesky(torch.linalg.inv(_damped(block.H, block.damp))).mT.tril()),
-         "the feedback runs along row j of the *upper* factor (the columns after j)"),
         (_gptq_loop(block, U, clamp=False), f"clamp the codes to the grid [{block.qmin}, {block.qmax}]: the feedback "
                                             f"can push a weight past the largest code"),
         (_gptq_loop(block, U, keep_quantized=False), "the block you return must hold the quantized values: set "

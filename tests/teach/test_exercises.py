@@ -109,10 +109,10 @@ CASES = [
      lambda: wb.pruning.masks.magnitude_mask(_global_weights()["a"], 0.7), "all the layers"),
     ("20 2:4 mask", lambda a: PN.check_nm_mask(a, torch.randn(8, 16, 3, 3, generator=_g()), n=2, m=4),
      lambda: _flattened_nm(torch.randn(8, 16, 3, 3, generator=_g())), "mixes kernel positions"),
-    ("20 structured weight", lambda a: PN.check_structured_weight(a, _digits_cnn(), "conv1", amount=0.25),
-     lambda: (lambda w: w * (w.abs().sum((1, 2, 3)) > w.abs().sum((1, 2, 3)).kthvalue(8).values)[:, None, None,
-                                                                                               None])(
-         _digits_cnn().conv1.weight.detach()), "zeroed but still there"),
+    ("20 structured pair", lambda a: PN.check_structured_pair(a, _digits_cnn(), "conv1", "conv2", amount=0.25),
+     lambda: (lambda w1, w2: (lambda kept: (w1[kept], w2))(
+         w1.abs().sum((1, 2, 3)).topk(24).indices.sort().values))(
+         _digits_cnn().conv1.weight.detach(), _digits_cnn().conv2.weight.detach()), "*input* dimension"),
     ("30 softmax at T", lambda a: D.check_softmax_t(a, LOGITS, temperature=4),
      lambda: torch.softmax(LOGITS, -1), "plain softmax"),
     ("30 entropies", lambda a: D.check_entropies(a, LOGITS, [1, 2, 4, 8]),

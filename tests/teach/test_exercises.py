@@ -51,6 +51,11 @@ def _gradients():
     return D.soft_gradient_norms(student, teacher, [1, 2, 4, 8])
 
 
+def _kd_batch():
+    """Student and teacher logits of 16 examples and their labels."""
+    return torch.randn(16, 10, generator=_g(7)), 4 * torch.randn(16, 10, generator=_g(8)), torch.arange(16) % 10
+
+
 def _methods():
     return pd.DataFrame({4: {"rtn": 0.97, "gptq": 0.985, "awq": 0.98}, 3: {"rtn": 0.80, "gptq": 0.86, "awq": 0.90}})
 
@@ -113,8 +118,10 @@ CASES = [
      lambda: (lambda w1, w2: (lambda kept: (w1[kept], w2))(
          w1.abs().sum((1, 2, 3)).topk(24).indices.sort().values))(
          _digits_cnn().conv1.weight.detach(), _digits_cnn().conv2.weight.detach()), "*input* dimension"),
-    ("30 softmax at T", lambda a: D.check_softmax_t(a, LOGITS, temperature=4),
-     lambda: torch.softmax(LOGITS, -1), "plain softmax"),
+    ("30 KD loss", lambda a: D.check_kd_loss(a, *_kd_batch(), alpha=0.9, temperature=4.0),
+     lambda: (lambda s, t, y: float(0.1 * torch.nn.functional.cross_entropy(s, y) + 0.9 * torch.nn.functional.kl_div(
+         torch.log_softmax(s / 4, -1), torch.log_softmax(t / 4, -1), reduction="batchmean", log_target=True)))(
+         *_kd_batch()), "multiplied by T²"),
     ("30 entropies", lambda a: D.check_entropies(a, LOGITS, [1, 2, 4, 8]),
      lambda: [float(-(p * p.log()).sum()) for p in (torch.softmax(LOGITS / t, -1) for t in (1, 2, 4, 8))], "nats"),
     ("30 restoring factor", lambda a: D.check_restoring_factor(a, _gradients(), 4), lambda: 16.0, "limit"),

@@ -266,12 +266,11 @@ def _solution_entropies(logits, temperatures):
 
 
 def _solution_kd_loss(student_logits, teacher_logits, labels, alpha, temperature):
-    T = temperature
-    log_p_student = torch.log_softmax(student_logits / T, dim=-1)     # both distributions softened by the same T
-    log_p_teacher = torch.log_softmax(teacher_logits / T, dim=-1)
+    log_p_student = torch.log_softmax(student_logits / temperature, dim=-1)    # both softened by the same T
+    log_p_teacher = torch.log_softmax(teacher_logits / temperature, dim=-1)
     kl = (log_p_teacher.exp() * (log_p_teacher - log_p_student)).sum(dim=-1).mean()   # KL(teacher || student)
     hard = torch.nn.functional.cross_entropy(student_logits, labels)
-    return float((1 - alpha) * hard + alpha * T ** 2 * kl)          # T^2 keeps the soft term's gradients in scale
+    return float((1 - alpha) * hard + alpha * temperature ** 2 * kl)   # T^2 keeps the soft gradients in scale
 
 
 def _solution_restoring_factor(gradients, temperature):

@@ -6,7 +6,6 @@ import math
 import pandas as pd
 import pytest
 import torch
-from torch import nn
 
 import workbench as wb
 from workbench import teach
@@ -42,6 +41,9 @@ def _digits_cnn():
 X13, S13 = torch.tensor([-1.5, -1.3, -0.6, -0.2, 0.1, 0.3, 0.7, 1.0, 1.2]), 0.3
 X13_LEAF = X13.clone().requires_grad_(True)                # the STE exercise's x: autograd must reach it
 UPSTREAM13 = torch.tensor([0.8, -1.1, 0.3, 1.7, -0.4, 0.9, -1.6, 0.6, 1.3])
+BF16_X = torch.cat([torch.randn(512, generator=_g(9)), torch.tensor(PR.HALFWAY)])
+GRADS40 = torch.cat([torch.zeros(8), torch.rand(256, generator=_g(10)) * 1e-6])      # tiny activation gradients
+PEAKS40 = [0.01, 0.2, 0.03, 0.01, 0.02, 0.2, 0.05, 0.01, 0.02, 0.01, 0.01, 0.3, 0.02]
 LOGITS = torch.tensor([6.0, 1.5, -2.0, 0.3, 4.2, -1.0, 0.0, 2.2, -3.1, 1.1])
 CODES = torch.randint(0, 16, (4, 16), generator=_g(), dtype=torch.uint8)
 
@@ -125,10 +127,13 @@ CASES = [
     ("30 entropies", lambda a: D.check_entropies(a, LOGITS, [1, 2, 4, 8]),
      lambda: [float(-(p * p.log()).sum()) for p in (torch.softmax(LOGITS / t, -1) for t in (1, 2, 4, 8))], "nats"),
     ("30 restoring factor", lambda a: D.check_restoring_factor(a, _gradients(), 4), lambda: 16.0, "limit"),
-    ("40 bytes saved", lambda a: PR.check_bytes_saved(a, nn.Linear(8, 4), torch.bfloat16), lambda: 8 * 4 * 2,
-     "weight only"),
-    ("40 underflows", lambda a: PR.check_underflows(a, 1e-6, torch.float16), lambda: True, "subnormals"),
-    ("40 loss scale", lambda a: PR.check_loss_scale(a, 1e-7), lambda: 2.0 ** 7, "still below"),
+    ("40 bf16 rounding", lambda a: PR.check_bf16_round(a, BF16_X),
+     lambda: (BF16_X.view(torch.int32) & -65536).view(torch.float32), "truncates"),
+    ("40 underflow fractions", lambda a: PR.check_underflow_fractions(a, GRADS40, [1.0, 2.0 ** 8]),
+     lambda: [float((GRADS40[GRADS40 != 0] * s < 2.0 ** -14).float().mean()) for s in (1.0, 2.0 ** 8)],
+     "subnormals as lost"),
+    ("40 GradScaler", lambda a: PR.check_grad_scaler(a, PEAKS40, 2.0 ** 20, 3),
+     lambda: PR._scaler_variant(PEAKS40, 2.0 ** 20, 3, reset_on_skip=False), "*in a row*"),
     ("50 int4 pack", lambda a: K.check_int4_pack(a, CODES), lambda: (CODES[:, 0::2] << 4) | CODES[:, 1::2],
      "swapped"),
     ("50 intensity", lambda a: K.check_intensity(a, M=1, K=384, N=1536, weight_bytes_per_value=4),

@@ -44,6 +44,7 @@ UPSTREAM13 = torch.tensor([0.8, -1.1, 0.3, 1.7, -0.4, 0.9, -1.6, 0.6, 1.3])
 BF16_X = torch.cat([torch.randn(512, generator=_g(9)), torch.tensor(PR.HALFWAY)])
 GRADS40 = torch.cat([torch.zeros(8), torch.rand(256, generator=_g(10)) * 1e-6])      # tiny activation gradients
 PEAKS40 = [0.01, 0.2, 0.03, 0.01, 0.02, 0.2, 0.05, 0.01, 0.02, 0.01, 0.01, 0.3, 0.02]
+X50 = torch.randn(3, 128, generator=_g(11))
 LOGITS = torch.tensor([6.0, 1.5, -2.0, 0.3, 4.2, -1.0, 0.0, 2.2, -3.1, 1.1])
 CODES = torch.randint(0, 16, (4, 16), generator=_g(), dtype=torch.uint8)
 
@@ -56,6 +57,11 @@ def _gradients():
 def _kd_batch():
     """Student and teacher logits of 16 examples and their labels."""
     return torch.randn(16, 10, generator=_g(7)), 4 * torch.randn(16, 10, generator=_g(8)), torch.arange(16) % 10
+
+
+def _int4_stored():
+    """A (48, 128) int4 layer with one scale per 32 inputs, as `formats.encode` stores it."""
+    return K.int4_layer(48, 128, group_size=32, seed=3)
 
 
 def _methods():
@@ -136,8 +142,9 @@ CASES = [
      lambda: PR._scaler_variant(PEAKS40, 2.0 ** 20, 3, reset_on_skip=False), "*in a row*"),
     ("50 int4 pack", lambda a: K.check_int4_pack(a, CODES), lambda: (CODES[:, 0::2] << 4) | CODES[:, 1::2],
      "swapped"),
-    ("50 intensity", lambda a: K.check_intensity(a, M=1, K=384, N=1536, weight_bytes_per_value=4),
-     lambda: 2 * 384 * 1536 / (384 * 1536 * 4), "only the weight"),
+    ("50 int4 linear", lambda a: K.check_int4_linear(a, X50, _int4_stored(), 32),
+     lambda: (lambda q: X50 @ (torch.stack([q & 15, q >> 4], -1).flatten(1).float() - 8).T)(  # the scales left out
+         _int4_stored()["qweight"]), "group's scale"),
     ("50 bound", lambda a: K.check_bound(a, M=512, K=384, N=1536, weight_bytes_per_value=4, bandwidth_GBs=20,
                                          peak_GFLOPs=100), lambda: "memory", "ridge point"),
 ]

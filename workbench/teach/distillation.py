@@ -369,7 +369,7 @@ def check_entropies(answer, logits: torch.Tensor, temperatures: Sequence[float])
     z = logits.detach().double()
     expected = [float(entropy(torch.softmax(z / T, dim=-1))) for T in temperatures]
     name = "entropies of the soft targets"
-    hint = "for each T: p = softmax(logits / T); entropy = -(p * log2(p)).sum()"
+    hint = "for each T: the soft targets at T, then their entropy in bits (logarithms in base 2)"
     fb = check(name, answer, expected, hint=hint, rtol=1e-4, atol=1e-6, solution=solution)
     got = _tensor(answer)
     if fb.status == "failed" and got is not None and got.shape == (len(expected),):

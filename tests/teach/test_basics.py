@@ -97,19 +97,46 @@ def test_calibration_table():
         B.calibration_table(pool, x, sizes=[21])
 
 
-def test_check_fake_quant():
-    v = torch.tensor([-0.17, -0.05, 0.0, 0.12, 0.31, 0.58, 0.9, 2.4])
-    s, z = 0.05, 3
-    right = (torch.clamp(torch.round(v / s) + z, 0, 15) - z) * s
-    assert B.check_fake_quant(right, v, s, z).passed
-    assert right.max().item() == pytest.approx(0.6) and right.min().item() == pytest.approx(-0.15)
-    fb = B.check_fake_quant(torch.round(v / s) * s, v, s, z)
-    assert fb.status == "failed" and "clamp" in fb.hint
-    codes = torch.clamp(torch.round(v / s) + z, 0, 15)
-    assert "integer codes" in B.check_fake_quant(codes, v, s, z).hint
-    assert "subtract the zero point" in B.check_fake_quant(codes * s, v, s, z).hint
-    assert "integer tensor" in B.check_fake_quant(codes.to(torch.int64), v, s, z).hint
-    assert "shape" in B.check_fake_quant(right[:4], v, s, z).message
+V11 = torch.tensor([-0.17, -0.05, 0.0, 0.12, 0.31, 0.58, 0.9, 2.4])   # the lesson's held-out values
+LO, HI = -0.1, 0.59                                                     # its calibrated range
+
+
+def _quantizer(v, lo, hi, qmin=0, qmax=15, *, steps=None, zero=None, clamp=True):
+    """An asymmetric quantizer as a learner writes it; the keywords make its plausible slips."""
+    s = (hi - lo) / (steps or qmax - qmin)
+    z = qmin - round(lo / s) if zero is None else zero(lo, s)
+    codes = torch.round(v / s) + z
+    codes = codes.clamp(qmin, qmax) if clamp else codes
+    return codes, (codes - z) * s
+
+
+def test_check_asymmetric_quantizer_passes_the_package_grid():
+    codes, x_hat = _quantizer(V11, LO, HI)
+    assert B.check_asymmetric_quantizer((codes, x_hat), V11, LO, HI).passed
+    assert B.check_asymmetric_quantizer([codes.to(torch.uint8), x_hat], V11, LO, HI).passed      # any integer dtype
+    assert codes.tolist() == [0, 1, 2, 5, 9, 15, 15, 15]                 # clipped at both ends
+    assert x_hat[2].item() == 0.0 and x_hat.min().item() == pytest.approx(-0.092)   # 0 exact; lo = -0.1 is not
+    assert B.check_asymmetric_quantizer(..., V11, LO, HI).status == "not attempted"
+
+
+def test_check_asymmetric_quantizer_names_plausible_wrong_implementations():
+    fb = B.check_asymmetric_quantizer(_quantizer(V11, LO, HI, clamp=False), V11, LO, HI)
+    assert fb.status == "failed" and "must be clipped" in fb.hint and "item 0" in fb.message
+    assert "16 codes have 15 steps" in B.check_asymmetric_quantizer(_quantizer(V11, LO, HI, steps=16), V11, LO, HI).hint
+    flipped = _quantizer(V11, LO, HI, zero=lambda lo, s: round(lo / s))
+    assert "zero point's sign" in B.check_asymmetric_quantizer(flipped, V11, LO, HI).hint
+    unrounded = _quantizer(V11, LO, HI, zero=lambda lo, s: -lo / s)
+    assert "must be an integer" in B.check_asymmetric_quantizer(unrounded, V11, LO, HI).hint
+    signed = _quantizer(V11, LO, HI, qmin=-8, qmax=7)                   # right values, signed codes
+    assert "signed codes" in B.check_asymmetric_quantizer(signed, V11, LO, HI).hint
+    codes, _ = _quantizer(V11, LO, HI)
+    s = (HI - LO) / 15
+    assert "subtract z" in B.check_asymmetric_quantizer((codes, codes * s), V11, LO, HI).hint
+    assert "not the code" in B.check_asymmetric_quantizer((codes, codes), V11, LO, HI).hint
+    own = _quantizer(V11, float(V11.min()), float(V11.max()))            # v's own min-max, not the calibration
+    assert "calibrated in advance" in B.check_asymmetric_quantizer(own, V11, LO, HI).hint
+    fb = B.check_asymmetric_quantizer(_quantizer(V11, LO, HI)[1], V11, LO, HI)
+    assert fb.status == "failed" and "return the pair" in fb.hint
 
 
 def test_check_best_clipping():

@@ -64,15 +64,51 @@ def test_compare_kd_runs_both_methods(digits_task):
     assert fig.layout.xaxis.title.text == "epoch"
 
 
-def test_check_softmax_t():
-    T = 4
-    assert L.check_softmax_t(torch.softmax(LOGITS / T, -1), LOGITS, T).passed
-    plain = L.check_softmax_t(torch.softmax(LOGITS, -1), LOGITS, T)
-    assert plain.status == "failed" and "plain softmax" in plain.hint
-    assert "multiplied" in L.check_softmax_t(torch.softmax(LOGITS * T, -1), LOGITS, T).hint
-    assert "normalisation" in L.check_softmax_t(torch.exp(LOGITS / T), LOGITS, T).hint
-    assert "shape" in L.check_softmax_t(torch.softmax(LOGITS / T, -1)[:5], LOGITS, T).message
-    assert L.check_softmax_t(..., LOGITS, T).status == "not attempted"
+def _batch():
+    g = torch.Generator().manual_seed(0)
+    student, teacher = torch.randn(32, 10, generator=g), 5 * torch.randn(32, 10, generator=g)
+    return student, teacher, torch.randint(0, 10, (32,), generator=g)
+
+
+def _kd_by_hand(s, t, y, alpha, T, *, factor=None, reverse=False, batch_mean=True, soft_student=True):
+    """The KD loss with F.kl_div, as a learner writes it; the keywords make the plausible slips."""
+    import torch.nn.functional as F
+
+    log_s = F.log_softmax(s / (T if soft_student else 1), dim=-1)
+    log_t = F.log_softmax(t / T, dim=-1)
+    a, b = (log_t, log_s) if reverse else (log_s, log_t)
+    kl = F.kl_div(a, b, reduction="batchmean" if batch_mean else "mean", log_target=True)
+    return float((1 - alpha) * F.cross_entropy(s, y) + alpha * (T * T if factor is None else factor) * kl)
+
+
+def test_check_kd_loss_passes_the_loss_kd_loss_computes():
+    s, t, y = _batch()
+    right = _kd_by_hand(s, t, y, 0.9, 4.0)
+    assert right == pytest.approx(float(wb.distill.kd_loss(s, t, y, alpha=0.9, temperature=4.0)), rel=1e-5)
+    assert L.check_kd_loss(right, s, t, y, 0.9, 4.0).passed
+    assert L.check_kd_loss(torch.tensor(right), s, t, y, 0.9, 4.0).passed
+    assert L.check_kd_loss(..., s, t, y, 0.9, 4.0).status == "not attempted"
+    wb.teach.use_solutions(True)
+    try:
+        worked = L.check_kd_loss(..., s, t, y, 0.9, 4.0)
+    finally:
+        wb.teach.use_solutions(False)
+    assert worked.passed and worked.from_solution
+
+
+def test_check_kd_loss_names_the_temperature_and_kl_slips():
+    s, t, y = _batch()
+    fb = L.check_kd_loss(_kd_by_hand(s, t, y, 0.9, 4.0, factor=1.0), s, t, y, 0.9, 4.0)        # no T²
+    assert fb.status == "failed" and "multiplied by T² = 16" in fb.hint and "expected" in fb.message
+    assert "not T" in L.check_kd_loss(_kd_by_hand(s, t, y, 0.9, 4.0, factor=4.0), s, t, y, 0.9, 4.0).hint
+    assert "from the teacher to the student" in L.check_kd_loss(_kd_by_hand(s, t, y, 0.9, 4.0, reverse=True),
+                                                                 s, t, y, 0.9, 4.0).hint
+    with pytest.warns(UserWarning, match="batchmean"):                     # torch warns about this slip too
+        per_element = _kd_by_hand(s, t, y, 0.9, 4.0, batch_mean=False)
+    assert "batchmean" in L.check_kd_loss(per_element, s, t, y, 0.9, 4.0).hint
+    assert "student's logits are divided by T" in L.check_kd_loss(_kd_by_hand(s, t, y, 0.9, 4.0, soft_student=False),
+                                                                   s, t, y, 0.9, 4.0).hint
+    assert "not the other way round" in L.check_kd_loss(_kd_by_hand(s, t, y, 0.1, 4.0), s, t, y, 0.9, 4.0).hint
 
 
 def test_temperature_figure_builds():

@@ -136,6 +136,34 @@ def test_int4_pack_checker_rejects_swapped_nibbles_and_wrong_dtype():
     assert "adding" in K.check_int4_pack(codes[:, 0::2] + codes[:, 1::2], codes).hint
 
 
+def _int4_linear(x, stored, g, *, order="low first", zero=8, scales="interleave"):
+    """The int4 g64 reference path as a learner writes it (bit ops on the packed bytes); keywords make the slips."""
+    q = stored["qweight"].to(torch.int64)
+    pair = [q & 15, q >> 4] if order == "low first" else [q >> 4, q & 15]
+    codes = torch.stack(pair, dim=-1).flatten(1).float()
+    s = stored["scale"].float()
+    s = s.repeat_interleave(g, dim=1) if scales == "interleave" else s.repeat(1, g)
+    return x @ ((codes - zero) * s).T
+
+
+def test_int4_linear_checker_is_the_package_decode_and_rejects_layout_slips():
+    from workbench.quantization import formats
+    from workbench.teach import kernels as K
+
+    stored = K.int4_layer(96, 256, group_size=64, seed=1)
+    assert stored["qweight"].shape == (96, 128) and stored["scale"].shape == (96, 4)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(2))
+    right = _int4_linear(x, stored, 64)
+    torch.testing.assert_close(right, x @ formats.decode(stored, formats.IntFormat(4, 64), 256).T)
+    assert K.check_int4_linear(right, x, stored, 64).passed
+    assert K.check_int4_linear(..., x, stored, 64).status == "not attempted"
+    fb = K.check_int4_linear(_int4_linear(x, stored, 64, order="high first"), x, stored, 64)
+    assert fb.status == "failed" and "nibbles are swapped" in fb.hint and "values differ" in fb.message
+    assert "zero point 8" in K.check_int4_linear(_int4_linear(x, stored, 64, zero=0), x, stored, 64).hint
+    assert "repeat_interleave" in K.check_int4_linear(_int4_linear(x, stored, 64, scales="tile"), x, stored, 64).hint
+    assert "one row per row of x" in K.check_int4_linear(right.T, x, stored, 64).hint
+
+
 def test_group_quantizer_checker_rejects_a_per_row_scale_a_qmax_scale_and_a_missing_clamp():
     from workbench.teach import basics as B
 

@@ -1,6 +1,5 @@
 """Lesson 40 (mixed precision): the format limits, the autocast wrapper and table, gradient underflow counts,
 the GradScaler trace, the exercise checks (right answers pass, typical mistakes are explained), the figures."""
-import math
 
 import pytest
 import torch
@@ -75,31 +74,90 @@ def test_scale_trace_halves_and_skips_on_overflow():
     assert fig.layout.yaxis.title.text == "log2(loss scale)"
 
 
-def test_check_bytes_saved():
-    layer = nn.Linear(192, 768)
-    numel = 192 * 768 + 768
-    assert L.check_bytes_saved(numel * 2, layer, torch.bfloat16).passed
-    assert "weight only" in L.check_bytes_saved(192 * 768 * 2, layer).hint
-    assert "number of values" in L.check_bytes_saved(numel, layer).hint
-    assert "fp32 size" in L.check_bytes_saved(numel * 4, layer).hint
-    assert "bits" in L.check_bytes_saved(numel * 16, layer).hint
-    assert L.check_bytes_saved(..., layer).status == "not attempted"
+def _bf16_by_hand(x, ties="even"):
+    """fp32 -> bf16 on the unsigned bit pattern in int64, as a learner may write it; ``ties``: "even", "away" (add
+    half a step) or "truncate"."""
+    bits = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    if ties == "even":
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    elif ties == "away":
+        bits = bits + 0x8000
+    kept = bits & 0xFFFF0000
+    return torch.where(kept >= 2 ** 31, kept - 2 ** 32, kept).to(torch.int32).view(torch.float32)
 
 
-def test_check_underflows():
-    assert L.check_underflows(True, 1e-9).passed and L.check_underflows(False, 2.4e-6).passed
-    assert L.check_underflows(torch.tensor(True), 1e-9).passed
-    subnormal = L.check_underflows(True, 2.4e-6)
-    assert subnormal.status == "failed" and "smallest *normal*" in subnormal.hint
-    assert "True or False" in L.check_underflows(0.5, 1e-9).hint
-    assert L.check_underflows(..., 1e-9).status == "not attempted"
+def test_check_bf16_round():
+    torch.manual_seed(0)
+    x = torch.cat([torch.randn(4096) * 0.05, torch.tensor(L.HALFWAY)])
+    assert L.check_bf16_round(x.to(torch.bfloat16).float(), x).passed
+    assert L.check_bf16_round(_bf16_by_hand(x), x).passed                        # the bits, another way round
+    assert L.check_bf16_round(..., x).status == "not attempted"
+    fb = L.check_bf16_round(_bf16_by_hand(x, "truncate"), x)
+    assert fb.status == "failed" and "truncates" in fb.hint and "values differ" in fb.message
+    fb = L.check_bf16_round(_bf16_by_hand(x, "away"), x)                        # wrong only at the ties
+    assert fb.status == "failed" and "half to *even*" in fb.hint and "2 of 4102 values differ" in fb.message
+    assert "view them as torch.float32" in L.check_bf16_round(x.view(torch.int32), x).hint
+    assert "as float32" in L.check_bf16_round(x.to(torch.bfloat16), x).hint
+    assert list(x.to(torch.bfloat16).float()[-6:-2]) == [1.0, 1.015625, -1.0, -0.75390625]   # the ties go to even
 
 
-def test_check_loss_scale():
-    g = 1.75e-10
-    expected = 2.0 ** math.ceil(math.log2(2.0 ** -14 / g))
-    assert expected == 2.0 ** 19 and L.check_loss_scale(2 ** 19, g).passed
-    assert "still below" in L.check_loss_scale(2 ** 18, g).hint
-    assert "not the smallest" in L.check_loss_scale(2 ** 21, g).hint
-    assert "power of two" in L.check_loss_scale(400000, g).hint
-    assert "smallest subnormal" in L.check_loss_scale(2.0 ** math.ceil(math.log2(2.0 ** -24 / g)), g).hint
+def test_check_underflow_fractions():
+    v = torch.tensor([0.0, 0.0, 2.0 ** -26, 2.0 ** -25, 1.2 * 2.0 ** -25, 2.0 ** -24, 2.0 ** -20, 1e-3, -2.0 ** -26])
+    scales = [1.0, 2.0, 2.0 ** 8]
+    expected = [L.underflow_fraction(v, torch.float16, s) for s in scales]
+    assert expected == [3 / 7, 2 / 7, 0.0]         # 2^-25 rounds to 0 (a tie, to even); 1.2 x 2^-25 up to 2^-24
+    nz = v[v != 0].abs()
+    assert L.check_underflow_fractions([float((nz * s <= 2.0 ** -25).float().mean()) for s in scales], v, scales).passed
+    assert L.check_underflow_fractions([float(((v * s).half() == 0)[v != 0].float().mean()) for s in scales],
+                                       v, scales).passed                      # by casting, the same counts
+    assert L.check_underflow_fractions(..., v, scales).status == "not attempted"
+    fb = L.check_underflow_fractions([float((nz * s < 2.0 ** -14).float().mean()) for s in scales], v, scales)
+    assert fb.status == "failed" and "subnormals as lost" in fb.hint
+    assert "round *up*" in L.check_underflow_fractions([float((nz * s < 2.0 ** -24).float().mean()) for s in scales],
+                                                       v, scales).hint
+    with_zeros = [float(((v.abs() * s <= 2.0 ** -25) & (v != 0)).float().mean()) for s in scales]
+    assert "zeros included" in L.check_underflow_fractions(with_zeros, v, scales).hint
+    assert "change with the scale" in L.check_underflow_fractions([3 / 7] * 3, v, scales).hint
+
+
+PEAKS = [0.002, 0.05, 0.002, 0.002, 0.02, 0.03, 0.015, 0.008, 0.003, 0.002, 0.001, 0.002, 0.001, 0.004, 0.004,
+         0.009, 0.0005, 0.002, 0.002, 0.006, 0.007, 0.012, 0.012, 0.004, 0.001]
+
+
+def _scaler_by_hand(peaks, init_scale, interval, *, reset_on_skip=True, record_after=False):
+    scale, good, scales, skipped = init_scale, 0, [], []
+    for peak in peaks:
+        overflow = peak * scale > 65504.0
+        if not record_after:
+            scales.append(scale)
+        if overflow:
+            scale, good = scale / 2, 0 if reset_on_skip else good
+        else:
+            good += 1
+            if good == interval:
+                scale, good = scale * 2, 0
+        if record_after:
+            scales.append(scale)
+        skipped.append(overflow)
+    return scales, skipped
+
+
+def test_grad_scaler_trace_is_a_real_grad_scaler():
+    scales, skipped = L.grad_scaler_trace(PEAKS, 2.0 ** 24, 10)
+    assert scales[:3] == [2.0 ** 24, 2.0 ** 24, 2.0 ** 23] and skipped[:2] == [False, True]   # 0.05 x 2^24 > 65504
+    assert all(b == a / 2 for a, b, s in zip(scales, scales[1:], skipped) if s)        # a skip halves
+    assert sum(skipped) >= 3 and max(scales) == 2.0 ** 24
+
+
+def test_check_grad_scaler():
+    assert L.check_grad_scaler(_scaler_by_hand(PEAKS, 2.0 ** 24, 10), PEAKS, 2.0 ** 24, 10).passed
+    assert L.check_grad_scaler(..., PEAKS, 2.0 ** 24, 10).status == "not attempted"
+    fb = L.check_grad_scaler(_scaler_by_hand(PEAKS, 2.0 ** 24, 10, reset_on_skip=False), PEAKS, 2.0 ** 24, 10)
+    assert fb.status == "failed" and "*in a row*" in fb.hint and "expected" in fb.message
+    after = _scaler_by_hand(PEAKS, 2.0 ** 24, 10, record_after=True)
+    assert "the step *used*" in L.check_grad_scaler(after, PEAKS, 2.0 ** 24, 10).hint
+    assert "off by one" in L.check_grad_scaler(_scaler_by_hand(PEAKS, 2.0 ** 24, 11), PEAKS, 2.0 ** 24, 10).hint
+    never = ([2.0 ** 24 * 2 ** (i // 10) for i in range(len(PEAKS))], [False] * len(PEAKS))
+    assert "no step overflowed" in L.check_grad_scaler(never, PEAKS, 2.0 ** 24, 10).hint
+    assert "return the pair" in L.check_grad_scaler(_scaler_by_hand(PEAKS, 2.0 ** 24, 10)[0], PEAKS, 2.0 ** 24,
+                                                    10).hint

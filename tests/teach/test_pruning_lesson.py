@@ -58,3 +58,38 @@ def test_figures_build(cnn):
     curves = L.sparsity_curves(sweep, random, dense_accuracy=0.99)
     assert [t.name for t in curves.data] == ["magnitude", "magnitude + fine-tune", "random"]
     assert list(curves.data[1].x) == [0.0, 50.0] and "sparsity" in curves.layout.xaxis.title.text
+
+
+def _kept(w1, keep=24, largest=True):
+    return w1.abs().sum(dim=(1, 2, 3)).topk(keep, largest=largest).indices.sort().values
+
+
+def test_structured_pair_check_passes_what_prune_channels_leaves(cnn):
+    w1, w2 = cnn.conv1.weight.detach(), cnn.conv2.weight.detach()
+    kept = _kept(w1)
+    assert L.check_structured_pair((w1[kept], w2[:, kept]), cnn, "conv1", "conv2", amount=0.25).passed
+    pruned = wb.prune.channels(cnn, {"conv1": 0.25}, example_inputs=wb.tasks.load("digits").example_inputs(2))
+    assert L.check_structured_pair([pruned.conv1.weight, pruned.conv2.weight], cnn, "conv1", "conv2", 0.25).passed
+    assert L.check_structured_pair(..., cnn, "conv1", "conv2", 0.25).status == "not attempted"
+
+
+def test_structured_pair_check_names_plausible_wrong_implementations(cnn):
+    w1, w2 = cnn.conv1.weight.detach(), cnn.conv2.weight.detach()
+    kept = _kept(w1)
+    fb = L.check_structured_pair((w1[kept], w2), cnn, "conv1", "conv2", 0.25)              # conv2 left alone
+    assert fb.status == "failed" and "*input* dimension" in fb.hint and "item 1: expected shape" in fb.message
+    assert "its own output channels" in L.check_structured_pair((w1[kept], w2[kept]), cnn, "conv1", "conv2", 0.25).hint
+    zeroed1, zeroed2 = w1.clone(), w2.clone()
+    gone = [i for i in range(32) if i not in kept.tolist()]
+    zeroed1[gone], zeroed2[:, gone] = 0, 0
+    assert "zeroed but still there" in L.check_structured_pair((zeroed1, zeroed2), cnn, "conv1", "conv2", 0.25).hint
+    small = _kept(w1, largest=False)
+    assert "*smallest*" in L.check_structured_pair((w1[small], w2[:, small]), cnn, "conv1", "conv2", 0.25).hint
+    by_norm = w1.abs().sum(dim=(1, 2, 3)).topk(24).indices
+    assert "original order" in L.check_structured_pair((w1[by_norm], w2[:, by_norm]), cnn, "conv1", "conv2", 0.25).hint
+    l2 = w1.pow(2).sum(dim=(1, 2, 3)).topk(24).indices.sort().values
+    assert "L2 norm" in L.check_structured_pair((w1[l2], w2[:, l2]), cnn, "conv1", "conv2", 0.25).hint
+    own = w2.abs().sum(dim=(0, 2, 3)).topk(24).indices.sort().values
+    assert "ranked by conv2's weights" in L.check_structured_pair((w1[own], w2[:, own]), cnn, "conv1", "conv2",
+                                                                  0.25).hint
+    assert "return the pair" in L.check_structured_pair(w1[kept], cnn, "conv1", "conv2", 0.25).hint

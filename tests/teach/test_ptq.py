@@ -148,27 +148,56 @@ def test_ptq_plans_labels():
 @pytest.fixture(scope="module")
 def toy(layer_data):
     linear, X, _ = layer_data
-    return P.feedback_example(linear.weight, X, rows=6, cols=4, bits=3)
+    return P.gptq_block(linear.weight, X, bits=3)
 
 
-def test_feedback_check(toy):
-    right = toy.W[:, 1:] - torch.outer((toy.W[:, 0] - toy.q0) / toy.U[0, 0], toy.U[0, 1:])
-    assert P.check_feedback_update(right, toy).passed
-    assert P.check_feedback_update(..., toy).status == "not attempted"
-    wrong_sign = toy.W[:, 1:] + torch.outer((toy.W[:, 0] - toy.q0) / toy.U[0, 0], toy.U[0, 1:])
-    fb = P.check_feedback_update(wrong_sign, toy)
+def _gptq_by_hand(block, *, factor=None, sign=1.0, clamp=True, from_original=False, divide=True):
+    """GPTQ on the block as a learner writes it (float64, inverse by cholesky_inverse); keywords make the slips."""
+    H = block.H + block.damp * block.H.diagonal().mean() * torch.eye(block.H.shape[0], dtype=torch.float64)
+    U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True) if factor is None \
+        else factor
+    W = block.W.clone()
+    for j in range(W.shape[1]):
+        q = ((block.W if from_original else W)[:, j] / block.scale).round()
+        q = (q.clamp(block.qmin, block.qmax) if clamp else q) * block.scale
+        e = (W[:, j] - q) / (U[j, j] if divide else 1.0)
+        W[:, j] = q
+        W[:, j + 1:] -= sign * torch.outer(e, U[j, j + 1:])
+    return W
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+def test_gptq_block_reference_is_the_package_gptq(layer_data, bits):
+    linear, X, _ = layer_data
+    block = P.gptq_block(linear.weight, X, bits=bits)
+    assert block.W.shape == block.H.shape == (8, 8) and block.scale.shape == (8,)
+    assert (block.qmin, block.qmax) == (-2 ** (bits - 1), 2 ** (bits - 1) - 1)
+    fmt = fm.IntFormat(bits, None)
+    package = fm.decode(gptq_quantize(block.W.float(), [(X[:, :8],)], fmt), fmt, 8)
+    torch.testing.assert_close(P.gptq_block_reference(block).float(), package, rtol=0, atol=1e-6)
+    rtn = fm.decode(fm.encode(block.W.float(), fmt), fmt, 8)
+    assert (package - rtn).abs().max() > 0.5 * block.scale.min()        # the feedback changes rounding decisions
+
+
+def test_gptq_block_check(toy):
+    assert P.check_gptq_block(_gptq_by_hand(toy), toy).passed
+    assert P.check_gptq_block(_gptq_by_hand(toy).float(), toy).passed                     # float32 is fine too
+    assert P.check_gptq_block(..., toy).status == "not attempted"
+    fb = P.check_gptq_block(_gptq_by_hand(toy, sign=-1.0), toy)
     assert fb.status == "failed" and "wrong sign" in fb.hint and "values differ" in fb.message
-    no_division = toy.W[:, 1:] - torch.outer(toy.W[:, 0] - toy.q0, toy.U[0, 1:])
-    assert "did not divide" in P.check_feedback_update(no_division, toy).hint
-    assert "without any error feedback" in P.check_feedback_update(toy.W[:, 1:].clone(), toy).hint
-    fb = P.check_feedback_update(toy.W, toy)
-    assert fb.status == "failed" and "shape (6, 3)" in fb.message
-
-
-def test_feedback_example_is_consistent(toy):
-    assert toy.W.shape == (6, 4) and toy.U.shape == (4, 4) and toy.q0.shape == (6,)
-    assert torch.equal(toy.U, torch.triu(toy.U)) and (torch.diag(toy.U) > 0).all()
-    assert (toy.q0 - toy.W[:, 0]).abs().max() > 0          # column 0 really was rounded
+    rtn = (toy.W / toy.scale[:, None]).round().clamp(toy.qmin, toy.qmax) * toy.scale[:, None]
+    assert "round-to-nearest" in P.check_gptq_block(rtn, toy).hint
+    assert "as the feedback of the earlier ones" in P.check_gptq_block(_gptq_by_hand(toy, from_original=True), toy).hint
+    of_h = torch.linalg.cholesky(toy.H + toy.damp * toy.H.diagonal().mean() * torch.eye(8, dtype=torch.float64),
+                                 upper=True)
+    assert "*inverse* Hessian" in P.check_gptq_block(_gptq_by_hand(toy, factor=of_h), toy).hint
+    assert "clamp the codes" in P.check_gptq_block(_gptq_by_hand(toy, clamp=False), toy).hint
+    assert "1 / U[j, j]" in P.check_gptq_block(_gptq_by_hand(toy, divide=False), toy).hint
+    lower = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(
+        toy.H + toy.damp * toy.H.diagonal().mean() * torch.eye(8, dtype=torch.float64))))
+    assert "*upper* factor" in P.check_gptq_block(_gptq_by_hand(toy, factor=lower), toy).hint
+    fb = P.check_gptq_block(toy.W[:, 1:], toy)
+    assert fb.status == "failed" and "shape (8, 8)" in fb.message and "whole block" in fb.hint
 
 
 def _awq_layer():

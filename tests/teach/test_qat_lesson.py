@@ -1,11 +1,13 @@
 """Lesson 13 (wb.teach.qat): the STE helpers agree with the package, `train_with_curve` trains exactly as
 `fit_classifier`, the exercise checks name typical mistakes, and the figures build."""
 import copy
+import math
 
 import pytest
 import torch
 
 import workbench as wb
+from workbench.quantization.primitives import fp16_scale
 
 T = wb.teach.qat
 X = torch.tensor([-1.3, -0.6, -0.2, 0.1, 0.3, 0.7, 1.2])
@@ -90,41 +92,142 @@ def test_lsq_scales_and_zero_gradient_fraction(digits):
 
 # --- exercise checks -------------------------------------------------------------------------------------------
 
-def test_fake_quantize_check():
-    right = (X / 0.5).round().clamp(-2, 1) * 0.5
-    assert T.check_fake_quantize(right, X, 0.5, bits=2).passed
-    assert T.check_fake_quantize(..., X, 0.5, bits=2).status == "not attempted"
-    fb = T.check_fake_quantize((X / 0.5).round() * 0.5, X, 0.5, bits=2)
-    assert fb.status == "failed" and "clamped" in fb.hint and "values differ" in fb.message
-    assert "integer codes" in T.check_fake_quantize((X / 0.5).round().clamp(-2, 1), X, 0.5, bits=2).hint
-    assert "floor" in T.check_fake_quantize((X / 0.5).floor().clamp(-2, 1) * 0.5, X, 0.5, bits=2).hint
-    assert "[-2, 1]" in T.check_fake_quantize((X / 0.5).round().clamp(-1, 1) * 0.5, X, 0.5, bits=2).hint
+XS = [-2.0, -1.6, -0.6, -0.2, 0.1, 0.4, 0.7, 1.0, 1.2]     # the lesson's x: codes clamped at both ends
+UPSTREAM = torch.tensor([0.8, -1.1, 0.3, 1.7, -0.4, 0.9, -1.6, 0.6, 1.3])
 
 
-def test_ste_gradient_check():
-    codes = (X / 0.5).round()
-    assert T.check_ste_gradient(((codes >= -2) & (codes <= 1)).float(), X, 0.5, bits=2).passed
-    assert "not every value" in T.check_ste_gradient(torch.ones(7), X, 0.5, bits=2).hint
-    assert "derivative 0" in T.check_ste_gradient(torch.zeros(7), X, 0.5, bits=2).hint
-    xs = X / 0.5
-    fb = T.check_ste_gradient(((xs >= -2) & (xs <= 1)).float(), X, 0.5, bits=2)   # clamps before rounding
-    assert fb.status == "failed" and "rounded" in fb.hint
-    assert "shape (7,)" in T.check_ste_gradient(torch.ones(3), X, 0.5, bits=2).message
+def _leaf():
+    return torch.tensor(XS, requires_grad=True)
 
 
-def test_recovered_check():
-    assert T.check_recovered(0.75, fp32=1.0, ptq=0.6, qat=0.9).passed
-    assert T.check_recovered(torch.tensor(0.75), fp32=1.0, ptq=0.6, qat=0.9).passed
-    assert "divide it by what PTQ lost" in T.check_recovered(0.3, fp32=1.0, ptq=0.6, qat=0.9).hint
-    assert "relative to fp32" in T.check_recovered(0.9, fp32=1.0, ptq=0.6, qat=0.9).hint
-    assert "not a percentage" in T.check_recovered(75.0, fp32=1.0, ptq=0.6, qat=0.9).hint
-    assert T.check_recovered(..., fp32=1.0, ptq=0.6, qat=0.9).status == "not attempted"
+def _ste(x, s=0.3, z=1, qmin=-4, qmax=3):
+    """A right implementation, written differently from the worked solution: a custom autograd function."""
+    class Round(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, u):
+            return u.round()
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    return (torch.clamp(Round.apply(x / s) + z, qmin, qmax) - z) * s
+
+
+def test_ste_reference_is_the_package_forward_and_backward():
+    values, grad = T.ste_reference(_leaf(), 0.3, 1, 3)
+    assert values.tolist() == pytest.approx([-1.5, -1.5, -0.6, -0.3, 0.0, 0.3, 0.6, 0.6, 0.6])
+    # codes round(x / 0.3) + 1: -6 and -4 (-1.6 rounds onto the grid), ..., 3 (0.7 rounds onto it), 4 and 5
+    assert grad.tolist() == [0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0]
+
+
+def test_ste_fake_quantize_check_passes_a_right_implementation_and_checks_the_gradient():
+    x = _leaf()
+    assert T.check_ste_fake_quantize(_ste(x), x, 0.3, 1, bits=3).passed
+    assert T.check_ste_fake_quantize(_ste(x), x, 0.3, 1, bits=3).passed        # the graph is kept for a re-run
+    assert T.check_ste_fake_quantize(..., x, 0.3, 1, bits=3).status == "not attempted"
+    u = x / 0.3
+    plain = ((u.round() + 1).clamp(-4, 3) - 1) * 0.3                         # right values, round()'s zero gradient
+    fb = T.check_ste_fake_quantize(plain, x, 0.3, 1, bits=3)
+    assert fb.status == "failed" and "derivative is 0" in fb.hint and "item 1" in fb.message
+    whole = x + (plain - x).detach()                                           # the STE around the clamp too
+    assert "every value got a gradient" in T.check_ste_fake_quantize(whole, x, 0.3, 1, bits=3).hint
+    v = (u + 1).clamp(-4, 3)
+    clamp_first = (v + (v.round() - v).detach() - 1) * 0.3                     # clamps before it rounds
+    fb = T.check_ste_fake_quantize(clamp_first, x, 0.3, 1, bits=3)
+    assert fb.status == "failed" and "*rounded* code" in fb.hint
+    assert "no gradient" in T.check_ste_fake_quantize(_ste(x).detach(), x, 0.3, 1, bits=3).hint
+    with torch.no_grad():
+        assert "no gradient" in T.check_ste_fake_quantize(_ste(x), x, 0.3, 1, bits=3).hint
+
+
+def test_ste_fake_quantize_check_names_forward_slips():
+    x = _leaf()
+    r = x / 0.3 + (torch.round(x / 0.3) - x / 0.3).detach()
+    no_zero = r.clamp(-4, 3) * 0.3
+    fb = T.check_ste_fake_quantize(no_zero, x, 0.3, 1, bits=3)
+    assert fb.status == "failed" and "zero point is missing" in fb.hint and "item 0" in fb.message
+    assert "subtract the zero point" in T.check_ste_fake_quantize((r + 1).clamp(-4, 3) * 0.3, x, 0.3, 1, 3).hint
+    assert "top code" in T.check_ste_fake_quantize(((r + 1).clamp(-4, 4) - 1) * 0.3, x, 0.3, 1, 3).hint
+    assert "unsigned" in T.check_ste_fake_quantize(((r + 1).clamp(0, 7) - 1) * 0.3, x, 0.3, 1, 3).hint
+    assert "one more negative code" in T.check_ste_fake_quantize(((r + 1).clamp(-3, 3) - 1) * 0.3, x, 0.3, 1, 3).hint
+    assert "clamped" in T.check_ste_fake_quantize(r * 0.3, x, 0.3, 1, 3).hint
+    assert "a tensor like x" in T.check_ste_fake_quantize([0.0] * 9, x, 0.3, 1, 3).hint
+    with pytest.raises(ValueError, match="requires grad"):
+        T.check_ste_fake_quantize(no_zero, torch.tensor(XS), 0.3, 1, 3)
+
+
+def _lsq_by_hand(x, s, z, qmin, qmax, upstream, *, scale_gradient=True, code_constant=False, clamp=True):
+    u = x.detach() / s
+    code = u.round() + z
+    inside = (code >= qmin) & (code <= qmax) if clamp else torch.ones_like(code, dtype=torch.bool)
+    d = (u.round() if code_constant else u.round() - u).where(inside, code.clamp(qmin, qmax) - z)
+    g = 1 / math.sqrt(x.numel() * qmax) if scale_gradient else 1.0
+    return float((upstream * d).sum() * g)
+
+
+def test_lsq_step_gradient_is_autograd_through_the_package_lsq_layer():
+    """The helper is what a QAT layer with learnable_scales computes: the same gradient reaches its scale."""
+    torch.manual_seed(0)
+    layer = wb.qat.prepare(torch.nn.Sequential(torch.nn.Linear(16, 1, bias=False)),
+                           T.qat_plan(["0"], 3, symmetric=True), learnable_scales=True)[0]
+    w = layer.weight.detach()[0]
+    s = float(fp16_scale(layer.weight_scale.detach().abs() + 1e-12)[0, 0])     # the grid it trains on
+    up = torch.randn(16)
+    (layer.fake_weight()[0] * up).sum().backward()
+    expected = T.lsq_step_gradient(w, s, 0, 3, up)
+    assert float(layer.weight_scale.grad[0, 0]) == pytest.approx(expected, rel=1e-5)
+    assert _lsq_by_hand(w, s, 0, -4, 3, up) == pytest.approx(expected, rel=1e-4)   # float32 either way
+
+
+def test_lsq_step_gradient_check():
+    x = torch.tensor(XS)
+    right = _lsq_by_hand(x, 0.3, 1, -4, 3, UPSTREAM)
+    assert T.check_lsq_step_gradient(right, x, 0.3, 1, 3, UPSTREAM).passed
+    assert T.check_lsq_step_gradient(torch.tensor(right), x, 0.3, 1, 3, UPSTREAM).passed
+    assert T.check_lsq_step_gradient(..., x, 0.3, 1, 3, UPSTREAM).status == "not attempted"
+    fb = T.check_lsq_step_gradient(_lsq_by_hand(x, 0.3, 1, -4, 3, UPSTREAM, scale_gradient=False),
+                                   x, 0.3, 1, 3, UPSTREAM)
+    assert fb.status == "failed" and "before LSQ's scaling" in fb.hint and "expected" in fb.message
+    constant = _lsq_by_hand(x, 0.3, 1, -4, 3, UPSTREAM, code_constant=True)
+    assert "moves with s too" in T.check_lsq_step_gradient(constant, x, 0.3, 1, 3, UPSTREAM).hint
+    unclamped = _lsq_by_hand(x, 0.3, 1, -4, 3, UPSTREAM, clamp=False)
+    assert "clamped values count differently" in T.check_lsq_step_gradient(unclamped, x, 0.3, 1, 3, UPSTREAM).hint
+    u = x / 0.3
+    code = u.round() + 1
+    ends_without_zero = (u.round() - u).where((code >= -4) & (code <= 3), code.clamp(-4, 3))
+    fb = T.check_lsq_step_gradient(float((UPSTREAM * ends_without_zero).sum() / math.sqrt(27)), x, 0.3, 1, 3, UPSTREAM)
+    assert "minus the zero point" in fb.hint
+    assert "sign is flipped" in T.check_lsq_step_gradient(-right, x, 0.3, 1, 3, UPSTREAM).hint
+
+
+def test_code_usage_check():
+    torch.manual_seed(0)
+    w = torch.randn(16, 8, 3, 3)
+    usage = T.code_usage(w, 2, symmetric=True)
+    assert T.check_code_usage([usage[c] for c in (-2, -1, 0, 1)], w, 2).passed
+    rows = w.reshape(16, -1)
+    s = rows.abs().amax(dim=1, keepdim=True) / 1.5
+
+    def counts(codes):
+        return [int((codes == c).sum()) for c in (-2, -1, 0, 1)]
+
+    assert T.check_code_usage(torch.tensor(counts((rows / s).round().clamp(-2, 1))), w, 2).passed
+    fb = T.check_code_usage(counts((rows / (rows.abs().max() / 1.5)).round().clamp(-2, 1)), w, 2)
+    assert fb.status == "failed" and "whole tensor" in fb.hint and "expected" in fb.message
+    narrow = counts((rows / (rows.abs().amax(dim=1, keepdim=True) / 1)).round().clamp(-2, 1))
+    assert "(qmax - qmin) / 2 = 1.5" in T.check_code_usage(narrow, w, 2).hint
+    assert "must be clamped" in T.check_code_usage(counts((rows / s).round()), w, 2).hint
+    per_input = w.abs().amax(dim=(0, 2, 3), keepdim=True) / 1.5
+    assert "*input* channel" in T.check_code_usage(counts((w / per_input).round().clamp(-2, 1)), w, 2).hint
+    assert T.check_code_usage(..., w, 2).status == "not attempted"
 
 
 def test_checks_are_counted_in_the_summary():
     wb.teach.reset()
-    T.check_recovered(0.75, fp32=1.0, ptq=0.6, qat=0.9)
-    T.check_ste_gradient(torch.ones(7), X, 0.5, bits=2)
+    x = _leaf()
+    T.check_ste_fake_quantize(_ste(x), x, 0.3, 1, bits=3)
+    T.check_lsq_step_gradient(0.0, torch.tensor(XS), 0.3, 1, 3, UPSTREAM)
     assert wb.teach.summary() == {"exercises": 2, "passed": 1, "failed": 1, "not_attempted": 0}
     wb.teach.reset()
 

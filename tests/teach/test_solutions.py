@@ -45,3 +45,24 @@ def test_use_solutions_fills_only_unattempted_exercises_and_checks_the_worked_an
     table = teach.summary_table()
     assert list(table["exercise"]) == ["scale", "broken"]
     assert list(table["status"]) == ["failed", "failed (worked solution)"]
+
+
+def _worked_doubler(x):
+    return lambda t: t * 2
+
+
+def test_measure_checks_what_an_answer_does_for_the_learner_and_the_worked_solution_alike():
+    x = torch.tensor([1.0, 2.0])
+    solution = functools.partial(_worked_doubler, x)
+
+    def measure(f):
+        return f(x)                      # an answer that is a function is checked by its output
+
+    fb = teach.check("doubler", lambda t: t + t, torch.tensor([2.0, 4.0]), measure=measure, solution=solution)
+    assert fb.passed and callable(fb.answer)                          # the feedback keeps the answer itself
+    wrong = teach.check("doubler", lambda t: t + 1, torch.tensor([2.0, 4.0]), measure=measure, solution=solution,
+                        mistakes=[(torch.tensor([2.0, 3.0]), "that adds one")])
+    assert wrong.status == "failed" and wrong.hint == "that adds one" and "expected 4, found 3" in wrong.message
+    teach.use_solutions(True)
+    worked = teach.check("doubler", ..., torch.tensor([2.0, 4.0]), measure=measure, solution=solution)
+    assert worked.passed and worked.from_solution                     # the worked solution is measured too

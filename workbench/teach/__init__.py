@@ -194,13 +194,16 @@ def solution_source(solution: Callable[..., Any]) -> str:
 
 def check(exercise: str, answer: Any, expected: Any, *, hint: str = "", rtol: float = 1e-4,
           atol: float = 1e-6, mistakes: Sequence[tuple[Any, str]] = (),
-          solution: Callable[[], Any] | None = None) -> Feedback:
+          solution: Callable[[], Any] | None = None, measure: Callable[[Any], Any] | None = None) -> Feedback:
     """Compare a learner's ``answer`` with ``expected`` (tensors, arrays, numbers, strings, bools, dtypes,
     lists, dicts; floats within ``rtol`` / ``atol``) and return specific feedback. ``mistakes``: (value, hint)
     pairs of plausible wrong answers; a wrong answer equal to one of them gets that hint instead of ``hint``.
     ``solution``: a function of no arguments returning the worked answer (usually a ``functools.partial`` of a
     solution function in the lesson module); its source is offered behind a "Show solution" toggle after an
-    attempt, and it answers an unattempted exercise after ``use_solutions(True)`` - checked like any answer."""
+    attempt, and it answers an unattempted exercise after ``use_solutions(True)`` - checked like any answer.
+    ``measure``: for an answer that is checked by what it does rather than by its value (a tensor and the gradient
+    autograd finds through it, say), a function of the answer returning what is compared with ``expected`` and
+    with the ``mistakes``; it is applied to the learner's answer and to the worked solution's alike."""
     source = solution_source(getattr(solution, "func", solution)) if solution is not None else ""
     filled = False
     if (answer is ... or answer is None) and _use_solutions and solution is not None:
@@ -209,9 +212,10 @@ def check(exercise: str, answer: Any, expected: Any, *, hint: str = "", rtol: fl
         fb = Feedback(exercise, "not attempted", "replace the `...` with your answer and run the cell again", hint,
                       source)
     else:
-        diff = _compare(answer, expected, rtol, atol)
+        found = answer if measure is None else measure(answer)
+        diff = _compare(found, expected, rtol, atol)
         if diff is not None:
-            hint = next((why for value, why in mistakes if _compare(answer, value, rtol, atol) is None), hint)
+            hint = next((why for value, why in mistakes if _compare(found, value, rtol, atol) is None), hint)
         message = "correct" if diff is None else diff
         if filled:
             message = f"worked solution (solutions=True): {message}"

@@ -27,7 +27,7 @@ from workbench.teach.formats import differs_only_at_ties, layer_inputs
 __all__ = ["layer_inputs", "mse", "bytes_per_weight", "granularity_table", "granularity_figure",
            "symmetry_table", "symmetry_figure", "clip_mse", "clipping_curve", "fit_observer", "observer_table",
            "clipping_figure", "calibration_table", "calibration_figure", "OBSERVER_LABELS", "OBSERVER_KEYS",
-           "check_group_quantizer", "check_fake_quant", "check_best_clipping",
+           "check_group_quantizer", "check_asymmetric_quantizer", "check_best_clipping",
            "check_codes_used"]
 
 
@@ -288,9 +288,12 @@ def calibration_figure(table):
 # behind the feedback's "Show solution" toggle and run by the regression suite (``wb.teach.use_solutions``).
 
 
-def _solution_fake_quant(v, s, z, bits):
-    codes = torch.clamp(torch.round(v / s) + z, 0, 2 ** bits - 1)      # unsigned codes 0 ... 2^bits - 1
-    return (codes - z) * s
+def _solution_asymmetric_quantizer(v, lo, hi, bits):
+    qmin, qmax = 0, 2 ** bits - 1                        # unsigned codes
+    s = (hi - lo) / (qmax - qmin)                        # the range spread over the steps between the codes
+    z = qmin - round(lo / s)                             # an integer code: real 0 lands exactly on the grid
+    codes = torch.clamp(torch.round(v / s) + z, qmin, qmax)
+    return codes, (codes - z) * s
 
 
 def _solution_codes_used(a, act_bits):
@@ -341,31 +344,55 @@ def check_group_quantizer(answer, w: torch.Tensor, bits: int = 4, group_size: in
     return check(name, answer, expected, hint=hint, rtol=1e-4, atol=1e-6, solution=solution)
 
 
-def check_fake_quant(answer, x: torch.Tensor, scale: float, zero_point: int, bits: int = 4) -> Feedback:
-    """Exercise: quantize then dequantize ``x`` with unsigned ``bits``-bit codes, ``scale`` and ``zero_point``
-    (`primitives.quantize` / `dequantize`)."""
-    solution = functools.partial(_solution_fake_quant, x, scale, zero_point, bits)
+def _affine(v: torch.Tensor, s: float, z: float, qmin: int, qmax: int, clamp: bool = True):
+    """(codes, dequantized values) of ``v`` on the grid ``s``, ``z``, codes ``qmin .. qmax`` (by division)."""
+    codes = torch.round(v / s) + z
+    codes = codes.clamp(qmin, qmax) if clamp else codes
+    return codes, (codes - z) * s
+
+
+def check_asymmetric_quantizer(answer, v: torch.Tensor, lo: float, hi: float, bits: int = 4) -> Feedback:
+    """Exercise: an asymmetric quantizer for unsigned ``bits``-bit codes calibrated on the range [``lo``, ``hi``]:
+    the pair ``(codes, x_hat)`` of ``v`` (values outside the range are clipped), as the package's
+    `primitives.choose_qparams` (asymmetric, unsigned), `quantize` and `dequantize` compute them."""
+    solution = functools.partial(_solution_asymmetric_quantizer, v, lo, hi, bits)
     qmin, qmax = P.qrange(bits, signed=False)
-    xg = x.detach().float().reshape(1, -1)
-    s, z = torch.tensor([[float(scale)]]), torch.tensor([[int(zero_point)]])
-    codes = P.quantize(xg, s, z, qmin, qmax, torch.int32)
-    expected = P.dequantize(codes, s, z).reshape(x.shape)
-    name = "quantize-dequantize by hand"
-    hint = (f"x_hat = (clamp(round(x / s) + z, {qmin}, {qmax}) - z) * s: the grid runs from "
-            f"{(qmin - zero_point) * scale:g} to {(qmax - zero_point) * scale:g}")
-    if isinstance(answer, torch.Tensor) and answer.shape == expected.shape and answer.is_floating_point():
-        a = answer.detach().float()
-        unclamped = (torch.round(xg * (1.0 / s)) * s).reshape(x.shape)
-        if torch.allclose(a, codes.reshape(x.shape).float()):
-            hint = "those are the integer codes q; dequantize them: x_hat = (q - z) * s"
-        elif torch.allclose(a, unclamped, atol=1e-6) and not torch.allclose(a, expected, atol=1e-6):
-            hint = (f"the values outside the grid were not clamped: clamp the codes to [{qmin}, {qmax}] "
-                    f"before dequantizing")
-        elif torch.allclose(a, (codes.float() * s).reshape(x.shape), atol=1e-6):
-            hint = "subtract the zero point before multiplying by the scale: x_hat = (q - z) * s"
-    elif isinstance(answer, torch.Tensor) and not answer.is_floating_point():
-        hint = "that is an integer tensor (codes?); x_hat is real-valued: (q - z) * s"
-    return check(name, answer, expected, hint=hint, rtol=1e-5, atol=1e-6, solution=solution)
+    vg = v.detach().float().reshape(1, -1)
+    scale, zero = P.choose_qparams(vg, bits, symmetric=False, signed=False, min_val=torch.tensor(float(lo)),
+                                   max_val=torch.tensor(float(hi)))
+    codes = P.quantize(vg, scale, zero, qmin, qmax, torch.int32)
+    expected = (codes.reshape(v.shape), P.dequantize(codes, scale, zero).reshape(v.shape))
+    s, z = float(scale), int(zero)
+    x = v.detach().double()
+    lo_v, hi_v = min(float(x.min()), 0.0), max(float(x.max()), 0.0)
+    sqmin, sqmax = P.qrange(bits, signed=True)
+    off_by_one = (hi - lo) / (qmax - qmin + 1)
+    own = (hi_v - lo_v) / (qmax - qmin)
+    codes_only = _affine(x, s, z, qmin, qmax)[0]
+    mistakes = [
+        (_affine(x, off_by_one, qmin - round(lo / off_by_one), qmin, qmax),
+         f"{qmax - qmin + 1} codes have {qmax - qmin} steps between them: the scale spreads hi - lo over "
+         f"qmax - qmin = {qmax - qmin}, so that lo and hi land on the first and the last code"),
+        (_affine(x, s, round(lo / s), qmin, qmax), f"the zero point's sign: lo must land on code {qmin}, so "
+                                                  f"z = {qmin} - round(lo / s) = {z}, a code inside the grid"),
+        (_affine(x, s, qmin - lo / s, qmin, qmax), "the zero point must be an integer (a code): round it, so that "
+                                                   "real 0 is exactly representable"),
+        (_affine(x, s, z, qmin, qmax, clamp=False), f"values outside [lo, hi] must be clipped: clamp the codes to "
+                                                    f"[{qmin}, {qmax}]"),
+        (_affine(x, s, z - qmin + sqmin, sqmin, sqmax), f"those are signed codes [{sqmin}, {sqmax}]; this quantizer "
+                                                        f"stores unsigned ones, [{qmin}, {qmax}]"),
+        ((codes_only, codes_only * s), "dequantize with the zero point: subtract z from the code before scaling"),
+        ((codes_only, codes_only), "the second item is the dequantized value, back on the real axis, not the code"),
+        (_affine(x, own, qmin - round(lo_v / own), qmin, qmax),
+         "that grid comes from v's own minimum and maximum; the quantizer uses the range calibrated in advance, "
+         "[lo, hi] (v holds held-out values, some beyond it)"),
+    ]
+    hint = (f"from lo and hi: the scale and an integer zero point for codes [{qmin}, {qmax}]; then each value's "
+            f"code, clipped to the grid, and its value back on the real axis")
+    if isinstance(answer, torch.Tensor):
+        hint = "return the pair (codes, x_hat): `answer = codes, x_hat`"
+    return check(f"asymmetric uint{bits} quantizer", answer, expected, hint=hint, rtol=1e-5, atol=1e-6,
+                 mistakes=mistakes, solution=solution)
 
 
 def check_best_clipping(answer, curve) -> Feedback:

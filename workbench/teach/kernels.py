@@ -17,8 +17,8 @@ import torch
 
 from workbench.teach import Feedback, check
 
-__all__ = ["byte_ratio_ceiling", "intensity", "roofline_chart", "speedup_chart", "check_int4_pack",
-           "check_intensity", "check_bound"]
+__all__ = ["byte_ratio_ceiling", "intensity", "roofline_chart", "speedup_chart", "int4_layer", "check_int4_pack",
+           "check_int4_linear", "check_bound"]
 
 
 def byte_ratio_ceiling(bits: int, group_size: int | None, in_features: int, scale_bits: int = 16,
@@ -83,10 +83,12 @@ def _solution_int4_pack(codes):
     return (low | (high << 4)).to(torch.uint8)
 
 
-def _solution_intensity(M, K, N, weight_bytes, act_bytes):
-    flops = 2 * M * K * N                                        # a multiply and an add per weight per row
-    moved = K * N * weight_bytes + act_bytes * (M * K + M * N)   # the weight, the input and the output
-    return flops / moved
+def _solution_int4_linear(x, stored, group_size):
+    q = stored["qweight"]                                                     # (N, K / 2) uint8
+    codes = torch.stack([q & 0xF, q >> 4], dim=-1).reshape(q.shape[0], -1)    # code 2j: low nibble, 2j+1: high
+    scale = stored["scale"].float().repeat_interleave(group_size, dim=1)      # each group's scale on its 64 inputs
+    weight = (codes.float() - 8) * scale                                      # zero point 8: code 8 is 0.0
+    return x @ weight.T
 
 
 def _solution_bound(M, K, N, weight_bytes, act_bytes, bandwidth, peak):
@@ -114,20 +116,55 @@ def check_int4_pack(answer, codes: torch.Tensor) -> Feedback:
                  solution=functools.partial(_solution_int4_pack, codes))
 
 
-def check_intensity(answer, M: int, K: int, N: int, weight_bytes_per_value: float, act_bytes: int = 4) -> Feedback:
-    """Exercise: FLOPs per byte moved of a Linear layer (M, K) x (K, N): the weight, the input and the output."""
-    expected = intensity(M, K, N, weight_bytes_per_value, act_bytes)
-    flops, weight = 2 * M * K * N, K * N * weight_bytes_per_value
-    moved = weight + act_bytes * (M * K + M * N)
-    mistakes = [(flops / weight, "that counts only the weight's bytes; the input (M·K) and the output (M·N) are "
-                                 "moved too"),
-                (M * K * N / moved, "a multiply-accumulate is two FLOPs: 2·M·K·N"),
-                (flops / (8 * moved), "those are FLOPs per bit; count bytes"),
-                (moved / flops, "that is bytes per FLOP: divide the FLOPs by the bytes")]
-    return check(f"arithmetic intensity at M={M}", answer, expected, rtol=1e-3, mistakes=mistakes,
-                 hint="FLOPs = 2*M*K*N (a multiply and an add per weight per row); bytes = the weight, the "
-                      "input (M*K) and the output (M*N)",
-                 solution=functools.partial(_solution_intensity, M, K, N, weight_bytes_per_value, act_bytes))
+def int4_layer(out_features: int = 1536, in_features: int = 384, group_size: int = 64, seed: int = 0):
+    """A Linear weight ``(out, in)`` (random, of MiniLM's FFN shape by default) as an int4 weight-only layer stores
+    it: `formats.encode` with `IntFormat(4, group_size)` - packed codes ``qweight`` (uint8, two per byte) and one
+    fp16 ``scale`` per group of ``group_size`` inputs of a row."""
+    from workbench.quantization import formats
+
+    w = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed)) * 0.05
+    return formats.encode(w, formats.IntFormat(4, group_size))
+
+
+def check_int4_linear(answer, x: torch.Tensor, stored: dict, group_size: int) -> Feedback:
+    """Exercise: the reference int4 weight-only path by hand - unpack the codes (two per byte, low nibble first),
+    subtract the symmetric zero point 8, multiply by each group's scale, and compute ``x @ W.T`` in fp32
+    (expected: ``x @ formats.decode(stored, IntFormat(4, group_size), K).T``)."""
+    from workbench.quantization import formats
+
+    q = stored["qweight"]
+    K = q.shape[1] * 2
+    fmt = formats.IntFormat(4, group_size)
+    xf = x.detach().float()
+    expected = xf @ formats.decode(stored, fmt, K).T
+    solution = functools.partial(_solution_int4_linear, x, stored, group_size)
+    low, high = (q & 0xF).long(), (q >> 4).long()
+    in_order = torch.stack([low, high], dim=-1).reshape(q.shape[0], -1)
+    swapped = torch.stack([high, low], dim=-1).reshape(q.shape[0], -1)
+    scale = stored["scale"].float()
+    per_group = scale.repeat_interleave(group_size, dim=1)
+    tiled = scale.repeat(1, group_size)
+
+    def y(codes, s=per_group, zero=8):
+        return xf @ ((codes.float() - zero) * s).T
+
+    mistakes = [
+        (y(swapped), "the nibbles are swapped: code 2j is in the *low* 4 bits of byte j, code 2j+1 in the high ones"),
+        (y(in_order, zero=0), "the codes are unsigned, 0 ... 15, with the symmetric grid's zero point 8: subtract it "
+                              "before scaling"),
+        (y(torch.where(in_order >= 8, in_order - 16, in_order), zero=0),
+         "the codes are not two's complement: the format stores code - 8 offset by 8 (code 8 is 0.0, code 0 is -8)"),
+        (y(in_order, s=tiled), f"scale column g belongs to inputs g*{group_size} ... (g+1)*{group_size} - 1: "
+                               f"repeat each scale {group_size} times in place (repeat_interleave), not the row of "
+                               f"scales {group_size} times over"),
+        (y(in_order, s=torch.ones_like(per_group)), "the codes must be multiplied by their group's scale"),
+    ]
+    hint = (f"three steps: the codes in order from the bytes, their values on the grid (zero point, the scale of "
+            f"each group of {group_size} inputs), then x times the weight's transpose")
+    if isinstance(answer, torch.Tensor) and answer.shape == (expected.shape[1], expected.shape[0]):
+        hint = "y has one row per row of x: x @ W.T, (M, K) x (K, N)"
+    return check("int4 g64 weight-only matmul by hand", answer, expected, hint=hint, rtol=1e-4, atol=1e-4,
+                 mistakes=mistakes, solution=solution)
 
 
 def check_bound(answer, M: int, K: int, N: int, weight_bytes_per_value: float, bandwidth_GBs: float,

@@ -26,7 +26,7 @@ from workbench.pruning.structured import channel_importance, channels
 from workbench.teach import Feedback, check
 
 __all__ = ["row_mask", "lesson_masks", "mask_sparsity", "mask_heatmaps", "channel_norms", "sparsity_curves",
-           "nm_grouping", "check_global_mask", "check_nm_mask", "check_structured_weight"]
+           "nm_grouping", "check_global_mask", "check_nm_mask", "check_structured_pair"]
 
 _COLOURS = {"magnitude": "#1f77b4", "magnitude + fine-tune": "#2ca02c", "random": "#d62728"}
 
@@ -214,37 +214,52 @@ def check_nm_mask(answer, weight: torch.Tensor, n: int = 2, m: int = 4) -> Feedb
     return check(name, answer, expected, hint=hint, rtol=0, atol=0, mistakes=mistakes, solution=solution)
 
 
-def _solution_structured_weight(w1, removed_fraction):
-    norms = w1.abs().sum(dim=(1, 2, 3))                         # the L1 norm of each output channel
+def _solution_structured_pair(w1, w2, removed_fraction):
+    norms = w1.abs().sum(dim=(1, 2, 3))                         # the L1 norm of each of conv1's output channels
     keep = w1.shape[0] - round(removed_fraction * w1.shape[0])
     kept = norms.topk(keep).indices.sort().values               # the largest norms, back in channel order
-    return w1[kept]
+    return w1[kept], w2[:, kept]                                # conv2 loses the same channels, as inputs
 
 
-def check_structured_weight(answer, model: nn.Module, layer: str, amount: float) -> Feedback:
-    """Exercise: ``layer``'s weight after structured L1 pruning removes ``amount`` of its output channels: the
-    kept channels' rows, in their original order (expected: the weight `wb.prune.channels` leaves)."""
-    weight = model.get_submodule(layer).weight.detach()
-    expected = channels(model, {layer: amount}, criterion="l1").get_submodule(layer).weight.detach()
-    solution = functools.partial(_solution_structured_weight, weight, amount)
-    gone = _removed(weight, amount, "l1")
-    kept = [i for i in range(weight.shape[0]) if i not in gone]
-    by_norm = torch.topk(_norms(weight), len(kept)).indices                      # kept, largest norm first
-    zeroed = weight.clone()
-    zeroed[gone] = 0
-    l2_gone = set(_removed(weight, amount, "l2"))
+def check_structured_pair(answer, model: nn.Module, layer: str, next_layer: str, amount: float) -> Feedback:
+    """Exercise: the weights of ``layer`` and of the layer reading its output after structured L1 pruning removes
+    ``amount`` of ``layer``'s output channels: ``layer`` keeps the rows of the kept channels, ``next_layer`` the
+    same channels along its input dimension, both in the original order (expected: what `wb.prune.channels`
+    leaves in the two layers)."""
+    w1 = model.get_submodule(layer).weight.detach()
+    w2 = model.get_submodule(next_layer).weight.detach()
+    pruned = channels(model, {layer: amount}, criterion="l1")
+    expected = (pruned.get_submodule(layer).weight.detach(), pruned.get_submodule(next_layer).weight.detach())
+    solution = functools.partial(_solution_structured_pair, w1, w2, amount)
+    gone = _removed(w1, amount, "l1")
+    kept = [i for i in range(w1.shape[0]) if i not in gone]
+    by_norm = torch.topk(_norms(w1), len(kept)).indices                          # kept, largest norm first
+    smallest = sorted(torch.topk(_norms(w1), len(kept), largest=False).indices.tolist())
+    l2_kept = [i for i in range(w1.shape[0]) if i not in set(_removed(w1, amount, "l2"))]
+    own = sorted(torch.topk(w2.abs().sum(dim=(0, *range(2, w2.ndim))), len(kept)).indices.tolist())
+    zeroed1, zeroed2 = w1.clone(), w2.clone()
+    zeroed1[gone] = 0
+    zeroed2[:, gone] = 0
     mistakes = [
-        (zeroed, "the pruned channels are zeroed but still there: structured pruning removes them, so the layer "
-                 f"has {len(kept)} output channels"),
-        (weight[sorted(torch.topk(_norms(weight), len(kept), largest=False).indices.tolist())],
-         "those are the channels with the *smallest* L1 norms: pruning keeps the largest and removes the rest"),
-        (weight[by_norm], "the right channels, in the order of their norms; keep them in their original order "
-                          "(the next layer's inputs follow it)"),
-        (weight[[i for i in range(weight.shape[0]) if i not in l2_gone]],
-         "those channels are ranked by the L2 norm; the exercise ranks by L1, the sum of |w|"),
-        (weight[gone], f"those are the {len(gone)} removed channels; the pruned layer keeps the other {len(kept)}"),
+        ((w1[kept], w2), f"{next_layer} still expects {w1.shape[0]} input channels: it reads {layer}'s output, so it "
+                         f"loses the same {len(gone)} channels along its *input* dimension (dim 1)"),
+        ((w1[kept], w2[kept]), f"dim 0 of {next_layer}'s weight is its own output channels; the channels {layer} "
+                               f"lost are {next_layer}'s inputs, dim 1"),
+        ((zeroed1, zeroed2), "the pruned channels are zeroed but still there: structured pruning removes them, so "
+                             f"{layer} has {len(kept)} output channels and {next_layer} {len(kept)} inputs"),
+        ((zeroed1, w2), "the pruned channels are zeroed but still there: structured pruning removes them from "
+                        f"{layer}, and from {next_layer}'s inputs"),
+        ((w1[smallest], w2[:, smallest]), "those are the channels with the *smallest* L1 norms: pruning keeps the "
+                                          "largest and removes the rest"),
+        ((w1[by_norm], w2[:, by_norm]), "the right channels, in the order of their norms; keep them in their "
+                                        f"original order (and {next_layer}'s inputs in the same order)"),
+        ((w1[l2_kept], w2[:, l2_kept]), "those channels are ranked by the L2 norm; the exercise ranks by L1"),
+        ((w1[own], w2[:, own]), f"those channels were ranked by {next_layer}'s weights; the criterion is the norm "
+                                f"of {layer}'s own output channels, and {next_layer} drops the same ones"),
     ]
-    hint = (f"rank the {weight.shape[0]} output channels by the sum of |w| over every dimension but the first, "
-            f"drop the {len(gone)} smallest and index the weight with the kept ones, in channel order")
-    return check(f"{layer}'s weight after {amount:.0%} structured L1 pruning", answer, expected, hint=hint,
+    hint = (f"rank {layer}'s {w1.shape[0]} output channels by their L1 norm and keep the largest; {layer} keeps "
+            f"those channels and {next_layer} the inputs that read them, in channel order")
+    if isinstance(answer, torch.Tensor):
+        hint = f"return the pair ({layer}'s weight, {next_layer}'s weight): `answer = w1_pruned, w2_pruned`"
+    return check(f"{layer} and {next_layer} after {amount:.0%} structured L1 pruning", answer, expected, hint=hint,
                  rtol=0, atol=0, mistakes=mistakes, solution=solution)

@@ -30,9 +30,9 @@ from workbench.teach import Feedback, as_number, check
 
 __all__ = ["layer_inputs", "relative_output_error", "GPTQTrace", "gptq_trace", "gptq_error_figure",
            "gptq_update_figure", "awq_grid", "awq_scales_figure", "awq_loss_figure", "smoothing_view",
-           "smoothing_figure", "layer_errors", "layer_errors_figure", "ptq_plans", "measure_plans", "FeedbackExample",
-           "feedback_example", "results_figure", "method_table",
-           "check_feedback_update", "check_awq_alpha", "check_smoothing", "check_best_method"]
+           "smoothing_figure", "layer_errors", "layer_errors_figure", "ptq_plans", "measure_plans", "GPTQBlock",
+           "gptq_block", "gptq_block_reference", "results_figure", "method_table",
+           "check_gptq_block", "check_awq_alpha", "check_smoothing", "check_best_method"]
 
 _METHOD_COLOURS = {"fp32": "#5f6368", "rtn": "#d93025", "gptq": "#1a73e8", "awq": "#188038",
                    "w8a8": "#f29900", "w8a8+sq": "#9334e6"}
@@ -450,58 +450,105 @@ def _method_of(label: str) -> str:
     return label.split()[-1]
 
 
-# --- exercise 1: GPTQ's error feedback ---------------------------------------------------------------------
+# --- exercise 1: GPTQ on a block -------------------------------------------------------------------------------
 
 @dataclass
-class FeedbackExample:
-    """A small slice of a real layer for the error-feedback exercise: weights ``W`` ``(rows, cols)``,
-    ``U`` the upper Cholesky factor of the damped inverse Hessian of those columns ``(cols, cols)``, and
-    ``q0`` the quantized first column ``(rows,)``."""
+class GPTQBlock:
+    """A small corner of a real layer for the GPTQ exercise: weights ``W`` ``(rows, cols)`` (float64), the
+    undamped Hessian ``H`` = 2 Xᵀ X / n of those ``cols`` input channels ``(cols, cols)``, the per-row scale of the
+    symmetric grid (``scale`` ``(rows,)``, fixed before the first column, as the package fixes a group's scale when
+    the group starts), the grid's signed codes ``qmin .. qmax`` and GPTQ's relative damping ``damp``."""
 
     W: torch.Tensor
-    U: torch.Tensor
-    q0: torch.Tensor
+    H: torch.Tensor
+    scale: torch.Tensor
+    qmin: int
+    qmax: int
+    damp: float
 
 
-def feedback_example(weight: torch.Tensor, X: torch.Tensor, rows: int = 6, cols: int = 4, bits: int = 4,
-                     damp: float = 0.01) -> FeedbackExample:
-    """The first ``rows`` x ``cols`` block of a real layer, with the factor GPTQ would use for those columns."""
+def gptq_block(weight: torch.Tensor, X: torch.Tensor, rows: int = 8, cols: int = 8, bits: int = 4,
+               damp: float = 0.01) -> GPTQBlock:
+    """The first ``rows`` x ``cols`` block of a real layer, with the Hessian of its columns on the calibration
+    inputs ``X`` ``(tokens, K)`` and the grid (`formats.IntFormat(bits, None)`: one fp16 scale per row) that
+    `gptq.gptq_quantize` would use for it."""
     W = weight.detach().double().cpu()[:rows, :cols].clone()
-    U = inverse_hessian_factor(hessian([(X[:, :cols],)], cols, dtype=torch.float64), damp)
+    H = hessian([(X[:, :cols],)], cols, dtype=torch.float64)
     fmt = fm.IntFormat(bits, None, True)
-    scale, zero = fm.int_qparams(W.float(), fmt)
-    q0 = ((fm.int_codes(W.float(), scale, zero, fmt).double() - zero.double()) * scale.double())[:, 0]
-    return FeedbackExample(W, U, q0)
+    scale, _ = fm.int_qparams(W.float(), fmt)
+    qmin, qmax = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    return GPTQBlock(W, H, scale.double().flatten(), qmin, qmax, damp)
 
 
-def _solution_feedback_update(toy):
-    error = (toy.W[:, 0] - toy.q0) / toy.U[0, 0]               # column 0's rounding error, scaled by U[0, 0]
-    return toy.W[:, 1:] - torch.outer(error, toy.U[0, 1:])      # every later column j moves by -error · U[0, j]
+def _gptq_loop(block: GPTQBlock, U: torch.Tensor, sign: float = 1.0, divide: bool = True, clamp: bool = True,
+               keep_quantized: bool = True, feedback: bool = True) -> torch.Tensor:
+    """GPTQ's column loop on ``block`` with the factor ``U``; the keywords make the usual slips."""
+    W = block.W.clone()
+    for j in range(W.shape[1]):
+        q = (W[:, j] / block.scale).round()
+        q = (q.clamp(block.qmin, block.qmax) if clamp else q) * block.scale
+        error = (W[:, j] - q) / (U[j, j] if divide else 1.0)
+        if keep_quantized:
+            W[:, j] = q
+        if feedback:
+            W[:, j + 1:] -= sign * torch.outer(error, U[j, j + 1:])
+    return W
 
 
-def check_feedback_update(answer, ex: FeedbackExample) -> Feedback:
-    """Exercise: the remaining columns ``W[:, 1:]`` after column 0 is quantized to ``q0`` and its error is
-    fed forward: ``W[:, 1:] - ((W[:, 0] - q0) / U[0, 0]) ⊗ U[0, 1:]``."""
-    solution = functools.partial(_solution_feedback_update, ex)
-    err = ex.W[:, 0] - ex.q0
-    expected = ex.W[:, 1:] - torch.outer(err / ex.U[0, 0], ex.U[0, 1:])
-    hint = ("the scaled error is e = (w₀ − q₀) / U[0,0]; every remaining column j moves by −e·U[0,j] "
-            "(torch.outer(e, U[0, 1:]))")
-    fb = check("GPTQ error feedback", answer, expected, hint=hint, rtol=1e-6, atol=1e-9, solution=solution)
-    if fb.status == "failed" and isinstance(answer, torch.Tensor) and answer.shape == expected.shape:
-        a = answer.detach().double()
-        variants = {
-            "the update has the wrong sign: subtract the feedback, do not add it":
-                ex.W[:, 1:] + torch.outer(err / ex.U[0, 0], ex.U[0, 1:]),
-            "you did not divide the error by U[0, 0]": ex.W[:, 1:] - torch.outer(err, ex.U[0, 1:]),
-            "you multiplied by U[0, 0] instead of dividing by it":
-                ex.W[:, 1:] - torch.outer(err * ex.U[0, 0], ex.U[0, 1:]),
-            "that is W[:, 1:] unchanged: RTN, without any error feedback": ex.W[:, 1:],
-        }
-        for why, wrong in variants.items():
-            if torch.allclose(a, wrong, rtol=1e-6, atol=1e-9):
-                return check("GPTQ error feedback", answer, expected, hint=f"{why}. {hint}", solution=solution)
-    return fb
+def _damped(H: torch.Tensor, damp: float) -> torch.Tensor:
+    return H + damp * H.diagonal().mean() * torch.eye(H.shape[0], dtype=H.dtype)
+
+
+def gptq_block_reference(block: GPTQBlock) -> torch.Tensor:
+    """GPTQ on the block in float64: each column rounded to its row's grid, its error divided by ``U[j, j]`` and
+    fed forward along row ``j`` of ``U``, the upper Cholesky factor of the damped ``H⁻¹`` (what
+    `gptq.gptq_quantize` computes in float32; a test compares them)."""
+    return _gptq_loop(block, inverse_hessian_factor(block.H.clone(), block.damp))
+
+
+def _solution_gptq_block(toy):
+    H = toy.H + toy.damp * toy.H.diagonal().mean() * torch.eye(len(toy.H), dtype=toy.H.dtype)    # damped
+    U = torch.linalg.cholesky(torch.linalg.inv(H), upper=True)           # the upper Cholesky factor of H^-1
+    Wq = toy.W.clone()
+    for j in range(Wq.shape[1]):
+        q = (Wq[:, j] / toy.scale).round().clamp(toy.qmin, toy.qmax) * toy.scale     # column j on its grid
+        error = (Wq[:, j] - q) / U[j, j]
+        Wq[:, j] = q
+        Wq[:, j + 1:] -= torch.outer(error, U[j, j + 1:])                # fed forward to the columns still to come
+    return Wq
+
+
+def check_gptq_block(answer, block: GPTQBlock) -> Feedback:
+    """Exercise: the block quantized by GPTQ, column by column on its grid, each column's rounding error fed
+    forward with the upper Cholesky factor of the damped inverse Hessian (expected: `gptq_block_reference`)."""
+    solution = functools.partial(_solution_gptq_block, block)
+    expected = gptq_block_reference(block)
+    U = inverse_hessian_factor(block.H.clone(), block.damp)
+    n = block.W.shape[1]
+    mistakes = [
+        (_gptq_loop(block, U, feedback=False), "those are round-to-nearest values: each column's rounding error must "
+                                               "be fed forward (along row j of the *upper* factor: a lower one holds "
+                                               "zeros right of its diagonal), and each column quantized as the "
+                                               "feedback of the earlier ones has left it, not as it was at the start"),
+        (_gptq_loop(block, U, sign=-1.0), "the feedback has the wrong sign: the columns still to come move against "
+                                          "the error, to cancel it in the layer's output"),
+        (_gptq_loop(block, U, divide=False), "the error is scaled by 1 / U[j, j] before it is fed forward"),
+        (_gptq_loop(block, torch.linalg.cholesky(_damped(block.H, block.damp), upper=True)),
+         "that factor is the Cholesky factor of H itself: GPTQ uses the factor of the (damped) *inverse* Hessian"),
+        (_gptq_loop(block, torch.linalg.cholesky(torch.linalg.inv(block.H), upper=True)),
+         f"the Hessian is damped before it is inverted: add damp × mean(diag H) = {block.damp:g} × "
+         f"{float(block.H.diagonal().mean()):.3g} to its diagonal"),
+        (_gptq_loop(block, U, clamp=False), f"clamp the codes to the grid [{block.qmin}, {block.qmax}]: the feedback "
+                                            f"can push a weight past the largest code"),
+        (_gptq_loop(block, U, keep_quantized=False), "the block you return must hold the quantized values: set "
+                                                     "column j to its grid values once its error is taken"),
+    ]
+    hint = (f"section 2 has the pieces: the factor U from the damped Hessian, then columns 0 … {n - 1} in order, "
+            f"each rounded to its row's grid as it stands, its error passed on to the columns after it")
+    if isinstance(answer, torch.Tensor) and answer.shape == (block.W.shape[0], n - 1):
+        hint = f"return the whole block, {tuple(block.W.shape)}, every column quantized"
+    return check("GPTQ on a block", answer, expected, hint=hint, rtol=1e-6, atol=1e-7, mistakes=mistakes,
+                 solution=solution)
 
 
 # --- exercise 2: AWQ's alpha search ------------------------------------------------------------------------

@@ -27,12 +27,13 @@ from torch import nn
 
 from workbench.quantization.primitives import choose_qparams, qrange
 from workbench.quantization.qat import fake_quantize_ste
-from workbench.teach import Feedback, check
+from workbench.teach import Feedback, as_number, check
 
 __all__ = ["fake_quantize", "ste_gradient", "ste_curve", "ste_figure", "Curve", "train_with_curve",
            "curves_figure", "qat_plan", "ptq_baselines", "code_usage", "ptq_vs_qat", "bits_figure", "lsq_scales",
            "lsq_scales_figure",
-           "zero_gradient_fraction", "check_fake_quantize", "check_ste_gradient", "check_recovered"]
+           "zero_gradient_fraction", "ste_reference", "lsq_step_gradient", "check_ste_fake_quantize",
+           "check_lsq_step_gradient", "check_code_usage"]
 
 _COLOURS = {"fp32": "#5f6368", "ptq": "#d93025", "qat": "#1a73e8", "lsq": "#188038"}
 
@@ -341,80 +342,213 @@ def zero_gradient_fraction(layer: nn.Module) -> float:
 # feedback's "Show solution" toggle and run by the regression suite (``wb.teach.use_solutions``).
 
 
-def _solution_fake_quantize(x, scale, exercise_bits):
-    qmin, qmax = -2 ** (exercise_bits - 1), 2 ** (exercise_bits - 1) - 1     # the signed range of that many bits
-    return (x / scale).round().clamp(qmin, qmax) * scale
+def _solution_ste_fake_quantize(x, scale, zero_point, exercise_bits):
+    qmin, qmax = -2 ** (exercise_bits - 1), 2 ** (exercise_bits - 1) - 1     # the signed codes of that many bits
+    u = x / scale
+    rounded = u + (u.round() - u).detach()         # round() in the forward pass, the identity in the backward pass
+    codes = (rounded + zero_point).clamp(qmin, qmax)         # the clamp keeps its true gradient: 0 where it clamps
+    return (codes - zero_point) * scale
 
 
-def _solution_ste_gradient(x, scale, exercise_bits):
+def _solution_lsq_step_gradient(x, scale, zero_point, exercise_bits, upstream):
     qmin, qmax = -2 ** (exercise_bits - 1), 2 ** (exercise_bits - 1) - 1
-    code = (x / scale).round()                                     # the STE passes round() through unchanged...
-    return ((code >= qmin) & (code <= qmax)).float()               # ...but a clamped code does not move with x
+    u = x.detach() / scale
+    code = u.round() + zero_point
+    # d x_hat / d scale: inside the grid round(u) - u (round() passes straight through, u = x / scale moves);
+    # a clamped value sits at its end of the grid, (qmin - z) * scale or (qmax - z) * scale
+    inside = (u.round() - u).where((code >= qmin) & (code <= qmax), code.clamp(qmin, qmax) - zero_point)
+    gradient_scale = (x.numel() * qmax) ** -0.5              # LSQ: the step learns at the pace of the weights
+    return float((upstream * inside).sum() * gradient_scale)
 
 
-def _solution_recovered(fp32_accuracy, ptq_accuracy, qat_accuracy):
-    return (qat_accuracy - ptq_accuracy) / (fp32_accuracy - ptq_accuracy)
+def _solution_code_usage(w2, bits):
+    qmin, qmax = -2 ** (bits - 1), 2 ** (bits - 1) - 1
+    rows = w2.reshape(w2.shape[0], -1)                                     # one row per output channel
+    s = rows.abs().amax(dim=1, keepdim=True) / ((qmax - qmin) / 2)         # the symmetric rule, per channel
+    codes = (rows / s).round().clamp(qmin, qmax)
+    return [int((codes == c).sum()) for c in range(qmin, qmax + 1)]
 
-def check_fake_quantize(answer, x: torch.Tensor, scale: float, bits: int) -> Feedback:
-    """Exercise: ``scale * clamp(round(x / scale), qmin, qmax)``."""
-    solution = functools.partial(_solution_fake_quantize, x, scale, bits)
+
+def ste_reference(x: torch.Tensor, scale: float, zero_point: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fake quantization of ``x`` on the signed ``bits``-bit grid with ``scale`` and ``zero_point`` through the
+    package's `fake_quantize_ste`, and the gradient of the sum of its output with respect to ``x``: the pair a
+    QAT layer's forward and backward pass compute."""
     qmin, qmax = qrange(bits, True)
-    expected = fake_quantize(x, scale, bits)
-    hint = f"divide by the scale, round to the nearest integer, clamp to [{qmin}, {qmax}], multiply by the scale"
-    if isinstance(answer, torch.Tensor) and answer.shape == expected.shape:
-        a, xs = answer.detach().float(), x.float() / scale
-        variants = {
-            f"values outside the grid must be clamped: the codes live in [{qmin}, {qmax}]": xs.round() * scale,
-            "those are the integer codes: multiply them by the scale to get the fake-quantized values":
-                xs.round().clamp(qmin, qmax),
-            "round to the nearest integer (torch.round), not down (floor) or towards zero (trunc)":
-                xs.floor().clamp(qmin, qmax) * scale,
-            "round to the nearest integer (torch.round), not towards zero (trunc)":
-                xs.trunc().clamp(qmin, qmax) * scale,
-            f"an unsigned or symmetric-around-zero range? The signed {bits}-bit codes are [{qmin}, {qmax}]":
-                xs.round().clamp(-qmax, qmax) * scale,
-        }
-        for why, wrong in variants.items():
-            if not torch.allclose(wrong, expected) and torch.allclose(a, wrong):
-                hint = why
-                break
-    return check("fake quantization", answer, expected, hint=hint, solution=solution)
+    leaf = x.detach().float().clone().requires_grad_(True)
+    with torch.enable_grad():
+        out = fake_quantize_ste(leaf.reshape(1, -1), torch.tensor([[float(scale)]]),
+                                torch.tensor([[float(zero_point)]]), qmin, qmax).reshape(x.shape)
+        out.sum().backward()
+    return out.detach(), leaf.grad
 
 
-def check_ste_gradient(answer, x: torch.Tensor, scale: float, bits: int) -> Feedback:
-    """Exercise: d sum(fake_quantize(x)) / dx with the straight-through estimator."""
-    solution = functools.partial(_solution_ste_gradient, x, scale, bits)
-    qmin, qmax = qrange(bits, True)
-    expected = ste_gradient(x, scale, bits)
-    hint = ("the STE treats round() as the identity, so the gradient is 1 — except where the rounded code was "
-            f"clamped into [{qmin}, {qmax}], where it is 0")
-    if isinstance(answer, torch.Tensor) and answer.shape == expected.shape:
-        a, xs = answer.detach().float(), x.float() / scale
-        if torch.equal(a, torch.ones_like(a)):
-            hint = "not every value gets a gradient: where the code was clamped, the output no longer moves with x"
-        elif torch.equal(a, torch.zeros_like(a)):
-            hint = ("round() has derivative 0 almost everywhere, which is why training could not move the weights; "
-                    "the STE passes the gradient through round() unchanged")
-        elif torch.equal(a, ((xs >= qmin) & (xs <= qmax)).float()):
-            hint = ("close: the clamp acts on the *rounded* code, so x / scale up to qmax + 0.5 still rounds into "
-                    f"the grid (compare round(x / scale) with [{qmin}, {qmax}], not x / scale)")
-    return check("STE gradient", answer, expected, hint=hint, solution=solution)
-
-
-def check_recovered(answer, fp32: float, ptq: float, qat: float) -> Feedback:
-    """Exercise: the fraction of PTQ's accuracy loss that QAT won back, (qat − ptq) / (fp32 − ptq)."""
-    solution = functools.partial(_solution_recovered, fp32, ptq, qat)
-    expected = (qat - ptq) / (fp32 - ptq)
-    hint = "recovered = (QAT − PTQ) / (fp32 − PTQ): what QAT won back, over what PTQ lost"
+def _value_and_gradient(answer, x: torch.Tensor):
+    """What the STE exercise checks of an answer: its values and d sum(answer) / dx as autograd finds it (None
+    when the answer has no autograd path to ``x``)."""
+    if not isinstance(answer, torch.Tensor):
+        return answer
+    values = answer.detach().float()
+    if not answer.requires_grad or answer.shape != x.shape:
+        return values, None
     try:
-        value = float(answer)
-    except (TypeError, ValueError):
-        value = None
-    if value is not None and not math.isclose(value, expected, rel_tol=1e-4):
-        if math.isclose(value, qat - ptq, rel_tol=1e-4):
-            hint = "that is the accuracy QAT won back; divide it by what PTQ lost (fp32 − PTQ)"
-        elif math.isclose(value, qat / fp32, rel_tol=1e-4):
-            hint = "that is QAT's accuracy relative to fp32; the question is about the *loss* PTQ caused"
-        elif math.isclose(value, 100 * expected, rel_tol=1e-4):
-            hint = "give a fraction (e.g. 0.9), not a percentage"
-    return check("fraction of PTQ's loss recovered", answer, expected, hint=hint, rtol=1e-4, solution=solution)
+        (grad,) = torch.autograd.grad(answer.sum(), x, retain_graph=True, allow_unused=True)
+    except RuntimeError:                      # the graph was already used by a backward pass of the learner's
+        return values, None
+    return values, None if grad is None else grad.detach().float()
+
+
+def _ste_hint(got: torch.Tensor, got_grad: torch.Tensor | None, x: torch.Tensor, scale: float, zero_point: int,
+              bits: int, values: torch.Tensor, grad: torch.Tensor) -> str | None:
+    """The hint for a wrong STE fake-quantizer: which slip its values, or else its gradient, show (None: none)."""
+    qmin, qmax = qrange(bits, True)
+    u, z = x.detach().float() / scale, float(zero_point)
+    forward = {
+        "the zero point is missing: the code of x is round(x / scale) + zero_point, and it is subtracted again "
+        "when the code is scaled back": u.round().clamp(qmin, qmax) * scale,
+        "subtract the zero point from the clamped code before multiplying by the scale":
+            (u.round() + z).clamp(qmin, qmax) * scale,
+        f"values outside the grid must be clamped: the codes live in [{qmin}, {qmax}]": u.round() * scale,
+        f"the signed {bits}-bit codes are [{qmin}, {qmax}], not the unsigned [0, {2 ** bits - 1}]":
+            ((u.round() + z).clamp(0, 2 ** bits - 1) - z) * scale,
+        f"the codes run from {qmin} to {qmax}: the signed range has one more negative code than positive ones":
+            ((u.round() + z).clamp(-qmax, qmax) - z) * scale,
+        f"the top code of {bits} signed bits is {qmax} = 2^{bits - 1} - 1":
+            ((u.round() + z).clamp(qmin, qmax + 1) - z) * scale,
+        "round to the nearest integer (torch.round), not down (floor)": ((u.floor() + z).clamp(qmin, qmax) - z) * scale,
+    }
+    if not torch.allclose(got, values, atol=1e-6):
+        return next((why for why, wrong in forward.items() if torch.allclose(got, wrong, atol=1e-6)), None)
+    if got_grad is None:
+        return ("your answer has no gradient with respect to x: compute it from x itself (not x.detach(), not under "
+                "torch.no_grad()), so that autograd can reach x")
+    backward = {
+        "the gradient is 0 everywhere: torch.round()'s derivative is 0, which is why QAT needs the STE - write the "
+        "rounded value as u + (u.round() - u).detach(), round() forward and the identity backward":
+            torch.zeros_like(grad),
+        "every value got a gradient: the STE replaces round() only; where the code was clamped the output does not "
+        "move with x, so the clamp must keep its zero gradient (detach only the rounding)": torch.ones_like(grad),
+        "close: the clamp acts on the *rounded* code, so round first and clamp the rounded value; x / scale a little "
+        "past the grid's end still rounds onto it": ((u + z >= qmin) & (u + z <= qmax)).float(),
+    }
+    return next((why for why, wrong in backward.items() if torch.allclose(got_grad, wrong)), None)
+
+
+def check_ste_fake_quantize(answer, x: torch.Tensor, scale: float, zero_point: int, bits: int) -> Feedback:
+    """Exercise: fake quantization of ``x`` (a leaf tensor that requires grad) with a zero point, written so that
+    autograd gives the straight-through estimator's gradient. Both are checked: the values against the package's
+    `fake_quantize_ste` and the gradient of their sum with respect to ``x`` against the one autograd finds
+    through it (1 where the rounded code lies inside the grid, 0 where it was clamped)."""
+    if not (isinstance(x, torch.Tensor) and x.requires_grad):
+        raise ValueError("the exercise's x must be a tensor that requires grad (torch.tensor(..., requires_grad=True))")
+    solution = functools.partial(_solution_ste_fake_quantize, x, scale, zero_point, bits)
+    qmin, qmax = qrange(bits, True)
+    values, grad = ste_reference(x, scale, zero_point, bits)
+    name = "fake quantization with the STE"
+    hint = (f"two things are checked: the values (the grid of signed {bits}-bit codes [{qmin}, {qmax}] with its zero "
+            f"point) and the gradient autograd finds through them (the STE: round() passes it unchanged, the clamp "
+            f"does not)")
+    found = _value_and_gradient(answer, x)
+    if isinstance(found, tuple):
+        hint = _ste_hint(*found, x, scale, zero_point, bits, values, grad) or hint
+    elif answer is not ... and answer is not None:
+        hint = "the answer is a tensor like x: its fake-quantized values, computed from x so that autograd reaches x"
+    return check(name, answer, (values, grad), hint=hint, rtol=0, atol=1e-6, solution=solution,
+                 measure=functools.partial(_value_and_gradient, x=x))
+
+
+def lsq_step_gradient(x: torch.Tensor, scale: float, zero_point: int, bits: int, upstream: torch.Tensor) -> float:
+    """dL/d(scale) for L = sum(upstream * fake_quantize(x)) as the package's LSQ layers compute it: autograd
+    through `fake_quantize_ste` with the step's gradient multiplied by 1 / sqrt(N * qmax) (N values share it)."""
+    from workbench.quantization.qat import _grad_scale
+
+    qmin, qmax = qrange(bits, True)
+    step = torch.tensor([[float(scale)]], requires_grad=True)
+    with torch.enable_grad():
+        scaled = _grad_scale(step, 1.0 / math.sqrt(x.numel() * qmax))
+        out = fake_quantize_ste(x.detach().float().reshape(1, -1), scaled, torch.tensor([[float(zero_point)]]),
+                                qmin, qmax)
+        (out.reshape(x.shape) * upstream.detach().float()).sum().backward()
+    return float(step.grad)
+
+
+def check_lsq_step_gradient(answer, x: torch.Tensor, scale: float, zero_point: int, bits: int,
+                            upstream: torch.Tensor) -> Feedback:
+    """Exercise: LSQ's gradient of L = sum(upstream * fake_quantize(x)) with respect to the step size, by hand:
+    the STE's derivative of each fake-quantized value with respect to the scale, weighted by the upstream
+    gradient, summed, times LSQ's gradient scale (expected: `lsq_step_gradient`, autograd through the package)."""
+    solution = functools.partial(_solution_lsq_step_gradient, x, scale, zero_point, bits, upstream)
+    qmin, qmax = qrange(bits, True)
+    expected = lsq_step_gradient(x, scale, zero_point, bits, upstream)
+    u, z, up = x.detach().double() / scale, float(zero_point), upstream.detach().double()
+    code = u.round() + z
+    inside = (code >= qmin) & (code <= qmax)
+    ends = code.clamp(qmin, qmax) - z
+    g = 1 / math.sqrt(x.numel() * qmax)
+
+    def grad(d):
+        return float((up * d).sum() * g)
+
+    mistakes = [
+        (expected / g, f"that is the gradient before LSQ's scaling: multiply it by 1 / sqrt(N * qmax) = {g:.4g} "
+                       f"(N = {x.numel()} values share this step)"),
+        (grad((u.round()).where(inside, ends)), "round(x / s) moves with s too: under the STE it is x / s in the "
+                                                "backward pass, so inside the grid the derivative is round(x/s) - x/s, "
+                                                "not the code alone"),
+        (grad(torch.zeros_like(u).where(inside, ends)), "inside the grid the derivative is not 0: the STE passes "
+                                                         "round() through, but the rounding error round(x/s) - x/s "
+                                                         "still depends on s"),
+        (grad(u.round() - u), "the clamped values count differently: their output is (qmin - z) s or (qmax - z) s, "
+                              "whose derivative with respect to s is qmin - z or qmax - z"),
+        (grad((u.round() - u).where(inside, code.clamp(qmin, qmax))), "at the clamped ends the derivative is the "
+                                                                      "end's code minus the zero point"),
+        (-expected, "the sign is flipped: round(x/s) - x/s, not x/s - round(x/s)"),
+        (float((u.round() - u).where(inside, ends).sum() * g), "weight each value's derivative by its upstream "
+                                                               "gradient (the chain rule) before summing"),
+    ]
+    hint = ("per value: the derivative of its fake-quantized value with respect to the scale under the STE - one "
+            "expression inside the grid, another where the code was clamped; weight by `upstream`, sum, and apply "
+            "LSQ's gradient scale")
+    return check("LSQ's step-size gradient", answer, expected, hint=hint, rtol=1e-4, atol=1e-8, mistakes=mistakes,
+                 solution=solution)
+
+
+def check_code_usage(answer, weight: torch.Tensor, bits: int) -> Feedback:
+    """Exercise: how many of a conv weight's values land on each code ``qmin .. qmax`` (in that order) of the
+    symmetric signed ``bits``-bit grid with one scale per output channel (expected: `code_usage`). A value on a
+    rounding tie (the channel's largest magnitude at exactly (qmax - qmin) / 2 steps) may round either way,
+    dividing by the scale or multiplying by its reciprocal: both counts pass."""
+    w = weight.detach().float()
+    solution = functools.partial(_solution_code_usage, w, bits)
+    qmin, qmax = qrange(bits, True)
+    usage = code_usage(w, bits, symmetric=True)
+    expected = [usage[c] for c in range(qmin, qmax + 1)]
+    rows = w.reshape(w.shape[0], -1)
+
+    def counts(codes):
+        return [int((codes == c).sum()) for c in range(qmin, qmax + 1)]
+
+    half = (qmax - qmin) / 2
+    s = rows.abs().amax(dim=1, keepdim=True) / half
+    divided = counts((rows / s).round().clamp(qmin, qmax))
+    got = solution() if answer is ... or answer is None else answer
+    got = got.tolist() if isinstance(got, torch.Tensor) else got
+    if isinstance(got, (list, tuple)) and [as_number(v) for v in got] == divided:
+        expected = divided                                  # the ties rounded the other way: accepted
+    per_tensor = rows.abs().max() / half
+    per_input = w.abs().amax(dim=(0, *range(2, w.ndim)), keepdim=True) / half
+    mistakes = [
+        (counts((rows / per_tensor).round().clamp(qmin, qmax)), "one scale for the whole tensor: the grid has one "
+                                                                 "scale per output channel (a row of the weight "
+                                                                 "reshaped to (out, -1))"),
+        (counts((rows / (rows.abs().amax(dim=1, keepdim=True) / qmax)).round().clamp(qmin, qmax)),
+         f"scale = max|w| / {qmax} maps the largest weight to code {qmax}: the symmetric rule divides by "
+         f"(qmax - qmin) / 2 = {half:g}"),
+        (counts((w / per_input).round().clamp(qmin, qmax)), "that is one scale per *input* channel: the output "
+                                                            "channel is the weight's first dimension"),
+        (counts((rows / s).round()), f"the counts add up to fewer than the {w.numel()} weights: some rounded codes "
+                                     f"fall outside [{qmin}, {qmax}] and must be clamped"),
+    ]
+    hint = (f"one grid per output channel, its scale from that channel's own weights by the symmetric rule of lesson "
+            f"11; then count the weights on each code from {qmin} to {qmax}, in that order")
+    return check(f"conv weights per code, symmetric int{bits}", answer, expected, hint=hint, rtol=0, atol=0,
+                 mistakes=mistakes, solution=solution)

@@ -41,7 +41,7 @@ class Spill:
                          for t in getattr(m, kind).values() if t is not None)
         self._shared = {i for i, c in counts.items() if c > 1}
         self._dir: Path | None = None
-        self._files: list[tuple[Path, list[tuple[nn.Module, str, str, str, bool]]]] = []
+        self._files: list[tuple[Path, list[tuple[nn.Module, str, str, str, bool, torch.device]]]] = []
         self.bytes = 0
 
     def stash(self, modules: dict[str, nn.Module]) -> int:
@@ -49,7 +49,7 @@ class Spill:
         from safetensors.torch import save_file
 
         tensors: dict[str, torch.Tensor] = {}
-        places: list[tuple[nn.Module, str, str, str, bool]] = []
+        places: list[tuple[nn.Module, str, str, str, bool, torch.device]] = []
         names: dict[int, str] = {}
         for name, module in modules.items():
             for owner, kind, key, t in _slots(module):
@@ -57,7 +57,8 @@ class Spill:
                     continue
                 file_key = names.setdefault(id(t), f"{len(names)}")
                 tensors.setdefault(file_key, t.detach().contiguous())
-                places.append((owner, kind, key, file_key, isinstance(t, nn.Parameter) and t.requires_grad))
+                places.append((owner, kind, key, file_key, isinstance(t, nn.Parameter) and t.requires_grad,
+                               t.device))
         if not tensors:
             return 0
         if self._dir is None:
@@ -66,7 +67,7 @@ class Spill:
         save_file(tensors, str(path))
         freed = sum(t.numel() * t.element_size() for t in tensors.values())
         metas: dict[str, torch.Tensor] = {}
-        for owner, kind, key, file_key, grad in places:
+        for owner, kind, key, file_key, grad, _ in places:
             held = getattr(owner, kind)[key]
             meta = metas.setdefault(file_key, torch.empty_like(held, device="meta"))
             getattr(owner, kind)[key] = nn.Parameter(meta, requires_grad=grad) if kind == "_parameters" else meta
@@ -83,8 +84,8 @@ class Spill:
             with safe_open(str(path), "pt") as f:
                 loaded: dict[str, torch.Tensor] = {}
                 params: dict[str, nn.Parameter] = {}
-                for owner, kind, key, file_key, grad in places:
-                    t = loaded.setdefault(file_key, f.get_tensor(file_key))
+                for owner, kind, key, file_key, grad, device in places:   # (back on the device it came from)
+                    t = loaded.setdefault(file_key, f.get_tensor(file_key).to(device))
                     if kind == "_parameters":
                         getattr(owner, kind)[key] = params.setdefault(file_key, nn.Parameter(t, requires_grad=grad))
                     else:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+from workbench.plots.style import TEMPLATE
+
 __all__ = ["tradeoff", "comparison_bars", "frontier", "sensitivity_heatmap", "roofline", "size_breakdown"]
 
 
@@ -29,7 +31,7 @@ def tradeoff(metrics: Sequence, labels: Sequence[str] | None = None, x: str = "s
         textposition="top center", marker=dict(size=12),
         hovertemplate="%{text}<br>%{x:.4g}<br>" + name + "=%{y:.4g}<extra></extra>"))
     fig.update_layout(title=title or f"{name} vs {x_title.split(' (')[0]}", xaxis_title=x_title,
-                      yaxis_title=f"{name} ({better} is better)", template="plotly_white", height=420)
+                      yaxis_title=f"{name} ({better} is better)", template=TEMPLATE, height=420)
     return fig
 
 
@@ -70,7 +72,7 @@ def comparison_bars(metrics: Sequence, labels: Sequence[str] | None = None):
                              hovertemplate="%{x}: %{y:.4g}<extra></extra>"), row=i // 2 + 1, col=i % 2 + 1)
     fig.update_xaxes(tickangle=0, automargin=True)
     fig.update_yaxes(tickformat="~g", rangemode="tozero")
-    fig.update_layout(template="plotly_white", height=620, margin=dict(t=60, l=50, r=20, b=40))
+    fig.update_layout(template=TEMPLATE, height=620, margin=dict(t=60, l=50, r=20, b=40))
     return fig
 
 

@@ -5,6 +5,8 @@ say which direction is better.
 """
 from __future__ import annotations
 
+from workbench.plots.style import TEMPLATE
+
 __all__ = ["frontier", "sensitivity_heatmap", "roofline", "size_breakdown"]
 
 _AXES = {"size_bytes": ("size (MiB, lower is better)", 2**20), "latency_ms": ("latency (ms, lower is better)", 1),
@@ -49,7 +51,7 @@ def frontier(df, x: str = "size_bytes", y: str | None = None, color: str = "tech
     fig.add_trace(go.Scatter(x=front[x] / x_scale, y=front[y], mode="lines", name="Pareto front",
                              line=dict(color="black", dash="dot"), hoverinfo="skip"))
     fig.update_layout(title=title or f"{y} vs {x_title.split(' (')[0]} ({int(on.sum())} of {len(df)} on the front)",
-                      xaxis_title=x_title, yaxis_title=y_title, template="plotly_white", height=460)
+                      xaxis_title=x_title, yaxis_title=y_title, template=TEMPLATE, height=460)
     return fig
 
 
@@ -74,7 +76,7 @@ def sensitivity_heatmap(table, value: str = "loss", title: str | None = None):
         z=grid.to_numpy(), x=list(grid.columns), y=list(grid.index), **colours,
         colorbar=dict(title=names.get(value, value)),
         hovertemplate="%{y}<br>%{x}<br>" + value + "=%{z:.4g}<extra></extra>"))
-    fig.update_layout(title=title or f"per-layer sensitivity: {names.get(value, value)}", template="plotly_white",
+    fig.update_layout(title=title or f"per-layer sensitivity: {names.get(value, value)}", template=TEMPLATE,
                       height=max(360, 16 * len(grid.index) + 160), yaxis=dict(autorange="reversed"),
                       xaxis_title="candidate", yaxis_title="layer")
     return fig
@@ -116,7 +118,7 @@ def roofline(df, baseline: str | None = None, title: str | None = None):
     fig.add_hline(y=1.0, line_dash="dot", annotation_text=base_label)
     threads = sorted(set(df["threads"])) if "threads" in df.columns else []
     device = str(base["device"]) if "device" in df.columns else ""
-    fig.update_layout(barmode="group", template="plotly_white", height=420,
+    fig.update_layout(barmode="group", template=TEMPLATE, height=420,
                       title=title or (f"speedup vs {base_label} and the byte-ratio ceiling "
                                       f"({device}, threads {threads})"),
                       yaxis_title="speedup over the baseline (x, higher is better)")
@@ -145,7 +147,7 @@ def size_breakdown(model, top: int | None = 40, title: str | None = None):
     fig = go.Figure([go.Bar(name=d, y=names, x=[b.get(d, 0) / 2**20 for _, b in rows], orientation="h")
                      for d in dtypes])
     total = sum(sum(b.values()) for _, b in rows)
-    fig.update_layout(barmode="stack", template="plotly_white", height=max(320, 18 * len(names) + 140),
+    fig.update_layout(barmode="stack", template=TEMPLATE, height=max(320, 18 * len(names) + 140),
                       title=title or f"bytes per layer by dtype ({total / 2**20:.2f} MiB shown)",
                       xaxis_title="MiB (lower is better)", yaxis=dict(autorange="reversed"))
     return fig

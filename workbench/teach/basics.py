@@ -18,6 +18,7 @@ from typing import Sequence
 
 import torch
 
+from workbench.plots.style import TEMPLATE
 from workbench.quantization import formats as QF
 from workbench.quantization import observers as QO
 from workbench.quantization import primitives as P
@@ -103,7 +104,7 @@ def granularity_figure(table, title: str = "Smaller groups: lower error, more by
     fig.update_xaxes(type="log", dtick=1, title="weights per scale (log scale)", row=1, col=1)   # decades only
     fig.update_xaxes(title="bytes per weight, scales included (lower is better)", row=1, col=2)
     fig.update_yaxes(title="SQNR (dB, higher is better)")
-    fig.update_layout(title=title, template="plotly_white", height=450)
+    fig.update_layout(title=title, template=TEMPLATE, height=450)
     return fig
 
 
@@ -140,7 +141,7 @@ def symmetry_figure(table):
                              textposition="outside", hovertemplate="%{x}: %{y:.1f} dB<extra>" + scheme + "</extra>"))
     fig.update_layout(barmode="group", title="Symmetric vs asymmetric: one-sided tensors waste half a symmetric grid",
                       xaxis_title="tensor and bit-width", yaxis_title="SQNR (dB, higher is better)",
-                      template="plotly_white", height=450, legend_title="scheme")
+                      template=TEMPLATE, height=450, legend_title="scheme")
     return fig
 
 
@@ -229,7 +230,7 @@ def clipping_figure(curve, observers=None, bits: int = 8):
     fig.update_xaxes(type="log", title="clipping threshold t: values beyond ±t are clipped (log scale)")
     fig.update_yaxes(type="log", title="MSE (lower is better, log scale)")
     fig.update_layout(title=f"int{bits} clipping: rounding error falls as t shrinks, until clipping error takes over",
-                      template="plotly_white", height=460)
+                      template=TEMPLATE, height=460)
     return fig
 
 
@@ -279,7 +280,7 @@ def calibration_figure(table):
     fig.update_xaxes(type="log", title="calibration samples (sentences, log scale)")
     fig.update_yaxes(type="log", title="MSE (lower is better)", row=1, col=1)
     fig.update_yaxes(type="log", title="clipping threshold", row=1, col=2)
-    fig.update_layout(title="How much calibration data a range needs", template="plotly_white", height=450)
+    fig.update_layout(title="How much calibration data a range needs", template=TEMPLATE, height=450)
     return fig
 
 

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workbench.plots.style import TEMPLATE
 from workbench.teach import Feedback, as_number, check
 
 __all__ = ["soft_targets", "entropy", "pick_example", "student", "soft_gradient_norms", "logit_spread",
@@ -126,7 +127,7 @@ def t_squared_figure(table, spread: float | None = None, title: str | None = Non
     fig.update_layout(title=title or "T² is the high-temperature limit: the real shrink is smaller at small T",
                       xaxis=dict(title="temperature T", type="log"),
                       yaxis=dict(title="gradient shrink factor (log)", type="log"),
-                      template="plotly_white", height=420)
+                      template=TEMPLATE, height=420)
     return fig
 
 
@@ -201,7 +202,7 @@ def temperature_figure(logits: torch.Tensor, temperatures: Sequence[float] = (1,
                      row=1, col=col + 1)
     fig.update_yaxes(title="entropy (bits)", row=1, col=col + 1)
     fig.update_layout(title="Temperature flattens the teacher's distribution and shows its runner-up classes",
-                      barmode="group", template="plotly_white", height=420, legend_title="temperature")
+                      barmode="group", template=TEMPLATE, height=420, legend_title="temperature")
     return fig
 
 
@@ -241,7 +242,7 @@ def kd_figure(table, histories: dict | None = None, teacher_accuracy: float | No
     low = float(table["accuracy"].min())
     fig.update_yaxes(title="test accuracy (higher is better)", range=[min(0.9, low - 0.01), 1.005], row=1, col=cols)
     fig.update_layout(title="Same student, same budget: hard labels vs knowledge distillation",
-                      template="plotly_white", height=420)
+                      template=TEMPLATE, height=420)
     return fig
 
 

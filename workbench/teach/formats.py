@@ -26,6 +26,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from workbench.plots.style import TEMPLATE
 from workbench.quantization import primitives as P
 from workbench.teach import Feedback, check
 
@@ -281,7 +282,7 @@ def spacing_figure(names: Sequence[str] = ("int8", "e4m3", "e5m2", "fp16", "bf16
     fig.update_yaxes(type="log", dtick=1, exponentformat="power",          # decades: no crowded minor labels
                      title="relative step = gap to the next value / value")
     fig.update_layout(title="Precision vs magnitude: floats keep a constant relative step, integers do not",
-                      template="plotly_white", height=450)
+                      template=TEMPLATE, height=450)
     return fig
 
 
@@ -324,7 +325,7 @@ def grid_figure(names: Sequence[str] = ("int4", "int8", "e4m3", "e5m2"), x: torc
     fig.update_xaxes(type="log", range=[math.log10(lo), 0.05], exponentformat="power")
     fig.update_xaxes(title="magnitude relative to the largest value (log scale)", row=rows, col=1)
     fig.update_yaxes(title="format", row=rows, col=1)
-    fig.update_layout(title="Integer grids are uniform, float grids are logarithmic", template="plotly_white",
+    fig.update_layout(title="Integer grids are uniform, float grids are logarithmic", template=TEMPLATE,
                       height=520 if rows == 2 else 360, showlegend=False)
     return fig
 
@@ -365,7 +366,7 @@ def magnitude_error_figure(names: Sequence[str] = ("e4m3", "e5m2", "fp16", "bf16
     fig.update_yaxes(type="log", dtick=1, exponentformat="power", title="relative error (1 = value lost)", row=1, col=1)
     if tensors:
         fig.update_yaxes(title="fraction of values", row=2, col=1)
-    fig.update_layout(title="Range vs precision: where each format loses values", template="plotly_white",
+    fig.update_layout(title="Range vs precision: where each format loses values", template=TEMPLATE,
                       height=620 if rows == 2 else 420)
     return fig
 
@@ -382,7 +383,7 @@ def error_bars_figure(table):
                              textposition="outside",
                              hovertemplate=fname + " on %{x}: %{y:.1f} dB<extra></extra>"))
     fig.update_layout(barmode="group", title="Round-trip error on real tensors (each 6 dB ≈ one more bit)",
-                      xaxis_title="tensor", yaxis_title="SQNR (dB, higher is better)", template="plotly_white",
+                      xaxis_title="tensor", yaxis_title="SQNR (dB, higher is better)", template=TEMPLATE,
                       height=430, legend_title="format")
     return fig
 

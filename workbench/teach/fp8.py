@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workbench.plots.style import TEMPLATE
 from workbench.precision.fp8 import Fp8Recipe, Fp8State, fp8_layers, fp8_restore, fp8_training
 from workbench.teach import Feedback, check
 
@@ -161,7 +162,7 @@ def amax_figure(trace: Sequence[float], history: int, title: str = ""):
                                 line=dict(dash="dot")),
                      go.Scatter(x=over, y=[trace[i] for i in over], mode="markers", name="saturates (amax above)",
                                 marker=dict(color="red", size=7))])
-    fig.update_layout(template="plotly_white", height=380, title=title or "amax of a layer's input, step by step",
+    fig.update_layout(template=TEMPLATE, height=380, title=title or "amax of a layer's input, step by step",
                       xaxis_title="training step", yaxis_title="max |x|", legend=dict(orientation="h", y=-0.25))
     return fig
 
@@ -173,7 +174,7 @@ def recipe_figure(table):
                                                                                  table["accuracy"]],
                            textposition="auto", marker_color="#1f77b4"))
     lo = float(table["accuracy"].min())
-    fig.update_layout(template="plotly_white", height=360, title="accuracy after the same training, per recipe",
+    fig.update_layout(template=TEMPLATE, height=360, title="accuracy after the same training, per recipe",
                       yaxis_title="accuracy (quick subset, higher is better)", yaxis_range=[max(0.0, lo - 0.05), 1.0])
     return fig
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from workbench.plots.style import TEMPLATE
 from workbench.pruning import masks
 from workbench.pruning.modules import SemiStructuredLinear
 from workbench.pruning.oneshot import input_norms, sparsegpt_prune, wanda_mask
@@ -52,7 +53,7 @@ def schedule_figure(final: float, steps: int, title: str | None = None):
     fig.add_trace(go.Scatter(x=t, y=[0.0] + [final] * steps, mode="lines", name="one shot",
                              line=dict(color="#d93025", dash="dash", shape="hv")))
     fig.update_layout(title=title or f"Pruning schedules to {final:.0%}", xaxis_title="pruning step",
-                      yaxis_title="sparsity", template="plotly_white", height=360)
+                      yaxis_title="sparsity", template=TEMPLATE, height=360)
     return fig
 
 
@@ -95,7 +96,7 @@ def gradual_figure(histories: dict, dense: float, metric: str = "accuracy", titl
             ys += [r[f"{metric}_after_prune"], r[f"{metric}_after_finetune"]]
         fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines+markers", name=f"gradual to {final:.0%}"))
     fig.update_layout(title=title or "Gradual pruning: each step drops accuracy, each fine-tune recovers it",
-                      xaxis_title="sparsity", yaxis_title=metric, template="plotly_white", height=380)
+                      xaxis_title="sparsity", yaxis_title=metric, template=TEMPLATE, height=380)
     return fig
 
 
@@ -142,7 +143,7 @@ def llm_figure(table, title: str | None = None):
     lo = min(table.attrs["dense"], float(table.min().min()))
     fig.update_layout(title=title or "tiny-llama perplexity after one-shot pruning (lower is better)",
                       yaxis_title="perplexity", yaxis_range=[lo * 0.97, float(table.max().max()) * 1.02],
-                      barmode="group", template="plotly_white", height=400)
+                      barmode="group", template=TEMPLATE, height=400)
     return fig
 
 

@@ -23,6 +23,7 @@ from torch import nn
 
 from workbench.models.architectures import DigitsCNN
 from workbench.models.fuse import fold_batchnorm, fold_pair
+from workbench.plots.style import TEMPLATE
 from workbench.quantization import integer as I
 from workbench.quantization import primitives as P
 from workbench.teach import Feedback, check
@@ -373,7 +374,7 @@ def lsb_figure(table):
                          textposition="outside"), row=1, col=2)
     fig.update_yaxes(range=[0, max(2, int(table["max_lsb"].max()) + 1)], row=1, col=1)
     fig.update_layout(title="Integer-only layer vs float fake-quant layer, same input codes", showlegend=False,
-                      template="plotly_white", height=400)
+                      template=TEMPLATE, height=400)
     return fig
 
 
@@ -391,7 +392,7 @@ def accuracy_figure(table):
                          text=[f"{v:.1f}" for v in part["logit_sqnr_db"]], textposition="outside"), row=1, col=2)
     fig.update_yaxes(range=[0.9, 1.005], row=1, col=1)
     fig.update_layout(title="Integers only: the accuracy of the fake-quant model it implements", showlegend=False,
-                      template="plotly_white", height=420)
+                      template=TEMPLATE, height=420)
     return fig
 
 
@@ -413,7 +414,7 @@ def multiplier_figure(table):
     fig.update_xaxes(type="log", title="bits of the fixed-point multiplier M0 (log scale)")
     fig.update_yaxes(title="difference from fake-quant (output LSB)")
     fig.update_layout(title="A coarse multiplier or a truncating shift moves outputs off the reference",
-                      template="plotly_white", height=420)
+                      template=TEMPLATE, height=420)
     return fig
 
 
@@ -432,7 +433,7 @@ def folding_figure(table):
                              textposition="outside"))
     fig.update_layout(barmode="group", title="Fold BatchNorm first: then the weights you quantize are the weights "
                       "you run", xaxis_title="weight format", yaxis_title="logit SQNR vs fp32 (dB, higher is better)",
-                      template="plotly_white", height=440)
+                      template=TEMPLATE, height=440)
     return fig
 
 

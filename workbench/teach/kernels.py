@@ -15,6 +15,7 @@ import functools
 
 import torch
 
+from workbench.plots.style import TEMPLATE
 from workbench.teach import Feedback, check
 
 __all__ = ["byte_ratio_ceiling", "intensity", "roofline_chart", "speedup_chart", "int4_layer", "check_int4_pack",
@@ -50,7 +51,7 @@ def roofline_chart(table, bandwidth_GBs: float, peak_GFLOPs: float, title: str |
                                  text=[f"{s} M={m}: {t:.3g} ms" for s, m, t in zip(rows["shape"], rows["M"],
                                                                                     rows["ms"], strict=True)],
                                  hovertemplate="%{text}<br>I=%{x:.3g} FLOP/B, %{y:.3g} GFLOP/s"))
-    fig.update_layout(template="plotly_white", height=460, title=title or "Measured Linear layers on the roofline",
+    fig.update_layout(template=TEMPLATE, height=460, title=title or "Measured Linear layers on the roofline",
                       xaxis=dict(type="log", title="arithmetic intensity (FLOPs per byte moved)"),
                       yaxis=dict(type="log", title="achieved GFLOP/s"))
     return fig
@@ -72,7 +73,7 @@ def speedup_chart(table, baseline: str = "fp32", title: str | None = None):
         fig.add_trace(go.Bar(x=labels, y=r["ceiling"], name="byte-ratio ceiling", marker_color="lightgray",
                              showlegend=i == 1), row=1, col=i)
     fig.add_hline(y=1.0, line_dash="dot")
-    fig.update_layout(barmode="group", template="plotly_white", height=460,
+    fig.update_layout(barmode="group", template=TEMPLATE, height=460,
                       title=title or f"Speedup over {baseline} and the byte-ratio ceiling",
                       yaxis_title="speedup (x)")
     return fig

@@ -23,6 +23,7 @@ import time
 import torch
 from torch import nn
 
+from workbench.plots.style import TEMPLATE
 from workbench.quantization import formats as fm
 from workbench.quantization import kvcache, packing
 from workbench.quantization.primitives import PerChannel, PerTensor, PerToken, fake_quantize, nf4_codebook
@@ -125,7 +126,7 @@ def matvec_figure(sweep, bandwidth_GBs: float, title: str | None = None):
                   annotation_text=f"copy bandwidth {bandwidth_GBs:.1f} GB/s")
     fig.update_layout(title=title or "Batch-1 y = Wx: effective bandwidth vs weight size",
                       xaxis_title="weight MB (log)", yaxis_title="weight bytes / time (GB/s)", xaxis_type="log",
-                      template="plotly_white", height=380)
+                      template=TEMPLATE, height=380)
     return fig
 
 
@@ -156,7 +157,7 @@ def decode_figure(table, title: str | None = None):
     fig.add_trace(go.Bar(x=table["format"], y=table["decode tokens/s"], name="measured decode",
                          marker_color=[_COLOURS.get(f, "#5f6368") for f in table["format"]]))
     fig.update_layout(title=title or "tiny-llama batch-1 decode: measured vs the memory roofline",
-                      yaxis_title="tokens/s (log)", yaxis_type="log", barmode="group", template="plotly_white",
+                      yaxis_title="tokens/s (log)", yaxis_type="log", barmode="group", template=TEMPLATE,
                       height=400)
     return fig
 
@@ -174,7 +175,7 @@ def nf4_figure(W: torch.Tensor, group_size: int = 64, title: str | None = None):
         fig.add_trace(go.Scatter(x=values, y=[0] * len(values), mode="markers", name=name,
                                  marker=dict(color=colour, size=10, symbol="line-ns-open", line=dict(width=2))))
     fig.update_layout(title=title or "Where the 16 levels sit: NF4 follows the bell, int4 is uniform",
-                      xaxis_title="weight / max |w| of its group", yaxis_title="weights", template="plotly_white",
+                      xaxis_title="weight / max |w| of its group", yaxis_title="weights", template=TEMPLATE,
                       height=380)
     return fig
 
@@ -195,7 +196,7 @@ def outlier_figure(inputs: dict[str, torch.Tensor], title: str | None = None):
         fig.update_yaxes(title_text="max |x_j|", row=i, col=1)
     fig.update_xaxes(title_text="input channel j", row=len(names), col=1)
     fig.update_layout(title=title or "Activation outliers: a few channels are far larger than the rest",
-                      template="plotly_white", height=300 * len(names), bargap=0)
+                      template=TEMPLATE, height=300 * len(names), bargap=0)
     return fig
 
 
@@ -287,7 +288,7 @@ def kv_error_figure(table, title: str | None = None):
         fig.add_trace(go.Bar(x=table["format"], y=table[col], name=col, marker_color=colour))
     fig.update_layout(title=title or "Attention-output error of a quantized KV cache (one layer, real tokens)",
                       yaxis_title="relative error (log, lower is better)", yaxis_type="log", barmode="group",
-                      template="plotly_white", height=400)
+                      template=TEMPLATE, height=400)
     return fig
 
 
@@ -322,7 +323,7 @@ def kv_share_figure(table, title: str | None = None):
         fig.add_trace(go.Scatter(x=table["context"], y=table[col], mode="lines+markers", name=col))
     fig.update_layout(title=title or "Share of decode bytes spent reading the KV cache (int4 g64 weights)",
                       xaxis_title="context tokens (log)", xaxis_type="log", yaxis_title="KV bytes / all bytes",
-                      yaxis_range=[0, 1], template="plotly_white", height=380)
+                      yaxis_range=[0, 1], template=TEMPLATE, height=380)
     return fig
 
 

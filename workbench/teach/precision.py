@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workbench.plots.style import TEMPLATE
 from workbench.teach import Feedback, check
 
 __all__ = ["DTYPES", "smallest_subnormal", "format_table", "Autocast", "autocast_table", "gradient_magnitudes",
@@ -278,7 +279,7 @@ def gradient_histogram(grads: dict[str, torch.Tensor], scale: float | None = Non
                   annotation_position="top left")
     fig.update_layout(title="Real gradient magnitudes against fp16's range (bf16's smallest subnormal is 2^-133)",
                       xaxis_title="log2 |gradient|  (2^-24 ≈ 6e-8 is fp16's smallest subnormal)",
-                      yaxis_title="fraction of values", template="plotly_white", height=440,
+                      yaxis_title="fraction of values", template=TEMPLATE, height=440,
                       legend=dict(orientation="h", y=-0.25))
     return fig
 
@@ -295,7 +296,7 @@ def scale_trace_figure(trace):
                              y=[v for v, k in zip(log2, skipped, strict=True) if k], mode="markers",
                              name="step skipped (inf)", marker=dict(symbol="x", size=11, color="#d62728")))
     fig.update_layout(title="Dynamic loss scaling: halve and skip on overflow, double after good steps",
-                      xaxis_title="training step", yaxis_title="log2(loss scale)", template="plotly_white",
+                      xaxis_title="training step", yaxis_title="log2(loss scale)", template=TEMPLATE,
                       height=380)
     return fig
 

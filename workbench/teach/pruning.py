@@ -21,6 +21,7 @@ import functools
 import torch
 from torch import nn
 
+from workbench.plots.style import TEMPLATE
 from workbench.pruning import masks as M
 from workbench.pruning.structured import channel_importance, channels
 from workbench.teach import Feedback, check
@@ -118,7 +119,7 @@ def mask_heatmaps(weight: torch.Tensor, masks: dict[str, torch.Tensor], rows: in
         fig.update_yaxes(autorange="reversed", showticklabels=i == 1, showgrid=False, row=1, col=i)
     fig.update_yaxes(title="output row", row=1, col=1)
     fig.update_layout(title=f"Three ways to prune {layer} (corner {rows}x{cols}; blank = pruned)",
-                      template="plotly_white", height=400, plot_bgcolor="white",
+                      template=TEMPLATE, height=400, plot_bgcolor="white",
                       margin=dict(t=120))                          # two-line subplot titles below the title
     return fig
 
@@ -136,7 +137,7 @@ def channel_norms(model: nn.Module, layer: str, amount: float, criterion: str = 
     fig.update_layout(title=f"{layer}: {criterion.upper()} norm of each output channel "
                             f"(red: the {len(gone)} removed at {amount:.0%})",
                       xaxis_title="output channel", yaxis_title=f"{criterion.upper()} norm of its weights",
-                      template="plotly_white", height=360)
+                      template=TEMPLATE, height=360)
     return fig
 
 
@@ -162,7 +163,7 @@ def sparsity_curves(sweep, random=None, dense_accuracy: float | None = None, met
                       annotation_position="bottom right")
     fig.update_layout(title=f"{metric} vs sparsity: pruning alone, and after a short fine-tune",
                       xaxis_title="sparsity (% of weights pruned)", yaxis_title=f"{metric} (higher is better)",
-                      yaxis_range=[0, 1.02], template="plotly_white", height=420)
+                      yaxis_range=[0, 1.02], template=TEMPLATE, height=420)
     return fig
 
 

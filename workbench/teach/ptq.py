@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from workbench.plots.style import TEMPLATE
 from workbench.quantization import formats  # the name the lesson's notebook (and a worked solution) uses
 from workbench.quantization import formats as fm
 from workbench.quantization.gptq import GPTQStep, gptq_quantize, hessian, inverse_hessian_factor
@@ -156,7 +157,7 @@ def gptq_error_figure(trace: GPTQTrace, title: str | None = None):
                        f"{'per channel' if trace.group_size is None else f'g{trace.group_size}'})",
         xaxis_title="columns (input channels) quantized so far",
         yaxis_title="relative output error ‖X(W−Ŵ)ᵀ‖² / ‖XWᵀ‖² (lower is better)",
-        template="plotly_white", height=420, legend=dict(x=0.01, y=0.99))
+        template=TEMPLATE, height=420, legend=dict(x=0.01, y=0.99))
     return fig
 
 
@@ -184,7 +185,7 @@ def gptq_update_figure(trace: GPTQTrace, title: str | None = None):
     fig.update_layout(
         title=title or f"GPTQ weight updates, first {rows} output rows (drag the slider: columns quantized)",
         xaxis_title="input column (left of the dashed line: quantized)", yaxis_title="output row",
-        template="plotly_white", height=460, shapes=boundary(trace.frame_columns[-1]),
+        template=TEMPLATE, height=460, shapes=boundary(trace.frame_columns[-1]),
         sliders=[dict(active=len(steps) - 1, steps=steps, currentvalue=dict(prefix="columns quantized: "),
                       pad=dict(t=50))])
     fig.update_yaxes(autorange="reversed")
@@ -239,7 +240,7 @@ def awq_scales_figure(x_mean: torch.Tensor, s: torch.Tensor, alpha: float, title
     fig.update_yaxes(title_text="s_j (multiplies column j of W)", row=2, col=1)
     fig.update_xaxes(title_text="input channel j", row=2, col=1)
     fig.update_layout(title=title or "AWQ: channels that see large activations get larger scales",
-                      template="plotly_white", height=520, showlegend=False, bargap=0)
+                      template=TEMPLATE, height=520, showlegend=False, bargap=0)
     return fig
 
 
@@ -258,7 +259,7 @@ def awq_loss_figure(table, title: str | None = None):
                              marker=dict(size=14, symbol="star", color="black"), name="chosen"))
     fig.update_layout(title=title or "AWQ grid search over alpha",
                       xaxis_title="alpha (s = mean|x|^alpha)",
-                      yaxis_title="relative output error (lower is better)", template="plotly_white", height=400)
+                      yaxis_title="relative output error (lower is better)", template=TEMPLATE, height=400)
     return fig
 
 
@@ -298,7 +299,7 @@ def smoothing_figure(view, alpha: float = 0.5, title: str | None = None):
     fig.update_layout(title=title or (f"SmoothQuant α={alpha}: max/median over channels, activations "
                                       f"{r['act_before']:.0f}× → {r['act_after']:.0f}×, weights "
                                       f"{r['weight_before']:.1f}× → {r['weight_after']:.1f}×"),
-                      template="plotly_white", height=420)
+                      template=TEMPLATE, height=420)
     return fig
 
 
@@ -353,7 +354,7 @@ def layer_errors_figure(errors, title: str | None = None):
     fig.update_layout(title=title or "One layer, every method: error where it was calibrated and where it was not",
                       barmode="group", xaxis_title="method",
                       yaxis=dict(type="log", dtick=1, title="relative output error (log, lower is better)"),
-                      template="plotly_white", height=450, legend=dict(orientation="h", x=0, y=1.12))
+                      template=TEMPLATE, height=450, legend=dict(orientation="h", x=0, y=1.12))
     return fig
 
 
@@ -439,7 +440,7 @@ def results_figure(tables: dict, title: str | None = None):
                              hovertemplate="%{x}: " + metric + " lost %{y:.3g}<extra></extra>"), row=1, col=col)
         fig.update_yaxes(type="log", dtick=1, title_text=f"{metric} {'lost' if higher else 'gained'} vs fp32 "
                                                 f"(log, lower is better)", row=1, col=col)
-    fig.update_layout(title=title or "What each PTQ method costs (colour: method)", template="plotly_white",
+    fig.update_layout(title=title or "What each PTQ method costs (colour: method)", template=TEMPLATE,
                       height=460)
     return fig
 

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workbench.plots.style import TEMPLATE
 from workbench.quantization.primitives import choose_qparams, qrange
 from workbench.quantization.qat import fake_quantize_ste
 from workbench.teach import Feedback, as_number, check
@@ -101,7 +102,7 @@ def ste_figure(curve, bits: int, scale: float, title: str | None = None):
     fig.update_yaxes(title_text="gradient", range=[-0.2, 1.2], row=1, col=2)
     fig.update_layout(title=title or f"Fake quantization (int{bits}, scale {scale:g}) and the straight-through "
                                      f"estimator; shaded: clamped, zero gradient",
-                      template="plotly_white", height=420, legend=dict(orientation="h", y=-0.2))
+                      template=TEMPLATE, height=420, legend=dict(orientation="h", y=-0.2))
     return fig
 
 
@@ -186,7 +187,7 @@ def curves_figure(curves: list[Curve], fp32: float, ptq: float, title: str | Non
     fig.update_yaxes(title_text="cross-entropy (log, lower is better)", type="log", dtick=1, row=1, col=1)
     fig.update_yaxes(title_text="accuracy (higher is better)", row=1, col=2)
     fig.update_layout(title=title or "QAT starts where PTQ ends and trains the loss back",
-                      template="plotly_white", height=430)
+                      template=TEMPLATE, height=430)
     return fig
 
 
@@ -285,7 +286,7 @@ def bits_figure(table, title: str | None = None):
     fig.update_layout(title=title or "Where QAT pays off: the fewer the bits, the more PTQ loses",
                       barmode="group", xaxis_title="weight bits (per output channel)",
                       yaxis=dict(title="test accuracy (higher is better)", range=[max(0.0, low - 0.1), 1.03]),
-                      template="plotly_white", height=420)
+                      template=TEMPLATE, height=420)
     return fig
 
 
@@ -324,7 +325,7 @@ def lsq_scales_figure(scales, title: str | None = None):
                                      f"min-max",
                       xaxis=dict(title="min-max scale of the trained weights", range=[lo, hi]),
                       yaxis=dict(title="learned scale", range=[lo, hi], scaleanchor="x"),
-                      template="plotly_white", height=460)
+                      template=TEMPLATE, height=460)
     return fig
 
 

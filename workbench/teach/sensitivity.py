@@ -22,6 +22,7 @@ from workbench.analysis.sweep import pareto
 from workbench.measurement.footprint import size_bytes
 from workbench.plans.apply import apply
 from workbench.plans.plan import Plan
+from workbench.plots.style import TEMPLATE
 from workbench.teach import Feedback, check
 
 __all__ = ["KEEP", "candidates", "layer_table", "evaluate", "options", "plan_bytes", "predicted", "to_plan",
@@ -123,7 +124,7 @@ def loss_figure(table, layers_table=None):
                                texttemplate="%{text}", colorbar=dict(title="loss")))
     fig.update_yaxes(autorange="reversed")
     fig.update_layout(title="Accuracy lost when only that layer is quantized", xaxis_title="candidate",
-                      template="plotly_white", height=380)
+                      template=TEMPLATE, height=380)
     return fig
 
 
@@ -195,7 +196,7 @@ def pareto_figure(plans, base: float, fp32_bytes: int, metric: str = "accuracy")
     fig.update_xaxes(type="log", title="bytes of the quantized layers (log scale; lower is better)")
     fig.update_yaxes(title=f"{metric} on the test split (higher is better)")
     fig.update_layout(title="Mixed bit-widths against uniform ones: measured (filled) and predicted (faded)",
-                      template="plotly_white", height=480)
+                      template=TEMPLATE, height=480)
     return fig
 
 

@@ -23,6 +23,7 @@ from typing import Mapping, Sequence
 import torch
 
 from workbench.plans.registry import Config
+from workbench.plots.style import TEMPLATE
 from workbench.ui.session import Cancelled, Session
 
 __all__ = ["Workbench"]
@@ -165,7 +166,7 @@ class Workbench:
 
         from workbench.ui.widgets import figure_widget
 
-        return figure_widget(layout=go.Layout(template="plotly_white", height=380, title=message))
+        return figure_widget(layout=go.Layout(template=TEMPLATE, height=380, title=message))
 
     def _series(self, kind: str) -> dict[str, list]:
         """The trade-off chart's data: every plan tried, the Pareto front, the latest point."""
@@ -227,7 +228,7 @@ class Workbench:
                   go.Scatter(x=d["lx"], y=d["ly"], mode="markers", name="current plan",
                              marker=dict(size=18, symbol="star", color="rgba(0,0,0,0)",
                                          line=dict(color="red", width=2)), hoverinfo="skip")],
-            layout=go.Layout(template="plotly_white", height=400, autosize=True, xaxis_title=x_title,
+            layout=go.Layout(template=TEMPLATE, height=400, autosize=True, xaxis_title=x_title,
                              xaxis_range=d["xrange"], yaxis_range=d["yrange"],
                              yaxis_title=f"{task.primary.name} ({better} is better)",
                              hoverlabel=dict(align="left"), margin=dict(l=70, r=20, t=50, b=40),

@@ -32,7 +32,6 @@ same code, not run on more than one GPU.
 """
 from __future__ import annotations
 
-import copy
 import json
 import os
 import pickle
@@ -238,17 +237,6 @@ def _decode(text: str) -> Any:
     return data["value"]
 
 
-def _empty_copy(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` whose parameters and persistent buffers are meta tensors (nothing copied); what the
-    FSDP workers other than rank 0 start from."""
-    memo: dict[int, Any] = {}
-    for t in model.state_dict(keep_vars=True).values():
-        if id(t) not in memo:
-            meta = torch.empty_like(t, device="meta")
-            memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
-    return copy.deepcopy(model, memo)
-
-
 def _shard_and_load(model: nn.Module, rank: int, device: torch.device) -> nn.Module:
     """FSDP start-up: only rank 0 holds the weights (the others hold meta tensors); every worker shards the
     model, the others allocate just their shards, and rank 0's full state is broadcast into them."""
@@ -305,6 +293,7 @@ def launch(fn: Callable, model: nn.Module, args: tuple, kwargs: dict, workers: i
     import torch.multiprocessing as mp
     from safetensors.torch import load_file
 
+    from workbench.plans.layers import empty_copy
     from workbench.tasks.base import model_device
 
     check_workers(workers)
@@ -322,7 +311,7 @@ def launch(fn: Callable, model: nn.Module, args: tuple, kwargs: dict, workers: i
     payload = pickle.dumps((model, args, kwargs))
     # FSDP: the workers other than rank 0 get the model's structure only (meta tensors), and their shards from
     # rank 0 (`_shard_and_load`): N workers hold one copy of the weights between them, not N
-    others = pickle.dumps((_empty_copy(model), args, kwargs)) if strategy == "fsdp" else payload
+    others = pickle.dumps((empty_copy(model), args, kwargs)) if strategy == "fsdp" else payload
     per_worker = threads or max(1, torch.get_num_threads() // workers)
     with tempfile.TemporaryDirectory(prefix="workbench-ddp-") as out_dir:
         mp.start_processes(_worker, args=(workers, _free_port(), fn, (payload, others), out_dir, per_worker, strategy,

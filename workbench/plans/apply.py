@@ -34,6 +34,7 @@ from workbench.plans.layers import (
     canonical_targets,
     canonicalize_for,
     capture_inputs,
+    empty_copy,
     record_plan,
     share_tied,
     skeleton_layer,
@@ -376,13 +377,7 @@ def build_skeleton(model: nn.Module, plans: Sequence[Plan], values: bool = True)
     ``values=False``: the copy's parameters and persistent buffers are meta tensors (nothing of ``model``'s
     weights is copied; what `wb.load` fills from a file), non-persistent buffers are copied."""
     _check_module(model)
-    memo: dict[int, Any] = {}
-    if not values:
-        for t in model.state_dict(keep_vars=True).values():
-            if id(t) not in memo:
-                meta = torch.empty_like(t, device="meta")
-                memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
-    target = copy.deepcopy(model, memo)
+    target = copy.deepcopy(model) if values else empty_copy(model)
     for plan in plans:
         if plan.fold_batchnorm:
             _fold(target)

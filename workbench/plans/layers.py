@@ -27,7 +27,7 @@ from workbench.plans.registry import Config, handler_for
 
 __all__ = ["ApplyError", "Transformed", "transform_layer", "skeleton_layer", "capture_inputs", "swap_layers",
            "tie_groups", "share_tied", "record_plan", "applied_plans", "PLANS_ATTR", "Batch", "default_configs",
-           "compressible_layers", "canonical_targets", "canonicalize_for", "canonical_view"]
+           "compressible_layers", "canonical_targets", "canonicalize_for", "canonical_view", "empty_copy"]
 
 PLANS_ATTR = "_workbench_plans"
 
@@ -120,6 +120,17 @@ def capture_inputs(model: nn.Module, names: Sequence[str], batches: Iterable[Bat
             h.remove()
         model.train(was_training)
     return records
+
+
+def empty_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` whose parameters and persistent buffers are meta tensors of the same shapes (none
+    of its weights copied; tensors shared in ``model`` stay shared); non-persistent buffers are copied."""
+    memo: dict[int, object] = {}
+    for t in model.state_dict(keep_vars=True).values():
+        if id(t) not in memo:
+            meta = torch.empty_like(t, device="meta")
+            memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
 
 
 def swap_layers(model: nn.Module, replacements: Mapping[str, nn.Module]) -> dict[str, nn.Module]:

@@ -176,13 +176,10 @@ def estimate_calibration(model: nn.Module, plan, calibration: Iterable[Any], *, 
         work_bytes = max(work_bytes, int(layer_bytes))
         algorithm_s += layer_s
     peak = copy_bytes + max(capture_peak + recorded - per_batch, recorded + work_bytes)
-    blocks = _sequential_blocks(model, needing, batches, pipeline)
+    blocks, chain_peak = _sequential_blocks(model, needing, batches, pipeline)
     if blocks is not None:
-        from workbench.plans.sequential import runs_as_chain
-
         hidden, kept = _block_bytes(model, needing, blocks, batches, records, scale)
-        # the one full pass it makes checks the chain of blocks on one batch and stops after the last block
-        capture_peak = peak_allocated_during(functools.partial(runs_as_chain, model, blocks, batches[0]))
+        capture_peak = chain_peak   # its one full pass checks the chain on one batch, stopping after the last block
         peak = copy_bytes + max(capture_peak, hidden + kept + work_bytes)
         recorded = hidden + kept
     parts = {"model copy bytes": copy_bytes, "pipeline": "sequential" if blocks is not None else "original",
@@ -193,15 +190,18 @@ def estimate_calibration(model: nn.Module, plan, calibration: Iterable[Any], *, 
 
 
 def _sequential_blocks(model: nn.Module, needing, batches, pipeline):
-    """The block list `wb.apply` would calibrate block by block (None: the original pipeline runs)."""
+    """(the block list `wb.apply` would calibrate block by block, the peak of checking that they run as a chain on
+    one batch); (None, 0) when the original pipeline runs."""
     from workbench.plans.sequential import Pipeline, find_blocks, runs_as_chain
 
     if Pipeline.of(pipeline) is not Pipeline.SEQUENTIAL:
-        return None
+        return None, 0
     blocks = find_blocks(model, [a.name for a in needing])
-    if blocks is None or runs_as_chain(model, blocks, batches[0]) is not None:
-        return None
-    return blocks
+    if blocks is None:
+        return None, 0
+    why: list = []
+    peak = peak_allocated_during(lambda: why.append(runs_as_chain(model, blocks, batches[0])))
+    return (blocks, peak) if why[0] is None else (None, 0)
 
 
 def _block_bytes(model: nn.Module, needing, blocks, batches, records, scale: float) -> tuple[int, int]:

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from workbench.measurement.latency import threads_option
 
-__all__ = ["fit_classifier", "train_epoch", "optimizer_step", "one_cycle"]
+__all__ = ["fit_classifier", "train_epoch", "epoch_batches", "optimizer_step", "one_cycle"]
 
 
 def one_cycle(params, *, lr: float, weight_decay: float, total_steps: int, optimizer_cls=torch.optim.AdamW):
@@ -55,17 +55,25 @@ def train_epoch(model: nn.Module, opt, sched, n: int, batch_size: int, generator
 
     ``where = (rank, world)`` inside a data-parallel worker: each global batch of ``batch_size`` is shared
     between the workers (`distributed.shard`) and the loss reported is the global batch's."""
+    model.train()
+    total = 0.0
+    for idx, weight, size in epoch_batches(n, batch_size, generator, where):
+        total += optimizer_step(batch_loss(idx), opt, sched, weight=weight, where=where) * size
+    return total / n
+
+
+def epoch_batches(n: int, batch_size: int, generator: torch.Generator, where: tuple[int, int] = (0, 1)):
+    """The batches of one epoch over ``n`` samples in a random order (``randperm`` from ``generator``), as
+    ``(idx, weight, global_size)``: this worker's indices of each global batch (`distributed.shard`), its weight
+    in the global mean and the global batch's size. Every trainer here walks its epochs with it."""
     from workbench.distributed import shard
 
-    model.train()
     perm = torch.randperm(n, generator=generator)
-    total = 0.0
     for i in range(0, n, batch_size):
         idx, weight = shard(perm[i:i + batch_size], where)
         if len(idx) == 0:       # a short last batch leaves this worker nothing: it joins with zero weight
             idx, weight = perm[i:i + 1], 0.0
-        total += optimizer_step(batch_loss(idx), opt, sched, weight=weight, where=where) * len(perm[i:i + batch_size])
-    return total / n
+        yield idx, weight, len(perm[i:i + batch_size])
 
 
 @threads_option

@@ -22,6 +22,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from workbench.measurement.latency import threads_option
+from workbench.training import epoch_batches, one_cycle
 
 __all__ = ["PRECISIONS", "AmpStep", "fit_mixed", "compare_precisions"]
 
@@ -92,17 +93,15 @@ def fit_mixed(model: nn.Module, task, *, precision: str = "fp32", epochs: int = 
     device = model_device(model)   # the task's arrays live on the CPU; the model may be on a GPU
     x = torch.as_tensor(split.x_train).to(device)
     y = torch.as_tensor(split.y_train).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=epochs * math.ceil(len(x) / batch_size))
-    step = AmpStep(model, opt, precision)
+    opt, sched = one_cycle(model.parameters(), lr=lr, weight_decay=1e-4,
+                           total_steps=epochs * math.ceil(len(x) / batch_size))
+    step = AmpStep(model, opt, precision)   # the update: autocast forward, scaled backward, skipped on Inf/NaN
     times = []
     model.train()
     peak = None
     try:
         for _ in tqdm(range(epochs), desc=f"train {precision}", disable=not progress, leave=False):
-            perm = torch.randperm(len(x), generator=g)
-            for i in range(0, len(x), batch_size):
-                idx = perm[i:i + batch_size]
+            for idx, _, _ in epoch_batches(len(x), batch_size, g):
                 if peak is None and len(idx) == batch_size:
                     peak = size_bytes(model) + _train_step_peak(model, step, x[idx], y[idx])
                 else:

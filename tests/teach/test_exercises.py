@@ -17,6 +17,9 @@ from workbench.teach import precision as PR
 from workbench.teach import pruning as PN
 from workbench.teach import ptq as PT
 from workbench.teach import qat as Q
+from workbench.teach.formats.checks import _decode_fields
+from workbench.teach.precision.checks import _scaler_variant
+from workbench.teach.ptq.checks import _alpha_search
 
 
 def _g(seed=0):
@@ -86,7 +89,7 @@ def _global_weights():
 # (exercise id, check(answer) -> Feedback, a plausible wrong implementation (a function of nothing), hint words)
 CASES = [
     ("10 e4m3 decoder", lambda a: F.check_e4m3_decode(a, torch.arange(256)),
-     lambda: F._decode_fields(torch.arange(256), subnormals=False), "subnormal"),
+     lambda: _decode_fields(torch.arange(256), subnormals=False), "subnormal"),
     ("10 int8 round trip", lambda a: F.check_int8_round_trip(a, _weight()),
      lambda: (lambda w: (w / (w.abs().max() / 127)).round().clamp(-128, 127) * (w.abs().max() / 127))(_weight()),
      "restricted range"),
@@ -104,8 +107,8 @@ CASES = [
      lambda: (lambda b: (b.W / b.scale[:, None]).round().clamp(b.qmin, b.qmax) * b.scale[:, None])(
          PT.gptq_block(*_layer(), bits=3)), "round-to-nearest"),
     ("12 AWQ alpha", lambda a: PT.check_awq_alpha(a, *_layer(), bits=3, group_size=16),
-     lambda: PT._alpha_search(*_layer(), wb.quant.formats.IntFormat(3, 16), _layer()[1].abs().mean(0),
-                              on_weights=True), "*weights*"),
+     lambda: _alpha_search(*_layer(), wb.quant.formats.IntFormat(3, 16), _layer()[1].abs().mean(0),
+                           on_weights=True), "*weights*"),
     ("12 SmoothQuant migration", lambda a: PT.check_smoothing(a, _layer()[1], _layer()[0], 0.5),
      lambda: (lambda X, W, s: (X * s, W / s))(_layer()[1], _layer()[0],
                                               _layer()[1].abs().amax(0) ** 0.5 / _layer()[0].abs().amax(0) ** 0.5),
@@ -139,7 +142,7 @@ CASES = [
      lambda: [float((GRADS40[GRADS40 != 0] * s < 2.0 ** -14).float().mean()) for s in (1.0, 2.0 ** 8)],
      "subnormals as lost"),
     ("40 GradScaler", lambda a: PR.check_grad_scaler(a, PEAKS40, 2.0 ** 20, 3),
-     lambda: PR._scaler_variant(PEAKS40, 2.0 ** 20, 3, reset_on_skip=False), "*in a row*"),
+     lambda: _scaler_variant(PEAKS40, 2.0 ** 20, 3, reset_on_skip=False), "*in a row*"),
     ("50 int4 pack", lambda a: K.check_int4_pack(a, CODES), lambda: (CODES[:, 0::2] << 4) | CODES[:, 1::2],
      "swapped"),
     ("50 int4 linear", lambda a: K.check_int4_linear(a, X50, _int4_stored(), 32),

@@ -9,6 +9,7 @@ from torch import nn
 import workbench as wb
 from workbench.quantization import primitives as P
 from workbench.teach import formats as F
+from workbench.teach.formats.checks import _decode_fields
 
 
 @pytest.fixture(autouse=True)
@@ -139,12 +140,12 @@ def test_check_int8_round_trip():
 def test_check_e4m3_decode():
     codes = torch.arange(256)
     assert F.check_e4m3_decode(codes.to(torch.uint8).view(torch.float8_e4m3fn).float(), codes).passed
-    assert "subnormal" in F.check_e4m3_decode(F._decode_fields(codes, subnormals=False), codes).hint
-    assert "bias" in F.check_e4m3_decode(F._decode_fields(codes, bias=8), codes).hint
-    fb = F.check_e4m3_decode(F._decode_fields(codes, nan_top=False), codes)
+    assert "subnormal" in F.check_e4m3_decode(_decode_fields(codes, subnormals=False), codes).hint
+    assert "bias" in F.check_e4m3_decode(_decode_fields(codes, bias=8), codes).hint
+    fb = F.check_e4m3_decode(_decode_fields(codes, nan_top=False), codes)
     assert fb.status == "failed" and "NaN" in fb.hint and "expected nan, found 480" in fb.message
-    assert "IEEE" in F.check_e4m3_decode(F._decode_fields(codes, inf_top=True), codes).hint
-    assert "sign bit" in F.check_e4m3_decode(F._decode_fields(codes).abs(), codes).hint
+    assert "IEEE" in F.check_e4m3_decode(_decode_fields(codes, inf_top=True), codes).hint
+    assert "sign bit" in F.check_e4m3_decode(_decode_fields(codes).abs(), codes).hint
 
 
 def test_check_loses_small_values():

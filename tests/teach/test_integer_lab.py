@@ -10,6 +10,7 @@ import workbench as wb
 from workbench.models.architectures import DigitsMLP
 from workbench.quantization import integer as I
 from workbench.teach import integer as L
+from workbench.teach.integer.checks import _solution_rounding_shift
 
 
 @pytest.fixture(autouse=True)
@@ -184,7 +185,7 @@ def test_check_integer_linear(lab):
 
 
 def test_solution_sources_read_as_a_learner_writes_them():
-    src = wb.teach.solution_source(L._solution_rounding_shift)
+    src = wb.teach.solution_source(_solution_rounding_shift)
     assert src.endswith("answer = torch.where(x < 0, -magnitude, magnitude)")
     fb = L.check_rounding_shift(torch.zeros(3, dtype=torch.long), torch.tensor([5, -5, 6]), 2)
     assert "Show solution" in fb._repr_html_()

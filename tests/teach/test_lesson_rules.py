@@ -1,6 +1,6 @@
 """The exercise convention, checked on the committed lessons: an exercise cell holds only the learner's line and
-the check; the worked solutions live in the lesson modules (none of their code appears in a notebook); each
-lesson turns solutions on once, after its parameters, and ends with a visible summary before the record."""
+the check; the worked solutions live in the lessons' ``checks`` modules (none of their code appears in a notebook);
+each lesson turns solutions on once, after its parameters, and ends with a visible summary before the record."""
 import ast
 import inspect
 from pathlib import Path
@@ -52,7 +52,7 @@ def test_exercise_cells_hold_only_the_learners_line_and_the_check(stem):
 
 @pytest.mark.parametrize("stem", sorted(LESSONS))
 def test_no_worked_solution_code_in_the_notebook(stem):
-    module = getattr(teach, LESSONS[stem])
+    module = getattr(teach, LESSONS[stem]).checks            # the lesson's exercises: worked solutions and checks
     solution = _solution_lines(module)
     assert solution, f"{module.__name__} has no worked solutions"
     source = "\n".join(c.source for c in _code_cells(stem))
@@ -88,7 +88,7 @@ def test_every_worked_solution_runs_with_the_notebooks_names(stem):
     import builtins
 
     defined = set(dir(builtins)) | _assigned(ast.parse("\n".join(c.source for c in _code_cells(stem))))
-    module = getattr(teach, LESSONS[stem])
+    module = getattr(teach, LESSONS[stem]).checks
     for name, fn in inspect.getmembers(module, inspect.isfunction):
         if name.startswith("_solution_") and fn.__module__ == module.__name__:
             tree = ast.parse(teach.solution_source(fn))

@@ -8,6 +8,7 @@ from workbench.quantization import formats as fm
 from workbench.quantization.awq import awq_search
 from workbench.quantization.gptq import gptq_quantize
 from workbench.quantization.smoothquant import activation_absmax, smoothing_factors
+from workbench.teach.ptq.checks import _alpha_search
 
 P = wb.teach.ptq
 LAYER = "h.1.mlp.c_fc"   # tiny-lm: 192 -> 768
@@ -214,7 +215,7 @@ def test_awq_alpha_check():
     best = float(grid.loc[grid["relative_error"].idxmin(), "alpha"])
     assert 0 < best                                                  # the salient channels make alpha > 0 pay
     assert P.check_awq_alpha(best, W, X, bits=3, group_size=16).passed
-    on_weights = P._alpha_search(W, X, fm.IntFormat(3, 16), X.abs().mean(0), on_weights=True)
+    on_weights = _alpha_search(W, X, fm.IntFormat(3, 16), X.abs().mean(0), on_weights=True)
     assert on_weights != best
     fb = P.check_awq_alpha(on_weights, W, X, bits=3, group_size=16)
     assert fb.status == "failed" and "error of the *weights*" in fb.hint

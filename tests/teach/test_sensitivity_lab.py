@@ -12,6 +12,7 @@ import torch
 import workbench as wb
 from workbench.analysis import solve
 from workbench.teach import sensitivity as S
+from workbench.teach.sensitivity import checks, figures
 
 
 @pytest.fixture(autouse=True)
@@ -102,10 +103,10 @@ def test_worked_greedy_matches_the_reference_and_the_exact_solutions_are_optimal
     opts = _random_opts(seed)
     smallest, largest = (sum(c[i][2] for c in opts.values()) for i in (-1, 0))
     for budget in (smallest, (smallest + largest) / 6, largest / 2):
-        assert S._solution_greedy(opts, budget) == S._greedy_reference(opts, budget)
+        assert checks._solution_greedy(opts, budget) == figures._greedy_reference(opts, budget)
         optimum = _brute_force(opts, budget)
-        assert S._totals(opts, S._solution_knapsack(opts, budget)) == optimum
-        assert S._totals(opts, solve(opts, budget)) == optimum
+        assert figures._totals(opts, checks._solution_knapsack(opts, budget)) == optimum
+        assert figures._totals(opts, solve(opts, budget)) == optimum
 
 
 def test_check_scan(lab):
@@ -156,8 +157,8 @@ def test_check_greedy_rejects_greedy_by_loss_alone():
             "small": [("keep", 0.0, 400), ("int8", 0.0, 100), ("int2", 0.001, 25)],
             "mid": [("keep", 0.0, 4000), ("int8", 0.001, 1000), ("int2", 0.003, 250)]}
     budget = 11200
-    by_loss = S._by_loss_greedy(opts, budget)
-    assert by_loss != S._greedy_reference(opts, budget)
+    by_loss = checks._by_loss_greedy(opts, budget)
+    assert by_loss != figures._greedy_reference(opts, budget)
     fb = S.check_greedy(by_loss, opts, budget)
     assert fb.status == "failed" and "per byte saved" in fb.hint
     assert _solved(S.check_greedy, opts, budget).passed
@@ -169,14 +170,14 @@ def _greedy_is_not_optimal():
         opts = _random_opts(seed, layers=4)
         smallest, largest = (sum(c[i][2] for c in opts.values()) for i in (-1, 0))
         for budget in (smallest * 1.05, smallest * 1.3, (smallest + largest) / 8, (smallest + largest) / 4):
-            if S._totals(opts, S._greedy_reference(opts, budget)) != _brute_force(opts, budget):
+            if figures._totals(opts, figures._greedy_reference(opts, budget)) != _brute_force(opts, budget):
                 return opts, budget
     raise AssertionError("no instance where greedy is suboptimal")
 
 
 def test_check_knapsack_accepts_any_optimum_and_rejects_greedy_and_over_budget_plans():
     opts, budget = _greedy_is_not_optimal()
-    greedy = S._greedy_reference(opts, budget)
+    greedy = figures._greedy_reference(opts, budget)
     fb = S.check_knapsack(greedy, opts, budget)
     assert fb.status == "failed" and "greedy" in fb.hint
     over = {layer: "keep" for layer in opts}

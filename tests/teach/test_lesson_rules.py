@@ -15,7 +15,7 @@ LESSONS = {"10_number_formats": "formats", "11_quantization_basics": "basics", "
            "13_qat": "qat", "20_pruning": "pruning", "30_distillation": "distillation",
            "40_mixed_precision": "precision", "41_fp8_recipes": "fp8", "50_kernels": "kernels",
            "14_integer_only": "integer", "15_sensitivity_bits": "sensitivity", "21_pruning_beyond": "gradual",
-           "60_llm_decode": "llm"}
+           "60_llm_decode": "llm", "31_lm_distillation": "lm_distillation"}
 
 
 def _code_cells(stem):

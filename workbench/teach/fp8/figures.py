@@ -11,6 +11,7 @@ from torch import nn
 
 from workbench.plots.style import TEMPLATE
 from workbench.precision.fp8 import Fp8Recipe, Fp8State, fp8_layers, fp8_restore, fp8_training
+from workbench.training import epoch_batches, optimizer_step
 
 __all__ = ["FP8", "format_table", "step_tensors", "zero_fraction", "amax_trace", "saturating_steps", "train_recipes",
            "amax_figure", "recipe_figure"]
@@ -89,16 +90,12 @@ def amax_trace(model: nn.Module, task, layer: str, epochs: int = 1, batch_size: 
         lambda m, args, out: trace.append(float(args[0].detach().abs().max())))
     split = task.split
     xs, ys = torch.as_tensor(split.x_train, dtype=torch.float32), torch.as_tensor(split.y_train, dtype=torch.long)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)          # a constant learning rate: no schedule
     g = torch.Generator().manual_seed(seed)
     try:
         for _ in range(epochs):
-            order = torch.randperm(len(xs), generator=g)
-            for i in range(0, len(order), batch_size):
-                idx = order[i:i + batch_size]
-                opt.zero_grad(set_to_none=True)
-                F.cross_entropy(model(xs[idx]), ys[idx]).backward()
-                opt.step()
+            for idx, _, _ in epoch_batches(len(xs), batch_size, g):
+                optimizer_step(F.cross_entropy(model(xs[idx]), ys[idx]), opt)
     finally:
         handle.remove()
     return trace

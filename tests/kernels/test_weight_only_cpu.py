@@ -140,3 +140,17 @@ def test_measure_reports_tokens_per_s_for_causal_lms_only():
     assert m.tokens_per_s > 0 and m.to_dict()["tokens_per_s"] == m.tokens_per_s
     with pytest.raises(ValueError, match="not a causal language model"):
         wb.measure(wb.models.load("digits-mlp"), "digits", quick=True, progress=False, generate_tokens=2)
+
+
+def test_the_path_crossover_follows_the_weights_size():
+    """Small weights (decoded whole and kept in cache for cheap) switch to decode + GEMM after a few rows, large
+    ones after 16 (the crossovers measured in workbench/kernels/README.md); the default call takes exactly the
+    path its weight's `prefill_rows` names."""
+    assert wk.prefill_rows_for(192, 192) == 2 and wk.prefill_rows_for(576, 192) == 3
+    assert wk.prefill_rows_for(512, 512) == 7 and wk.prefill_rows_for(4096, 4096) == wk.PREFILL_ROWS == 16
+    _, w, _ = _layer(fm.IntFormat(4, 64), 192, 192)
+    assert w.prefill_rows == 2
+    for M in (2, 3):
+        x = torch.randn(M, 192)
+        path = wk.weight_only_linear_cpu(x, w, prefill_rows=10 ** 6 if M <= 2 else 0)
+        assert torch.equal(wk.weight_only_linear_cpu(x, w), path)

@@ -7,7 +7,8 @@ The math (the numbers of ``WeightOnlyLinear``'s reference path, fp32)::
     w[n, k] = nf4[u[n, k]] * s[n, g]               NF4
     y[m, n] = sum_k x[m, k] w[n, k] + bias[n]
 
-Two paths, picked per call by the number of rows M of x (``prefill_rows``, default `PREFILL_ROWS`):
+Two paths, picked per call by the number of rows M of x (``prefill_rows``; default `prefill_rows_for` the
+weight's size, `CpuWeight.prefill_rows`):
 
 - **decode** (M <= prefill_rows): output rows are split across threads; each decodes one weight row into an
   L1-resident fp32 buffer (unpack the codes, subtract the zero, scale: the reference's fp32 operations, in its
@@ -58,6 +59,7 @@ __all__ = [
     "linear_unchecked",
     "load_extension",
     "pack",
+    "prefill_rows_for",
     "reference",
     "supports",
     "weight_only_linear_cpu",
@@ -73,6 +75,16 @@ _NAME = "workbench_weight_only_cpu"
 # GEMM ~0.6 ms per row plus the decode (~25 ms for int4): the paths cross near 16 rows (a per-row dot product
 # that streams x from L2 cannot match a blocked GEMM).
 PREFILL_ROWS = 16
+# A small weight is cheap to decode whole, and its fp32 copy stays in cache: the decode path's unblocked dot
+# products lose to decode + GEMM at far fewer rows. Measured crossovers on this machine (one thread, int4 g64 and
+# int8, interleaved medians; workbench/kernels/README.md): 192 x 192 and 576 x 192 near 3 rows, 512 x 512 near 5,
+# 1024 x 512 above 6, 4096 x 4096 near 16 - about one row per `_VALUES_PER_ROW` weight values, between 2 and 16.
+_VALUES_PER_ROW = 40_000
+
+
+def prefill_rows_for(N: int, K: int) -> int:
+    """The rows of x up to which the decode path runs for an (N, K) weight: ~N*K / 40k, clamped to [2, 16]."""
+    return max(2, min(PREFILL_ROWS, round(N * K / _VALUES_PER_ROW)))
 
 
 @dataclass(frozen=True)
@@ -91,6 +103,11 @@ class CpuWeight:
     @property
     def N(self) -> int:
         return self.qweight.shape[0]
+
+    @property
+    def prefill_rows(self) -> int:
+        """Rows of x up to which the decode path runs by default (`prefill_rows_for` this weight's size)."""
+        return prefill_rows_for(self.N, self.K)
 
 
 def supports(fmt) -> bool:
@@ -152,15 +169,18 @@ def cpu_isa() -> str:
     return load_extension().cpu_isa()
 
 
-def linear_unchecked(x: torch.Tensor, w: CpuWeight, bias: torch.Tensor | None, prefill_rows: int = PREFILL_ROWS,
+def linear_unchecked(x: torch.Tensor, w: CpuWeight, bias: torch.Tensor | None, prefill_rows: int | None = None,
                      isa: str = "auto") -> torch.Tensor:
     """`weight_only_linear_cpu` without its argument checks (for `WeightOnlyLinear`, whose tensors are known
     good)."""
     x2 = x.reshape(-1, w.K)                                               # (M, K)
+    if prefill_rows is None:
+        prefill_rows = w.prefill_rows
     ext = load_extension()
-    if x2.dtype == torch.bfloat16 and x2.shape[0] > prefill_rows and _native_bf16():
+    if x2.dtype == torch.bfloat16 and x2.shape[0] > max(prefill_rows, PREFILL_ROWS) and _native_bf16():
         # bf16 prefill on a CPU with bf16 arithmetic: the reference's math (weight decoded in fp32, rounded to
-        # bf16, bf16 GEMM), block by block; several times faster than fp32 there (workbench/kernels/README.md)
+        # bf16, bf16 GEMM), block by block; several times faster than fp32 there (workbench/kernels/README.md).
+        # Only above PREFILL_ROWS rows whatever the weight's size: fewer bf16 rows compute in fp32, as documented
         x2 = x2.contiguous()
         if bias is not None:
             bias = bias.to(torch.bfloat16).contiguous()
@@ -179,9 +199,10 @@ def linear_unchecked(x: torch.Tensor, w: CpuWeight, bias: torch.Tensor | None, p
 
 
 def weight_only_linear_cpu(x: torch.Tensor, w: CpuWeight, bias: torch.Tensor | None = None, *,
-                           prefill_rows: int = PREFILL_ROWS, isa: str = "auto") -> torch.Tensor:
+                           prefill_rows: int | None = None, isa: str = "auto") -> torch.Tensor:
     """``y (..., N)`` in x's dtype = x ``(..., K)`` times the weight held in ``w`` (from `pack`), plus ``bias``.
-    ``prefill_rows`` (rows of x up to which the decode path runs) and ``isa`` exist for tests and tuning.
+    ``prefill_rows`` (rows of x up to which the decode path runs; None: `CpuWeight.prefill_rows`) and ``isa``
+    exist for tests and tuning.
     Inference only: no autograd graph is recorded."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dtype not in (
             torch.float32, torch.float16, torch.bfloat16):
@@ -194,7 +215,8 @@ def weight_only_linear_cpu(x: torch.Tensor, w: CpuWeight, bias: torch.Tensor | N
                          f"{w.qweight.device}")
     if bias is not None and tuple(bias.shape) != (w.N,):
         raise ValueError(f"{_OP}: bias must have shape ({w.N},), got {tuple(bias.shape)}")
-    if isinstance(prefill_rows, bool) or not isinstance(prefill_rows, int) or prefill_rows < 0:
+    if prefill_rows is not None and (isinstance(prefill_rows, bool) or not isinstance(prefill_rows, int)
+                                     or prefill_rows < 0):
         raise ValueError(f"{_OP}: prefill_rows must be an int >= 0, got {prefill_rows!r}")
     if isa not in ISAS:
         raise ValueError(f"{_OP}: isa must be one of {ISAS}, got {isa!r}")

@@ -1,4 +1,5 @@
 """Knowledge distillation: the loss, its checks, KD vs hard labels, recovery of compressed models, MiniLM."""
+import copy
 import warnings
 
 import pytest
@@ -140,3 +141,19 @@ def test_feature_distillation_with_projection():
     assert not student.fc1._forward_hooks and not teacher.fc1._forward_hooks   # hooks removed
     with pytest.raises(ValueError, match="has no layer 'fc9'"):
         wb.distill.fit(student, teacher, task, epochs=1, features={"fc9": "fc1"}, progress=False)
+
+
+def test_feature_distillation_is_reproducible_whatever_the_global_rng():
+    """The learned projections are initialised from ``seed``, not from the caller's (or a worker's) RNG state."""
+    task = wb.tasks.load("digits")
+    teacher = wb.models.load("digits-cnn")
+    torch.manual_seed(0)
+    base = DigitsCNN(channels=(16, 32, 32), hidden=64)
+    runs = []
+    for rng in (1, 2):
+        student = copy.deepcopy(base)
+        torch.manual_seed(rng)
+        wb.distill.fit(student, teacher, task, epochs=1, lr=3e-3, alpha=0.9, features={"fc1": "fc1"},
+                       patience=None, progress=False)
+        runs.append(student.state_dict())
+    assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])

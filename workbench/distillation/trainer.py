@@ -124,8 +124,10 @@ def fit(student: nn.Module, teacher: nn.Module, task, *, epochs: int = 10, lr: f
             teacher(x[:2])
         for s_name, t_name in features.items():
             ds, dt = _flat_features(s_taps.out[s_name]).shape[-1], _flat_features(t_taps.out[t_name]).shape[-1]
-            if ds != dt:
-                projections[s_name.replace(".", "_")] = Projection(ds, dt)
+            if ds != dt:    # initialised from ``seed``: the same in every worker and every run
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(seed + len(projections))
+                    projections[s_name.replace(".", "_")] = Projection(ds, dt)
             proj_for[s_name] = projections[s_name.replace(".", "_")] if ds != dt else None
 
     if len(projections) and distributed.strategy_here() == "fsdp":

@@ -209,3 +209,33 @@ def test_fsdp_digits_cnn_reaches_single_process_accuracy_and_lm_embedding_distil
     np.testing.assert_allclose(runs[2][0]["train_loss"], runs[1][0]["train_loss"], rtol=1e-4)
     for a, b in zip(runs[1][1].parameters(), runs[2][1].parameters()):
         torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize("loss, strategy", [("forward_kl", "ddp"), ("sequence", "ddp"),
+                                            pytest.param("reverse_kl", "fsdp", marks=pytest.mark.slow)])
+def test_lm_distillation_with_two_workers_matches_one_process(loss, strategy):
+    """`wb.distill.fit_lm(workers=2)`: each global batch of windows (or teacher sequences) is split between the
+    workers; the losses step for step and the trained student equal one process's."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    teacher = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=56, num_hidden_layers=1,
+                                           num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                                           max_position_embeddings=32, pad_token_id=0)).eval()
+    rng = np.random.default_rng(0)
+    texts = [" ".join(str(int(v)) for v in rng.integers(1, 64, size=60)) for _ in range(10)]
+    task = wb.tasks.CausalLM(texts, lambda s: [int(v) for v in s.split()], block_size=12)
+    runs = {}
+    for workers in (1, 2):
+        torch.manual_seed(2)
+        student = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=64, n_positions=32,
+                                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))   # no dropout
+        history = wb.distill.fit_lm(student, teacher, task, loss=loss, steps=6, lr=1e-2, batch_size=4,
+                                    sequences=8, prompt_tokens=4, workers=workers, strategy=strategy,
+                                    progress=False)
+        runs[workers] = (history, student)
+    np.testing.assert_allclose(runs[2][0]["loss"], runs[1][0]["loss"], rtol=1e-4)
+    for a, b in zip(runs[1][1].parameters(), runs[2][1].parameters()):
+        torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-3)
+    with pytest.raises(ValueError, match="batch_size=1 cannot be shared by 2 workers"):
+        wb.distill.fit_lm(student, teacher, task, batch_size=1, workers=2, progress=False)

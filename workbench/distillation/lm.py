@@ -159,18 +159,31 @@ def teacher_sequences(teacher: nn.Module, task, n: int, *, prompt_tokens: int = 
 def fit_lm(student: nn.Module, teacher: nn.Module, task, *, loss: str = "forward_kl", steps: int = 200,
            lr: float = 1e-3, batch_size: int = 8, alpha: float = 1.0, temperature: float = 1.0, seed: int = 0,
            weight_decay: float = 0.0, sequences: int = 256, prompt_tokens: int = 16, decoding: str = "sample",
-           progress: bool = True):
+           progress: bool = True, workers: int = 1, strategy: str = "ddp"):
     """See the module docstring. ``steps`` optimizer steps on batches of ``batch_size`` windows of the task's
     block size. For ``loss="sequence"``: ``sequences`` teacher continuations of ``prompt_tokens``-token prompts
-    (``decoding`` "sample" or "greedy"), generated once before training. Returns a DataFrame (step, loss) of
-    the training loss every step."""
+    (``decoding`` "sample" or "greedy"), generated once before training. ``workers``: data-parallel processes
+    sharing each global batch, replicating the student (``strategy="ddp"``) or sharding it (``"fsdp"``,
+    `workbench.distributed`); every worker holds the teacher. Returns a DataFrame (step, loss) of the training
+    loss every step."""
     import pandas as pd
 
+    from workbench import distributed
     from workbench.tasks.base import check_model, model_device
 
     if loss not in LM_LOSSES:
         raise ValueError(f"loss must be one of {LM_LOSSES}, got {loss!r}")
     check_kd_args(alpha, temperature)
+    distributed.check_strategy(strategy)
+    if distributed.check_workers(workers) > 1 and not distributed.is_worker():
+        if isinstance(batch_size, int) and batch_size < workers:
+            raise ValueError(f"batch_size={batch_size} cannot be shared by {workers} workers: use batch_size >= "
+                             f"workers (each global batch is split between them)")
+        token_stream(task)                               # a task it cannot train on is refused before spawning
+        return distributed.launch(fit_lm, student, (teacher, task), dict(
+            loss=loss, steps=steps, lr=lr, batch_size=batch_size, alpha=alpha, temperature=temperature, seed=seed,
+            weight_decay=weight_decay, sequences=sequences, prompt_tokens=prompt_tokens, decoding=decoding,
+            progress=progress), workers, strategy=strategy)
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive int, got {steps!r}")
     if not isinstance(batch_size, int) or batch_size < 1:
@@ -191,22 +204,28 @@ def fit_lm(student: nn.Module, teacher: nn.Module, task, *, loss: str = "forward
     if int(ids.max()) >= s_shape[-1]:
         raise ValueError(f"token id {int(ids.max())} of the task is outside the models' vocabulary of {s_shape[-1]}")
     seqs = None
-    if loss == "sequence":
+    if loss == "sequence":   # (every worker writes the same sequences: the same seed and teacher)
         seqs = teacher_sequences(teacher, task, sequences, prompt_tokens=prompt_tokens, decoding=decoding,
-                                 seed=seed, progress=progress)
+                                 seed=seed, progress=progress and not distributed.is_worker())
     g = torch.Generator().manual_seed(seed)
-    params = [p for p in student.parameters() if p.requires_grad]
-    if not params:
+    if not any(p.requires_grad for p in student.parameters()):
         raise ValueError("the student has no trainable parameters")
+    net, where = distributed.prepare(student)      # (before the optimizer: FSDP replaces the parameters)
+    params = [p for p in student.parameters() if p.requires_grad]
     opt, sched = one_cycle(params, lr=lr, weight_decay=weight_decay, total_steps=steps)
     gen_mask = torch.arange(block) >= prompt_tokens - 1            # targets the teacher wrote, not the prompt
+    weight = 1.0
 
     def batch_loss() -> torch.Tensor:
+        # every worker draws the same global batch from ``g`` and computes on its share (weight: its part of the
+        # global mean), so one process and N workers take the same steps
+        nonlocal weight
         total = torch.zeros((), device=device)
         if loss != "sequence" or alpha < 1:
-            starts = torch.randint(0, len(ids) - block - 1, (batch_size,), generator=g).numpy()
-            w = _windows(ids, starts, block + 1).to(device)          # (B, T + 1)
-            s_logits = _logits(student, w[:, :-1], "student")        # (B, T, V)
+            starts = torch.randint(0, len(ids) - block - 1, (batch_size,), generator=g)
+            starts, weight = distributed.shard(starts, where)
+            w = _windows(ids, starts.numpy(), block + 1).to(device)  # (b, T + 1)
+            s_logits = _logits(net, w[:, :-1], "student")            # (b, T, V)
             if alpha < 1:
                 ce = F.cross_entropy(s_logits.float().transpose(1, 2), w[:, 1:])
                 total = total + (1 - alpha) * ce
@@ -217,8 +236,9 @@ def fit_lm(student: nn.Module, teacher: nn.Module, task, *, loss: str = "forward
                 total = total + alpha * lm_kl(s_logits, t_logits, direction, temperature)
         if loss == "sequence" and alpha > 0:
             rows = torch.randint(0, len(seqs), (batch_size,), generator=g)
-            w = seqs[rows].to(device)                                # (B, T + 1)
-            s_logits = _logits(student, w[:, :-1], "student")
+            rows, weight = distributed.shard(rows, where)
+            w = seqs[rows].to(device)                                # (b, T + 1)
+            s_logits = _logits(net, w[:, :-1], "student")
             ce = F.cross_entropy(s_logits.float().transpose(1, 2), w[:, 1:], reduction="none")   # (B, T)
             total = total + alpha * ce[:, gen_mask.to(device)].mean()
         return total
@@ -227,9 +247,11 @@ def fit_lm(student: nn.Module, teacher: nn.Module, task, *, loss: str = "forward
     teacher.eval()
     student.train()
     try:
-        for step in tqdm(range(1, steps + 1), desc=f"distill ({loss})", disable=not progress, leave=False):
+        for step in tqdm(range(1, steps + 1), desc=f"distill ({loss})", disable=not progress or where[0] > 0,
+                         leave=False):
             try:
-                value = optimizer_step(batch_loss(), opt, sched, clip=1.0, params=params)
+                batch = batch_loss()
+                value = optimizer_step(batch, opt, sched, weight=weight, where=where, clip=1.0, params=params)
             except FloatingPointError as e:
                 warnings.warn(f"LM distillation stopped at step {step}: {e}; the student keeps step {step - 1}'s "
                               f"weights", RuntimeWarning, stacklevel=2)

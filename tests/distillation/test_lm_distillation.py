@@ -151,6 +151,15 @@ def test_fit_lm_refuses_what_it_cannot_do():
         wb.distill.fit_lm(_random_lm("gpt2", 1), teacher, wb.tasks.load("digits"), steps=1, progress=False)
     with pytest.raises(ValueError, match="steps"):
         wb.distill.fit_lm(_random_lm("gpt2", 1), teacher, task, steps=0, progress=False)
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    t5 = T5ForConditionalGeneration(T5Config(d_model=32, d_kv=8, d_ff=48, num_layers=1, num_heads=4, vocab_size=96,
+                                             decoder_start_token_id=0, pad_token_id=0))
+    with pytest.raises(ValueError, match="the student \\(T5ForConditionalGeneration\\) cannot run as a causal LM"):
+        wb.distill.fit_lm(t5, teacher, task, steps=1, progress=False)
+    body = _random_lm("llama", 2).model                        # LlamaModel: hidden states, no LM head
+    with pytest.raises(TypeError, match="LlamaModel.*no 'logits'"):
+        wb.distill.fit_lm(body, teacher, task, steps=1, progress=False)
 
 
 def test_fit_lm_stops_on_a_nan_loss_with_the_last_good_weights():

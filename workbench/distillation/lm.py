@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -91,7 +92,12 @@ def token_stream(task) -> tuple[np.ndarray, int]:
 
 
 def _logits(model: nn.Module, ids: torch.Tensor, who: str) -> torch.Tensor:
-    out = I.output_tensor(model(ids), who, prefer=("logits",))
+    out = model(ids)
+    if isinstance(out, Mapping) and "logits" not in out:
+        raise TypeError(f"the {who} ({type(model).__name__}) returns {sorted(out)[:4]} but no 'logits': LM "
+                        f"distillation needs a language-model head's next-token logits (e.g. LlamaForCausalLM, not "
+                        f"LlamaModel)")
+    out = I.output_tensor(out, who, prefer=("logits",))
     if out.ndim != 3 or tuple(out.shape[:2]) != tuple(ids.shape):
         raise ValueError(f"the {who} must return (batch, tokens, vocab) logits for ids of shape {tuple(ids.shape)}, "
                          f"got {tuple(out.shape)}")
@@ -195,9 +201,15 @@ def fit_lm(student: nn.Module, teacher: nn.Module, task, *, loss: str = "forward
     ids, block = token_stream(task)
     device = model_device(student)
     probe = torch.from_numpy(ids[:block][None])
+    shapes = {}
     with torch.no_grad():
-        s_shape = tuple(_logits(student.eval(), probe.to(device), "student").shape)
-        t_shape = tuple(_logits(teacher.eval(), probe.to(model_device(teacher)), "teacher").shape)
+        for who, model in (("student", student), ("teacher", teacher)):
+            try:
+                shapes[who] = tuple(_logits(model.eval(), probe.to(model_device(model)), who).shape)
+            except (TypeError, ValueError) as e:   # e.g. an encoder-decoder that wants decoder inputs
+                raise type(e)(f"the {who} ({type(model).__name__}) cannot run as a causal LM, model(ids) with ids "
+                              f"(1, {block}) giving next-token logits: {e}") from e
+    s_shape, t_shape = shapes["student"], shapes["teacher"]
     if s_shape != t_shape:
         raise ValueError(f"the student's logits are {s_shape} per window but the teacher's are {t_shape}: LM "
                          f"distillation needs the same vocabulary")

@@ -62,7 +62,7 @@ def test_half_inputs_compute_in_fp32_and_return_their_dtype(dtype):
     torch.testing.assert_close(y, torch.nn.functional.linear(x.float(), dense).to(dtype))
 
 
-@pytest.mark.parametrize("N,K", [(48, 96), (1100, 512)])   # one block of decoded rows; several (2 MB blocks)
+@pytest.mark.parametrize("N,K", [(48, 96), (1100, 1024)])   # one block of decoded rows; two (1 M-value bf16 blocks)
 def test_bf16_prefill_is_the_references_bf16_math_where_the_cpu_has_bf16(N, K):
     """bf16 inputs above `PREFILL_ROWS`: on a CPU with bf16 arithmetic the kernel runs the reference's own bf16
     math (weight decoded in fp32, rounded to bf16, bf16 GEMM); elsewhere it computes in fp32 and rounds."""

@@ -504,9 +504,10 @@ torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& scale, const c
 // y (M, N) = x (M, K) @ W^T + bias for many rows of x: blocks of weight rows decoded (all threads) into a
 // per-thread fp32 buffer of about 8 MB that is reused from call to call (no page faults), each block multiplied
 // by PyTorch's GEMM: fp32, or for bf16 x (given only where the CPU has bf16 arithmetic) the block rounded to bf16
-// and a bf16 GEMM - what the reference computes for bf16 inputs. 8 MB rather than 2: a weight up to 2 M values
-// (every Linear of MiniLM, tiny-lm, tiny-llama) is one block - one GEMM, no output copy - and wider blocks keep
-// the GEMM efficient on big layers (measured in workbench/kernels/README.md).
+// and a bf16 GEMM - what the reference computes for bf16 inputs. fp32: 8 MB rather than 2: a weight up to 2 M
+// values (every Linear of MiniLM, tiny-lm, tiny-llama) is one block - one GEMM, no output copy - and wider blocks
+// keep the GEMM efficient on big layers. bf16: 2 MB blocks (1 M values) measured faster than 4 MB ones on big
+// layers (workbench/kernels/README.md).
 torch::Tensor prefill(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
                       const c10::optional<torch::Tensor>& zero, const c10::optional<torch::Tensor>& lut,
                       int64_t bits, int64_t group, const c10::optional<torch::Tensor>& bias, int64_t block_rows,
@@ -522,8 +523,10 @@ torch::Tensor prefill(const torch::Tensor& x, const torch::Tensor& q, const torc
   const Isa use = parse_isa(isa);
   const Kernels kern = kernels_for(use);
   if (M == 0 || N == 0) return torch::empty({M, N}, x.options());
-  const int64_t nb = std::min(N, block_rows > 0 ? block_rows
-                                                : std::max<int64_t>((int64_t{8} << 20) / (4 * K) / 16 * 16, 16));
+  // fp32 blocks of ~8 MB; bf16 blocks of ~2 MB (a core's L2 here): the bf16 GEMM runs ~4x faster than fp32 on
+  // AMX, so the decoded block must still be in cache when it is read (measured in workbench/kernels/README.md)
+  const int64_t block_bytes = bf16 ? (int64_t{2} << 20) / 2 : (int64_t{8} << 20) / 4;
+  const int64_t nb = std::min(N, block_rows > 0 ? block_rows : std::max<int64_t>(block_bytes / K / 16 * 16, 16));
   thread_local std::vector<float> scratch;
   if (static_cast<int64_t>(scratch.size()) < nb * K) scratch.resize(nb * K);
   // AVX-512, 4- or 8-bit codes in whole 32-value groups: rows decoded in one pass (to bf16 directly for bf16 x)

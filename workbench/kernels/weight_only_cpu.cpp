@@ -312,6 +312,8 @@ WB_TARGET("avx512f,avx512bf16") void decode_row_avx512(const Weight& W, int64_t 
     const int64_t k1 = std::min(W.K, (g + 1) * W.group);
     for (int64_t k = g * W.group; k < k1; k += 32) {
       __m128i c0, c1;  // codes k .. k + 15 and k + 16 .. k + 31, in order
+      if constexpr (BF16)  // the bf16 prefill streams the codes fast enough to wait on memory (int8: ~7 % faster)
+        _mm_prefetch(reinterpret_cast<const char*>(q + k * W.bits / 8 + kPrefetchBytes), _MM_HINT_T0);
       codes32_in_order(q, k, W.bits, c0, c1);
       const __m512 w0 = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c0)), vz), vs);
       const __m512 w1 = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c1)), vz), vs);

@@ -44,8 +44,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-__all__ = ["launch", "check_workers", "check_strategy", "prepare", "shard", "shard_batch", "global_mean",
-           "is_worker", "strategy_here", "shard_model", "STRATEGIES"]
+__all__ = ["launch", "check_workers", "check_batch_size", "check_strategy", "prepare", "shard", "shard_batch",
+           "global_mean", "is_worker", "strategy_here", "shard_model", "STRATEGIES"]
 
 STRATEGIES = ("ddp", "fsdp")
 _STRATEGY_ENV = "WORKBENCH_PARALLEL_STRATEGY"   # set in each worker by `launch`, read by `prepare`
@@ -55,6 +55,14 @@ def check_workers(workers: int) -> int:
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be a positive int, got {workers!r}")
     return workers
+
+
+def check_batch_size(batch_size: int, workers: int) -> None:
+    """A trainer whose every worker needs a share of each batch refuses, before spawning, a batch smaller than the
+    number of workers."""
+    if batch_size < workers:
+        raise ValueError(f"batch_size={batch_size} cannot be shared by {workers} workers: use batch_size >= workers "
+                         f"(each global batch is split between them)")
 
 
 def check_strategy(strategy: str) -> str:

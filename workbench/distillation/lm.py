@@ -182,9 +182,8 @@ def fit_lm(student: nn.Module, teacher: nn.Module, task, *, loss: str = "forward
     check_kd_args(alpha, temperature)
     distributed.check_strategy(strategy)
     if distributed.check_workers(workers) > 1 and not distributed.is_worker():
-        if isinstance(batch_size, int) and batch_size < workers:
-            raise ValueError(f"batch_size={batch_size} cannot be shared by {workers} workers: use batch_size >= "
-                             f"workers (each global batch is split between them)")
+        if isinstance(batch_size, int):
+            distributed.check_batch_size(batch_size, workers)
         token_stream(task)                               # a task it cannot train on is refused before spawning
         return distributed.launch(fit_lm, student, (teacher, task), dict(
             loss=loss, steps=steps, lr=lr, batch_size=batch_size, alpha=alpha, temperature=temperature, seed=seed,

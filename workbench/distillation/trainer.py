@@ -201,8 +201,7 @@ def fit_embeddings(student: nn.Module, teacher: nn.Module, task, *, epochs: int 
 
     distributed.check_strategy(strategy)
     if distributed.check_workers(workers) > 1 and not distributed.is_worker():
-        if batch_size < workers:
-            raise ValueError(f"batch_size={batch_size} cannot be shared by workers={workers}")
+        distributed.check_batch_size(batch_size, workers)
         return distributed.launch(fit_embeddings, student, (teacher, task), dict(
             epochs=epochs, lr=lr, n=n, batch_size=batch_size, kind=kind, progress=progress), workers,
             strategy=strategy)

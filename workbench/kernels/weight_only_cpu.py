@@ -104,9 +104,10 @@ class CpuWeight:
     def N(self) -> int:
         return self.qweight.shape[0]
 
-    @property
+    @functools.cached_property
     def prefill_rows(self) -> int:
-        """Rows of x up to which the decode path runs by default (`prefill_rows_for` this weight's size)."""
+        """Rows of x up to which the decode path runs by default (`prefill_rows_for` this weight's size; worked
+        out once per packed weight, not per call)."""
         return prefill_rows_for(self.N, self.K)
 
 

@@ -181,20 +181,19 @@ def fit_lm(student: nn.Module, teacher: nn.Module, task, *, loss: str = "forward
         raise ValueError(f"loss must be one of {LM_LOSSES}, got {loss!r}")
     check_kd_args(alpha, temperature)
     distributed.check_strategy(strategy)
-    if distributed.check_workers(workers) > 1 and not distributed.is_worker():
-        if isinstance(batch_size, int):
-            distributed.check_batch_size(batch_size, workers)
-        token_stream(task)                               # a task it cannot train on is refused before spawning
-        return distributed.launch(fit_lm, student, (teacher, task), dict(
-            loss=loss, steps=steps, lr=lr, batch_size=batch_size, alpha=alpha, temperature=temperature, seed=seed,
-            weight_decay=weight_decay, sequences=sequences, prompt_tokens=prompt_tokens, decoding=decoding,
-            progress=progress), workers, strategy=strategy)
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive int, got {steps!r}")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     if not lr > 0:
         raise ValueError(f"lr must be positive, got {lr!r}")
+    if distributed.check_workers(workers) > 1 and not distributed.is_worker():
+        distributed.check_batch_size(batch_size, workers)
+        token_stream(task)                               # a task it cannot train on is refused before spawning
+        return distributed.launch(fit_lm, student, (teacher, task), dict(
+            loss=loss, steps=steps, lr=lr, batch_size=batch_size, alpha=alpha, temperature=temperature, seed=seed,
+            weight_decay=weight_decay, sequences=sequences, prompt_tokens=prompt_tokens, decoding=decoding,
+            progress=progress), workers, strategy=strategy)
     check_model(student)
     check_model(teacher)
     ids, block = token_stream(task)

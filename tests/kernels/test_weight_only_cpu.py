@@ -154,3 +154,56 @@ def test_the_path_crossover_follows_the_weights_size():
         x = torch.randn(M, 192)
         path = wk.weight_only_linear_cpu(x, w, prefill_rows=10 ** 6 if M <= 2 else 0)
         assert torch.equal(wk.weight_only_linear_cpu(x, w), path)
+
+
+SPLIT = pytest.mark.skipif(not wk.split_available(), reason="the split path runs on CPUs with AMX bf16 tiles only")
+
+
+@SPLIT
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if isinstance(f, fm.IntFormat) and not f.float_zero], ids=str)
+def test_split_path_is_as_exact_as_the_fp32_reference(fmt):
+    """fp32 x as three exact bf16 parts times the integer codes on AMX: against an fp64 product of the same decoded
+    weight, its error is of the fp32 reference's own size (<= 3x it, and < 2e-6 of the largest output), on ragged
+    shapes (odd K, short last groups, N and M not multiples of 16, more than one 64-row block of x)."""
+    for N, K in [(37, 203), (8, 256), (65, 96), (130, 520)]:
+        _, w, dense = _layer(fmt, N, K)
+        assert w.split_ok
+        bias = torch.randn(N)
+        for M in (17, 64, 65, 150):
+            x = torch.randn(M, K)
+            exact = x.double() @ dense.double().t() + bias.double()
+            got = wk.weight_only_linear_cpu(x, w, bias, prefill_rows=0, split_rows=10 ** 6)
+            ref = torch.nn.functional.linear(x, dense, bias)
+            scale = exact.abs().max().item()
+            err, err_ref = (got.double() - exact).abs().max().item(), (ref.double() - exact).abs().max().item()
+            assert err <= max(3 * err_ref, 1e-7 * scale) and err < 2e-6 * scale, (N, K, M, err, err_ref)
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * scale)
+    threads = torch.get_num_threads()
+    try:   # blocks of weight rows across threads: each output is summed the same way
+        torch.set_num_threads(2)
+        assert torch.equal(wk.weight_only_linear_cpu(x, w, bias, prefill_rows=0, split_rows=10 ** 6), got)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_split_path_runs_only_where_it_is_exact_and_measured_faster():
+    """Eligible: integer codes and integer-valued zero points (not NF4's table, not HQQ's real zeros); by default
+    up to 256 rows from 8 M weight values, 64 rows from 1 M values with groups of >= 128 (or per channel), never on
+    small weights (README: 0.6-1.2x there)."""
+    assert not _layer(fm.NF4Format(64), 16, 64)[1].split_ok
+    hqq = fm.IntFormat(4, 48, False, float_zero=True)
+    t = fm.encode(torch.randn(16, 96), hqq)
+    assert wk.pack(t, hqq, 96).split_ok          # zeros that happen to be integers: exact all the same
+    assert not wk.pack({**t, "zero": t["zero"] + 0.25}, hqq, 96).split_ok
+    assert _layer(fm.IntFormat(4, 64, symmetric=False), 16, 128)[1].split_ok
+    assert _layer(fm.IntFormat(8, None), 192, 192)[1].split_rows == 0
+    assert _layer(fm.IntFormat(8, None), 1024, 1024)[1].split_rows == 64
+    assert _layer(fm.IntFormat(4, 64), 1024, 1024)[1].split_rows == 0
+    assert _layer(fm.IntFormat(4, 64), 4096, 2048)[1].split_rows == 256
+    if wk.split_available():   # the default call at 40 rows of a 1 M-value weight is the split path's result
+        _, w, _ = _layer(fm.IntFormat(8, None), 1024, 1024)
+        x = torch.randn(40, 1024)
+        assert torch.equal(wk.weight_only_linear_cpu(x, w), wk.weight_only_linear_cpu(x, w, split_rows=10 ** 6))
+        assert not torch.equal(wk.weight_only_linear_cpu(x, w), wk.weight_only_linear_cpu(x, w, split_rows=0))
+    with pytest.raises(ValueError, match="split_rows"):
+        wk.weight_only_linear_cpu(torch.randn(2, 64), _layer(fm.IntFormat(4, 64), 8, 64)[1], split_rows=-1)

@@ -8,6 +8,7 @@
 // decode:     every row into an (N, K) fp32 matrix (the prefill path multiplies it with a float GEMM).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -329,6 +330,25 @@ WB_TARGET("avx512f,avx512bf16") void decode_row_avx512(const Weight& W, int64_t 
   }
 }
 
+// Row of 4- or 8-bit codes (whole 32-value groups) into bf16 integers u - z for the split path (exact: |u - z|
+// <= 255 fits bf16's 8-bit significand).
+WB_TARGET("avx512f,avx512bf16") void decode_row_int_bf16_avx512(const uint8_t* q, const float* z, int bits,
+                                                                 int64_t K, int64_t group, uint16_t* a) {
+  for (int64_t k = 0; k < K; k += 32) {
+    const __m512 vz = _mm512_set1_ps(z[k / group]);
+    __m128i c0, c1;
+    codes32_in_order(q, k, bits, c0, c1);
+    const __m512 w0 = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c0)), vz);
+    const __m512 w1 = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c1)), vz);
+    _mm512_storeu_si512(a + k, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+  }
+}
+
+inline bool split_avx512() {
+  static const bool ok = (__builtin_cpu_init(), __builtin_cpu_supports("avx512bf16"));
+  return ok;
+}
+
 // The register-decode row kernels by rows of x (1 .. 4), for gemv's dispatch.
 using RowFn = void (*)(const uint8_t*, const float*, const float*, const float*, int64_t, int64_t, int64_t,
                        const float*, float*);
@@ -569,9 +589,244 @@ torch::Tensor prefill(const torch::Tensor& x, const torch::Tensor& q, const torc
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// fp32 x on AMX, integer codes with integer zero points: the fp32 product without an fp32 GEMM. x is split into
+// three bf16 parts, x = x1 + x2 + x3 exactly (each part holds the next 8 bits of x's 24-bit significand), and the
+// weight enters as its integers u - z (|u - z| <= 255: exact in bf16), so every product x_i (u - z) is exact in
+// fp32 and AMX accumulates it in fp32; each group's sums are then scaled by s[n, g] in fp32:
+//   y[m, n] = sum_g s[n, g] * sum_{k in g} (x1 + x2 + x3)[m, k] (u[n, k] - z[n, g])      (+ bias[n])
+// - the reference's sum of x (u - z) s in another order, with fp32 rounding (tests: as close to an fp64 result
+// as the reference's own fp32 GEMM). Three bf16 passes on AMX cost less than one fp32 GEMM on AVX-512 here
+// (workbench/kernels/README.md). Orientation: the brgemm's A is a block of decoded weight rows (bf16 integers,
+// row-major as stored), its B the parts of x packed in AMX's pair-interleaved (VNNI) layout, 64 rows of x at a
+// time; C is y transposed, scaled per group into an (N, M) fp32 accumulator, transposed once at the end.
+bool split_available() { return at::native::cpublas::could_pack(at::kBFloat16); }
+
+namespace {
+constexpr int64_t kSplitCols = 64;     // rows of x per brgemm (its N): AMX's packed B is at most 64 wide here
+constexpr int64_t kSplitChunk = 512;   // K per brgemm call for one-group (per-channel) weights
+
+template <typename T>
+void grow(std::vector<T>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+}
+
+inline uint16_t bf16_bits(float v) { return c10::BFloat16(v).x; }  // round to nearest even, as PyTorch does
+
+// Row n's codes as bf16 integers u - z into a[0 .. K), a[K] = 0 when K is odd (the pad of an even K).
+void decode_row_int_bf16(const Weight& W, int64_t n, uint8_t* c, uint16_t* a, int64_t Kp) {
+  const uint8_t* q = W.q + n * W.row_bytes;
+  const float* z = W.zero + n * W.G;
+#if WB_X86
+  if ((W.bits == 4 || W.bits == 8) && W.group % 32 == 0 && W.K % 32 == 0 && split_avx512()) {
+    decode_row_int_bf16_avx512(q, z, W.bits, W.K, W.group, a);
+    return;
+  }
+#endif
+  unpack_row(q, W.bits, W.K, c);
+  for (int64_t k = 0; k < W.K; ++k) a[k] = bf16_bits(static_cast<float>(c[k]) - z[k / W.group]);
+  for (int64_t k = W.K; k < Kp; ++k) a[k] = 0;
+}
+
+// x (M, K) fp32 into its three bf16 parts, each row-major (M, Kp) at out + p * M * Kp (Kp > K: a zero pad).
+void split_parts_scalar(const float* x, int64_t K, int64_t Kp, uint16_t* o1, uint16_t* o2, uint16_t* o3) {
+  for (int64_t k = 0; k < K; ++k) {
+    const c10::BFloat16 p1(x[k]);
+    const float r1 = x[k] - static_cast<float>(p1);     // exact
+    const c10::BFloat16 p2(r1);
+    const float r2 = r1 - static_cast<float>(p2);       // exact, and exact in bf16: the last 8 bits
+    o1[k] = p1.x;
+    o2[k] = p2.x;
+    o3[k] = bf16_bits(r2);
+  }
+  for (int64_t k = K; k < Kp; ++k) o1[k] = o2[k] = o3[k] = 0;
+}
+
+#if WB_X86
+WB_TARGET("avx512f,avx512bf16") inline __m512 bf16_to_ps(__m256bh h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
+}
+
+WB_TARGET("avx512f,avx512bf16") void split_parts_avx512(const float* x, int64_t K, uint16_t* o1, uint16_t* o2,
+                                                         uint16_t* o3) {
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    const __m512 v = _mm512_loadu_ps(x + k);
+    const __m256bh p1 = _mm512_cvtneps_pbh(v);
+    const __m512 r1 = _mm512_sub_ps(v, bf16_to_ps(p1));
+    const __m256bh p2 = _mm512_cvtneps_pbh(r1);
+    const __m512 r2 = _mm512_sub_ps(r1, bf16_to_ps(p2));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o1 + k), (__m256i)p1);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o2 + k), (__m256i)p2);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o3 + k), (__m256i)_mm512_cvtneps_pbh(r2));
+  }
+  if (k < K) split_parts_scalar(x + k, K - k, K - k, o1 + k, o2 + k, o3 + k);
+}
+#endif
+
+// dst[kp * lb + m] = src[m * P + kp] for m < rows (zeros up to lb, a multiple of 16), kp < P: the pairs of k of
+// `rows` rows of x, transposed into AMX's pair-interleaved B layout.
+void pack_pairs_scalar(const uint32_t* src, int64_t rows, int64_t P, int64_t lb, uint32_t* dst) {
+  for (int64_t kp = 0; kp < P; ++kp) {
+    uint32_t* d = dst + kp * lb;
+    for (int64_t m = 0; m < rows; ++m) d[m] = src[m * P + kp];
+    for (int64_t m = rows; m < lb; ++m) d[m] = 0;
+  }
+}
+
+#if WB_X86
+// 16 x 16 32-bit transposes in registers.
+WB_TARGET("avx512f") void pack_pairs_avx512(const uint32_t* src, int64_t rows, int64_t P, int64_t lb, uint32_t* dst) {
+  for (int64_t m0 = 0; m0 < lb; m0 += 16) {
+    for (int64_t kp0 = 0; kp0 < P; kp0 += 16) {
+      const int64_t nk = std::min<int64_t>(16, P - kp0);
+      const __mmask16 km = static_cast<__mmask16>((1u << nk) - 1);
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i)
+        r[i] = m0 + i < rows ? _mm512_maskz_loadu_epi32(km, src + (m0 + i) * P + kp0) : _mm512_setzero_si512();
+      __m512i t[16];
+      for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+      }
+      for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+      }
+      // r[4a + b] now holds, per 128-bit lane L, column 4L + (b: 0, 1, 2, 3 -> 0, 1, 2, 3) of rows 4a .. 4a + 3
+      for (int i = 0; i < 4; ++i) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[4 + i], 0x88);       // lanes 0, 2 of r[i], lanes 0, 2 of r[4 + i]
+        t[4 + i] = _mm512_shuffle_i32x4(r[i], r[4 + i], 0xDD);   // lanes 1, 3
+        t[8 + i] = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0x88);
+        t[12 + i] = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0xDD);
+      }
+      for (int i = 0; i < 4; ++i) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0x88);        // columns i, rows 0..15
+        r[8 + i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0xDD);    // columns 8 + i
+        r[4 + i] = _mm512_shuffle_i32x4(t[4 + i], t[12 + i], 0x88);
+        r[12 + i] = _mm512_shuffle_i32x4(t[4 + i], t[12 + i], 0xDD);
+      }
+      for (int i = 0; i < nk; ++i) _mm512_storeu_si512(dst + (kp0 + i) * lb + m0, r[i]);
+    }
+  }
+}
+#endif
+
+void pack_pairs(const uint32_t* src, int64_t rows, int64_t P, int64_t lb, uint32_t* dst) {
+#if WB_X86
+  if (split_avx512()) {
+    pack_pairs_avx512(src, rows, P, lb, dst);
+    return;
+  }
+#endif
+  pack_pairs_scalar(src, rows, P, lb, dst);
+}
+
+void split_parts(const float* x, int64_t M, int64_t K, int64_t Kp, uint16_t* out) {
+  for (int64_t m = 0; m < M; ++m) {
+    uint16_t *o1 = out + m * Kp, *o2 = o1 + M * Kp, *o3 = o2 + M * Kp;
+#if WB_X86
+    if (split_avx512()) {
+      split_parts_avx512(x + m * K, K, o1, o2, o3);
+      for (int64_t k = K; k < Kp; ++k) o1[k] = o2[k] = o3[k] = 0;
+      continue;
+    }
+#endif
+    split_parts_scalar(x + m * K, K, Kp, o1, o2, o3);
+  }
+}
+}  // namespace
+
+torch::Tensor prefill_split(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
+                            const torch::Tensor& zero, int64_t bits, int64_t group,
+                            const c10::optional<torch::Tensor>& bias, int64_t block_rows) {
+  namespace cb = at::native::cpublas;
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.device().is_cpu(),
+              "weight_only_linear_cpu: x must be a contiguous 2-D float32 CPU tensor");
+  const Weight W = view(q, scale, zero, c10::nullopt, bits, group, x.size(1));
+  const int64_t M = x.size(0), K = W.K, N = W.N, G = W.G;
+  TORCH_CHECK(G == 1 || group % 2 == 0, "weight_only_linear_cpu: the split path needs an even group size");
+  TORCH_CHECK(split_available(), "weight_only_linear_cpu: the split path needs AMX bf16 (cpublas::could_pack)");
+  const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(!has_bias || (bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == N),
+              "weight_only_linear_cpu: bias must be contiguous float32 (N,)");
+  auto out = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  const int64_t Kp = K + (K & 1);
+  // B: x's three parts, per block of 64 rows of x, pair-interleaved: part p, block j, element (k, m) at
+  // ((k / 2) * ldb + m) * 2 + k % 2; padded rows of x and the pad of an odd K are zeros.
+  const int64_t MB = (M + kSplitCols - 1) / kSplitCols;
+  std::vector<int64_t> ldb(MB);
+  for (int64_t j = 0; j < MB; ++j) ldb[j] = (std::min(kSplitCols, M - j * kSplitCols) + 15) / 16 * 16;
+  const int64_t part_stride = Kp * kSplitCols;   // bf16 values per (part, block)
+  // buffers reused from call to call (a fresh allocation of this size is page faults on every call)
+  thread_local std::vector<uint16_t> parts, bx;
+  grow(parts, 3 * M * Kp);                      // the three parts, row-major (M, Kp) each
+  split_parts(x.data_ptr<float>(), M, K, Kp, parts.data());
+  grow(bx, 3 * MB * part_stride);
+  for (int p = 0; p < 3; ++p)
+    for (int64_t j = 0; j < MB; ++j) {
+      const int64_t m0 = j * kSplitCols, cols = std::min(kSplitCols, M - m0), lb = ldb[j];
+      const uint32_t* src = reinterpret_cast<const uint32_t*>(parts.data() + (p * M + m0) * Kp);  // pairs of k
+      uint32_t* dst = reinterpret_cast<uint32_t*>(bx.data() + (p * MB + j) * part_stride);
+      pack_pairs(src, cols, Kp / 2, lb, dst);
+    }
+  // (N, M) fp32 accumulator of y transposed; blocks of weight rows across threads
+  auto yt = torch::empty({N, M}, x.options());
+  float* ytp = yt.data_ptr<float>();
+  const int64_t nb = std::min(N, block_rows > 0 ? block_rows
+                                 : std::min<int64_t>(256, std::max<int64_t>(16, (int64_t{1} << 20) / (2 * Kp) / 16 * 16)));
+  const int64_t nblocks = (N + nb - 1) / nb;
+  const int64_t cg = G == 1 ? kSplitChunk : group, CG = (Kp + cg - 1) / cg;
+  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+    thread_local std::vector<uint16_t> a;
+    thread_local std::vector<uint8_t> c;
+    thread_local std::vector<float> cbuf;
+    grow(a, nb * Kp);
+    grow(c, K + 64);
+    grow(cbuf, nb * kSplitCols);
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t n0 = blk * nb, rows = std::min(nb, N - n0);
+      for (int64_t r = 0; r < rows; ++r) decode_row_int_bf16(W, n0 + r, c.data(), a.data() + r * Kp, Kp);
+      for (int64_t j = 0; j < MB; ++j) {
+        const int64_t m0 = j * kSplitCols, cols = std::min(kSplitCols, M - m0), lb = ldb[j];
+        // one brgemm chain per group (per 512 values of K for a one-group weight: shorter fp32 sums), then its
+        // sums scaled into y^T
+        for (int64_t g = 0; g < CG; ++g) {
+          const int64_t k0 = g * cg, len = std::min(cg, Kp - k0);
+          for (int p = 0; p < 3; ++p) {
+            const uint16_t* bp = bx.data() + (p * MB + j) * part_stride + (k0 / 2) * lb * 2;
+            cb::brgemm(rows, lb, len, Kp, lb, kSplitCols, p > 0, reinterpret_cast<const at::BFloat16*>(a.data() + k0),
+                       reinterpret_cast<const at::BFloat16*>(bp), cbuf.data(), true);
+          }
+          // y^T[n, m] (+)= s[n, g] * C[n, m]
+          for (int64_t r = 0; r < rows; ++r) {
+            const float s = W.scale[(n0 + r) * G + (G == 1 ? 0 : g)];
+            const float* cr = cbuf.data() + r * kSplitCols;
+            float* yr = ytp + (n0 + r) * M + m0;
+            if (g == 0) {
+              for (int64_t i = 0; i < cols; ++i) yr[i] = s * cr[i];
+            } else {
+              for (int64_t i = 0; i < cols; ++i) yr[i] += s * cr[i];
+            }
+          }
+        }
+      }
+    }
+    cb::brgemm_release(true);
+  });
+  out.copy_(yt.t());
+  if (has_bias) out.add_(*bias);
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv, "weight-only Linear, one decoded weight row at a time (see kernels/weight_only_cpu.py)");
   m.def("prefill", &prefill, "weight-only Linear for many rows: blocks of decoded rows times an fp32 GEMM");
+  m.def("prefill_split", &prefill_split, "fp32 x times integer codes on AMX: x split into three exact bf16 parts");
+  m.def("split_available", &split_available, "whether AMX bf16 brgemm is available (cpublas::could_pack)");
   m.def("decode", &decode, "the stored weight decoded to fp32 (N, K)");
   m.def("native_bf16", &native_bf16, "whether the CPU has bf16 arithmetic (AVX512_BF16)");
   m.def("cpu_isa", &cpu_isa, "the vector ISA used on this CPU: avx512, avx2 or scalar");

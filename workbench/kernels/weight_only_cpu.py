@@ -61,6 +61,9 @@ __all__ = [
     "pack",
     "prefill_rows_for",
     "reference",
+    "split_available",
+    "split_eligible",
+    "split_rows_for",
     "supports",
     "weight_only_linear_cpu",
 ]
@@ -80,6 +83,9 @@ PREFILL_ROWS = 16
 # int8, interleaved medians; workbench/kernels/README.md): 192 x 192 and 576 x 192 near 3 rows, 512 x 512 near 5,
 # 1024 x 512 above 6, 4096 x 4096 near 16 - about one row per `_VALUES_PER_ROW` weight values, between 2 and 16.
 _VALUES_PER_ROW = 40_000
+# Weight sizes (N * K values) from which the split path runs (`split_rows_for`).
+SPLIT_LARGE_VALUES = 8 << 20
+SPLIT_MEDIUM_VALUES = 1 << 20
 
 
 def prefill_rows_for(N: int, K: int) -> int:
@@ -105,10 +111,48 @@ class CpuWeight:
         return self.qweight.shape[0]
 
     @functools.cached_property
+    def split_ok(self) -> bool:
+        """`split_eligible` (worked out once per packed weight)."""
+        return split_eligible(self)
+
+    @functools.cached_property
+    def split_rows(self) -> int:
+        """Rows of x up to which fp32 inputs above `prefill_rows` take the split path on a CPU with AMX (0: never;
+        `split_rows_for`)."""
+        return split_rows_for(self)
+
+    @functools.cached_property
     def prefill_rows(self) -> int:
         """Rows of x up to which the decode path runs by default (`prefill_rows_for` this weight's size; worked
         out once per packed weight, not per call)."""
         return prefill_rows_for(self.N, self.K)
+
+
+def split_eligible(w: "CpuWeight") -> bool:
+    """Whether the split path can compute with ``w`` exactly: integer codes with integer zero points (u - z is
+    then an integer of at most 255 in magnitude, exact in bf16) and groups of even size or one group per row. Not
+    NF4 (its table values are not bf16) nor HQQ's real-valued zero points."""
+    if w.lut is not None or w.zero is None:
+        return False
+    if w.scale.shape[1] > 1 and w.group_size % 2:
+        return False
+    return bool(torch.equal(w.zero, w.zero.round()))
+
+
+def split_rows_for(w: "CpuWeight") -> int:
+    """Rows of x up to which the split path runs for ``w`` (0: never), from the side-by-side measurements in
+    workbench/kernels/README.md (one thread, fp32 x, against the fp32 prefill path): it wins on weights whose fp32
+    copy does not stay in cache - up to 256 rows from ~8 M values (4096 x 4096: 1.4-2.0x), up to 64 rows from ~1 M
+    values with groups of 128 or more / per channel (2048 x 2048: 1.3-2.8x) - and loses on small, in-cache ones
+    (tiny-lm's 192-wide layers: 0.6-1.2x), where three bf16 passes cost what one fp32 GEMM does."""
+    if not w.split_ok:
+        return 0
+    values = w.N * w.K
+    if values >= SPLIT_LARGE_VALUES:
+        return 256
+    if values >= SPLIT_MEDIUM_VALUES and (w.scale.shape[1] == 1 or w.group_size >= 128):
+        return 64
+    return 0
 
 
 def supports(fmt) -> bool:
@@ -152,6 +196,12 @@ def _native_bf16() -> bool:
     return bool(load_extension().native_bf16())
 
 
+@functools.cache
+def split_available() -> bool:
+    """Whether this CPU runs the split path: AMX bf16 tiles, as PyTorch's oneDNN micro-kernels report them."""
+    return bool(load_extension().split_available())
+
+
 def load_extension():
     """The compiled extension; raises a RuntimeError naming what is missing when it cannot be built here."""
     ext, err = _build()
@@ -171,7 +221,7 @@ def cpu_isa() -> str:
 
 
 def linear_unchecked(x: torch.Tensor, w: CpuWeight, bias: torch.Tensor | None, prefill_rows: int | None = None,
-                     isa: str = "auto") -> torch.Tensor:
+                     isa: str = "auto", split_rows: int | None = None) -> torch.Tensor:
     """`weight_only_linear_cpu` without its argument checks (for `WeightOnlyLinear`, whose tensors are known
     good)."""
     x2 = x.reshape(-1, w.K)                                               # (M, K)
@@ -193,6 +243,9 @@ def linear_unchecked(x: torch.Tensor, w: CpuWeight, bias: torch.Tensor | None, p
         bias = bias.float().contiguous()
     if x2.shape[0] <= prefill_rows:
         y = ext.gemv(x2, w.qweight, w.scale, w.zero, w.lut, w.bits, w.group_size, bias, isa)     # (M, N)
+    elif x2.shape[0] <= (w.split_rows if split_rows is None else split_rows) and isa == "auto" \
+            and w.split_ok and split_available():
+        y = ext.prefill_split(x2, w.qweight, w.scale, w.zero, w.bits, w.group_size, bias, 0)
     else:
         y = ext.prefill(x2, w.qweight, w.scale, w.zero, w.lut, w.bits, w.group_size, bias, 0, isa)
     y = y.view(*x.shape[:-1], w.N)
@@ -200,10 +253,12 @@ def linear_unchecked(x: torch.Tensor, w: CpuWeight, bias: torch.Tensor | None, p
 
 
 def weight_only_linear_cpu(x: torch.Tensor, w: CpuWeight, bias: torch.Tensor | None = None, *,
-                           prefill_rows: int | None = None, isa: str = "auto") -> torch.Tensor:
+                           prefill_rows: int | None = None, isa: str = "auto",
+                           split_rows: int | None = None) -> torch.Tensor:
     """``y (..., N)`` in x's dtype = x ``(..., K)`` times the weight held in ``w`` (from `pack`), plus ``bias``.
-    ``prefill_rows`` (rows of x up to which the decode path runs; None: `CpuWeight.prefill_rows`) and ``isa``
-    exist for tests and tuning.
+    ``prefill_rows`` (rows of x up to which the decode path runs; None: `CpuWeight.prefill_rows`),
+    ``split_rows`` (rows of fp32 x up to which the split path runs above them, where the CPU has AMX and the
+    format allows; None: `CpuWeight.split_rows`, 0: never) and ``isa`` exist for tests and tuning.
     Inference only: no autograd graph is recorded."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dtype not in (
             torch.float32, torch.float16, torch.bfloat16):
@@ -219,10 +274,12 @@ def weight_only_linear_cpu(x: torch.Tensor, w: CpuWeight, bias: torch.Tensor | N
     if prefill_rows is not None and (isinstance(prefill_rows, bool) or not isinstance(prefill_rows, int)
                                      or prefill_rows < 0):
         raise ValueError(f"{_OP}: prefill_rows must be an int >= 0, got {prefill_rows!r}")
+    if split_rows is not None and (isinstance(split_rows, bool) or not isinstance(split_rows, int) or split_rows < 0):
+        raise ValueError(f"{_OP}: split_rows must be an int >= 0, got {split_rows!r}")
     if isa not in ISAS:
         raise ValueError(f"{_OP}: isa must be one of {ISAS}, got {isa!r}")
     with torch.no_grad():
-        return linear_unchecked(x, w, bias, prefill_rows, isa)
+        return linear_unchecked(x, w, bias, prefill_rows, isa, split_rows)
 
 
 def reference(x: torch.Tensor, w: CpuWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

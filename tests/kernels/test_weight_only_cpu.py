@@ -188,22 +188,26 @@ def test_split_path_is_as_exact_as_the_fp32_reference(fmt):
 
 def test_split_path_runs_only_where_it_is_exact_and_measured_faster():
     """Eligible: integer codes and integer-valued zero points (not NF4's table, not HQQ's real zeros); by default
-    up to 256 rows from 8 M weight values, 64 rows from 1 M values with groups of >= 128 (or per channel), never on
-    small weights (README: 0.6-1.2x there)."""
+    from 9 rows on weights of >= 0.5 M values, up to 2048 / 512 rows per channel (>= 1 M values / fewer), 512 with
+    groups of >= 128, 128 with smaller ones; never on small weights (README: 0.7-1.4x there)."""
     assert not _layer(fm.NF4Format(64), 16, 64)[1].split_ok
     hqq = fm.IntFormat(4, 48, False, float_zero=True)
     t = fm.encode(torch.randn(16, 96), hqq)
     assert wk.pack(t, hqq, 96).split_ok          # zeros that happen to be integers: exact all the same
     assert not wk.pack({**t, "zero": t["zero"] + 0.25}, hqq, 96).split_ok
     assert _layer(fm.IntFormat(4, 64, symmetric=False), 16, 128)[1].split_ok
-    assert _layer(fm.IntFormat(8, None), 192, 192)[1].split_rows == 0
-    assert _layer(fm.IntFormat(8, None), 1024, 1024)[1].split_rows == 64
-    assert _layer(fm.IntFormat(4, 64), 1024, 1024)[1].split_rows == 0
-    assert _layer(fm.IntFormat(4, 64), 4096, 2048)[1].split_rows == 256
+    assert _layer(fm.IntFormat(8, None), 768, 192)[1].split_rows == 0
+    assert _layer(fm.IntFormat(8, None), 1536, 384)[1].split_rows == 512
+    assert _layer(fm.IntFormat(8, None), 1024, 1024)[1].split_rows == 2048
+    assert _layer(fm.IntFormat(4, 128), 1024, 1024)[1].split_rows == 512
+    assert _layer(fm.IntFormat(4, 64), 1024, 1024)[1].split_rows == 128
     if wk.split_available():   # the default call at 40 rows of a 1 M-value weight is the split path's result
         _, w, _ = _layer(fm.IntFormat(8, None), 1024, 1024)
-        x = torch.randn(40, 1024)
-        assert torch.equal(wk.weight_only_linear_cpu(x, w), wk.weight_only_linear_cpu(x, w, split_rows=10 ** 6))
-        assert not torch.equal(wk.weight_only_linear_cpu(x, w), wk.weight_only_linear_cpu(x, w, split_rows=0))
+        for M in (9, 40, 2048):
+            x = torch.randn(M, 1024)
+            assert torch.equal(wk.weight_only_linear_cpu(x, w), wk.weight_only_linear_cpu(x, w, split_rows=10 ** 6))
+            assert not torch.equal(wk.weight_only_linear_cpu(x, w), wk.weight_only_linear_cpu(x, w, split_rows=0))
+        x = torch.randn(8, 1024)   # 8 rows and fewer: the decode path
+        assert torch.equal(wk.weight_only_linear_cpu(x, w), wk.weight_only_linear_cpu(x, w, split_rows=0))
     with pytest.raises(ValueError, match="split_rows"):
         wk.weight_only_linear_cpu(torch.randn(2, 64), _layer(fm.IntFormat(4, 64), 8, 64)[1], split_rows=-1)

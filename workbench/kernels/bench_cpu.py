@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["decode_tokens_per_s", "interleaved", "main", "weight_only_table"]
+__all__ = ["decode_tokens_per_s", "interleaved", "main", "split_table", "weight_only_table"]
 
 
 def interleaved(calls: dict, rounds: int, warmup: int = 1) -> dict[str, list[float]]:
@@ -105,6 +105,50 @@ def weight_only_table(K: int = 4096, N: int = 4096, ms=(1, 16, 256), threads: in
                              "ms_min": min(t), "ms_max": max(t), "vs_fp32": med["fp32"] / med[p],
                              "vs_bf16": med["bf16"] / med[p], "weight_bytes": weight_bytes[p],
                              "ceiling_vs_fp32": 4 * N * K / weight_bytes[p], "threads": threads, "rounds": rounds})
+    return pd.DataFrame(rows)
+
+
+SPLIT_SHAPES = ((768, 192), (192, 768), (1536, 384), (384, 1536), (1024, 1024), (2048, 2048), (5632, 2048),
+                (2048, 5632), (4096, 4096))
+
+
+def split_table(shapes=SPLIT_SHAPES, ms=(8, 16, 32, 64, 128, 256), threads: int = 1, rounds: int = 7,
+                formats: tuple[str, ...] = ("int8", "int4 g128", "int4 g64")):
+    """The split path (fp32 x, AMX) against what runs without it (the decode path up to the weight's
+    `prefill_rows`, the fp32 prefill path above) and fp32 ``F.linear`` on the decoded weight, side by side in
+    interleaved rounds, per weight shape (N, K), format and rows M: the measurements behind `split_rows_for`."""
+    import pandas as pd
+
+    from workbench.kernels import weight_only_cpu as wk
+    from workbench.measurement import num_threads
+    from workbench.quantization import formats as fm
+
+    fmts = {"int8": fm.IntFormat(8, None), "int4 g128": fm.IntFormat(4, 128), "int4 g64": fm.IntFormat(4, 64)}
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    with num_threads(threads), torch.inference_mode():
+        for N, K in shapes:
+            weight = torch.randn(N, K, generator=gen) / K ** 0.5
+            for f in formats:
+                t = fm.encode(weight, fmts[f])
+                w, dense = wk.pack(t, fmts[f], K), fm.decode(t, fmts[f], K)
+                for M in ms:
+                    x = torch.randn(M, K, generator=gen)
+                    calls = {"fp32": functools.partial(F.linear, x, dense),
+                             "without split": functools.partial(wk.weight_only_linear_cpu, x, w, split_rows=0),
+                             "split": functools.partial(wk.weight_only_linear_cpu, x, w, prefill_rows=0,
+                                                        split_rows=1 << 30)}
+                    times = interleaved(calls, rounds)
+                    med = {p: statistics.median(v) for p, v in times.items()}
+                    rows.append({"N": N, "K": K, "format": f, "M": M, "fp32_ms": med["fp32"],
+                                 "without_ms": med["without split"], "split_ms": med["split"],
+                                 "split_vs_without": med["without split"] / med["split"],
+                                 "split_vs_without_min": min(a / b for a, b in zip(times["without split"],
+                                                                                   times["split"])),
+                                 "split_vs_without_max": max(a / b for a, b in zip(times["without split"],
+                                                                                   times["split"])),
+                                 "split_vs_fp32": med["fp32"] / med["split"], "default_rows": w.split_rows,
+                                 "threads": threads, "rounds": rounds})
     return pd.DataFrame(rows)
 
 
@@ -185,11 +229,16 @@ def main(argv=None) -> None:
     p.add_argument("--ms", type=int, nargs="+", default=[1, 16, 256], help="rows of x for the layer table")
     p.add_argument("--skip-layer", action="store_true")
     p.add_argument("--skip-decode", action="store_true")
+    p.add_argument("--split", action="store_true", help="only the split path's table (fp32 x, AMX)")
     a = p.parse_args(argv)
     print(environment())
     def fmt(v):
         return f"{v:.3g}"
 
+    if a.split:
+        print(split_table(threads=a.threads, rounds=a.rounds).drop(columns=["threads", "rounds"])
+              .to_string(index=False, float_format=fmt))
+        return
     if not a.skip_layer:
         df = weight_only_table(*a.size, ms=a.ms, threads=a.threads, rounds=a.rounds)
         print(df.drop(columns=["K", "N", "threads", "rounds"]).to_string(index=False, float_format=fmt))

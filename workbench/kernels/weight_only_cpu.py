@@ -7,24 +7,34 @@ The math (the numbers of ``WeightOnlyLinear``'s reference path, fp32)::
     w[n, k] = nf4[u[n, k]] * s[n, g]               NF4
     y[m, n] = sum_k x[m, k] w[n, k] + bias[n]
 
-Two paths, picked per call by the number of rows M of x (``prefill_rows``; default `prefill_rows_for` the
-weight's size, `CpuWeight.prefill_rows`):
+Three paths, picked per call by the number of rows M of x and the weight (`CpuWeight.split_rows`,
+`CpuWeight.prefill_rows`; defaults from measurements in ``workbench/kernels/README.md``):
 
-- **decode** (M <= prefill_rows): output rows are split across threads; each decodes one weight row into an
-  L1-resident fp32 buffer (unpack the codes, subtract the zero, scale: the reference's fp32 operations, in its
-  order) and takes its dot product with every row of x (four rows of x per sweep, AVX2 FMA). The weight is read
-  once, as the bytes it is stored in - the memory traffic of the compressed layer, not of the float one.
-- **prefill** (M > prefill_rows): the whole weight is decoded (the same per-row routine, all threads) into an
-  fp32 matrix and multiplied by PyTorch's fp32 GEMM. The decode is bit for bit the reference's, so this path
-  returns exactly the reference's result for fp32 inputs; the decode is a pass over N x K values against the
-  GEMM's M x N x K multiply-adds (measured in ``workbench/kernels/README.md``).
+- **split** (fp32 x, a CPU with AMX, integer codes with integer zero points, weights of ~0.5 M values and more,
+  `SPLIT_MIN_ROWS` < M <= `split_rows_for`): x is split into three bf16 parts, x = x1 + x2 + x3 exactly (each
+  holds the next 8 bits of x's 24-bit significand), and the weight enters as its integers u - z (exact in bf16),
+  so every product is exact and AMX tiles (PyTorch's oneDNN brgemm micro-kernels) accumulate in fp32; each
+  group's sums are then scaled by s[n, g]. The fp32 product without an fp32 GEMM: three bf16 passes on AMX cost
+  less than one fp32 GEMM on AVX-512 (1.2-3x faster than the paths below from 16 rows, 1.2-2.3x faster than
+  fp32 ``F.linear`` on layers whose fp32 weight does not stay in cache). As exact as an fp32 GEMM (tests: its
+  error against an fp64 product is at most 3x the fp32 reference's), in another summation order. Non-finite or
+  huge inputs (|x| > 3.39e38, where bf16 rounds to inf) give NaN where an fp32 GEMM may give +-inf.
+- **decode** (M <= prefill_rows otherwise): output rows are split across threads; each decodes one weight row
+  into an L1-resident fp32 buffer (unpack the codes, subtract the zero, scale: the reference's fp32 operations,
+  in its order) and takes its dot product with every row of x (four rows of x per sweep, AVX2 FMA). The weight
+  is read once, as the bytes it is stored in - the memory traffic of the compressed layer, not of the float one.
+- **prefill** (more rows): the whole weight is decoded (the same per-row routine, all threads) into an fp32
+  matrix and multiplied by PyTorch's fp32 GEMM. The decode is bit for bit the reference's, so this path returns
+  exactly the reference's result for fp32 inputs; the decode is a pass over N x K values against the GEMM's
+  M x N x K multiply-adds.
 
 Numerics: activations are computed in fp32 whatever their dtype (bf16 / fp16 inputs are converted, the result is
 converted back): on CPUs without native bf16 arithmetic (AVX2) an fp32 GEMM is several times faster than a bf16
 one, and fp32 is at least as exact as the bf16 reference. One exception: bf16 inputs on the prefill path of a CPU
 with bf16 arithmetic (AVX512_BF16, AMX) run the reference's own bf16 math - each block of decoded rows rounded to
-bf16 and a bf16 GEMM - which there is several times faster than fp32. The decode path sums in a different order from the
-reference's GEMM: fp32 outputs agree to ~1e-6 relative (tests: 1e-5); the prefill path is bit-identical.
+bf16 and a bf16 GEMM - which there is several times faster than fp32. The decode and split paths sum in a
+different order from the reference's GEMM: fp32 outputs agree to ~1e-6 relative (tests: 1e-5); the prefill path
+is bit-identical.
 
 Why not PyTorch's packed kernels (``aten._weight_int4pack_mm_for_cpu``, ``aten._weight_int8pack_mm``): they need
 bf16 activations (fp32 ones fall to a scalar loop), keep scales and zeros in bf16 (our fp16 scales lose 3 bits),
@@ -83,9 +93,10 @@ PREFILL_ROWS = 16
 # int8, interleaved medians; workbench/kernels/README.md): 192 x 192 and 576 x 192 near 3 rows, 512 x 512 near 5,
 # 1024 x 512 above 6, 4096 x 4096 near 16 - about one row per `_VALUES_PER_ROW` weight values, between 2 and 16.
 _VALUES_PER_ROW = 40_000
-# Weight sizes (N * K values) from which the split path runs (`split_rows_for`).
-SPLIT_LARGE_VALUES = 8 << 20
-SPLIT_MEDIUM_VALUES = 1 << 20
+# The split path (fp32 x on AMX) runs above SPLIT_MIN_ROWS rows of x (at 8 rows it ties the decode path) on
+# weights of SPLIT_MIN_VALUES values or more, up to `split_rows_for` rows.
+SPLIT_MIN_ROWS = 8
+SPLIT_MIN_VALUES = 1 << 19
 
 
 def prefill_rows_for(N: int, K: int) -> int:
@@ -117,7 +128,7 @@ class CpuWeight:
 
     @functools.cached_property
     def split_rows(self) -> int:
-        """Rows of x up to which fp32 inputs above `prefill_rows` take the split path on a CPU with AMX (0: never;
+        """Rows of fp32 x up to which the split path runs (above `SPLIT_MIN_ROWS`, on a CPU with AMX; 0: never;
         `split_rows_for`)."""
         return split_rows_for(self)
 
@@ -140,19 +151,18 @@ def split_eligible(w: "CpuWeight") -> bool:
 
 
 def split_rows_for(w: "CpuWeight") -> int:
-    """Rows of x up to which the split path runs for ``w`` (0: never), from the side-by-side measurements in
-    workbench/kernels/README.md (one thread, fp32 x, against the fp32 prefill path): it wins on weights whose fp32
-    copy does not stay in cache - up to 256 rows from ~8 M values (4096 x 4096: 1.4-2.0x), up to 64 rows from ~1 M
-    values with groups of 128 or more / per channel (2048 x 2048: 1.3-2.8x) - and loses on small, in-cache ones
-    (tiny-lm's 192-wide layers: 0.6-1.2x), where three bf16 passes cost what one fp32 GEMM does."""
-    if not w.split_ok:
-        return 0
+    """Rows of x up to which the split path runs for ``w`` (above `SPLIT_MIN_ROWS`; 0: never), from the
+    side-by-side measurements in workbench/kernels/README.md (one thread, fp32 x, against what runs without it):
+    on weights of ~0.5 M values and more it is 1.2-3x faster from 16 rows up - the longer, the more of K one
+    brgemm chain covers (its sums are scaled once per group): up to 2048 rows per channel (512 below 1 M values),
+    512 with groups of 128 or more, 128 with smaller groups. On small weights that stay in cache (tiny-lm's
+    192-wide layers) it measured 0.7-1.4x, never clearly faster than fp32: not used there."""
     values = w.N * w.K
-    if values >= SPLIT_LARGE_VALUES:
-        return 256
-    if values >= SPLIT_MEDIUM_VALUES and (w.scale.shape[1] == 1 or w.group_size >= 128):
-        return 64
-    return 0
+    if not w.split_ok or values < SPLIT_MIN_VALUES:
+        return 0
+    if w.scale.shape[1] == 1:
+        return 2048 if values >= 2 * SPLIT_MIN_VALUES else 512
+    return 512 if w.group_size >= 128 else 128
 
 
 def supports(fmt) -> bool:
@@ -241,11 +251,12 @@ def linear_unchecked(x: torch.Tensor, w: CpuWeight, bias: torch.Tensor | None, p
         x2 = x2.float().contiguous()
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         bias = bias.float().contiguous()
-    if x2.shape[0] <= prefill_rows:
-        y = ext.gemv(x2, w.qweight, w.scale, w.zero, w.lut, w.bits, w.group_size, bias, isa)     # (M, N)
-    elif x2.shape[0] <= (w.split_rows if split_rows is None else split_rows) and isa == "auto" \
+    M = x2.shape[0]
+    if SPLIT_MIN_ROWS < M <= (w.split_rows if split_rows is None else split_rows) and isa == "auto" \
             and w.split_ok and split_available():
         y = ext.prefill_split(x2, w.qweight, w.scale, w.zero, w.bits, w.group_size, bias, 0)
+    elif M <= prefill_rows:
+        y = ext.gemv(x2, w.qweight, w.scale, w.zero, w.lut, w.bits, w.group_size, bias, isa)     # (M, N)
     else:
         y = ext.prefill(x2, w.qweight, w.scale, w.zero, w.lut, w.bits, w.group_size, bias, 0, isa)
     y = y.view(*x.shape[:-1], w.N)
@@ -256,9 +267,9 @@ def weight_only_linear_cpu(x: torch.Tensor, w: CpuWeight, bias: torch.Tensor | N
                            prefill_rows: int | None = None, isa: str = "auto",
                            split_rows: int | None = None) -> torch.Tensor:
     """``y (..., N)`` in x's dtype = x ``(..., K)`` times the weight held in ``w`` (from `pack`), plus ``bias``.
-    ``prefill_rows`` (rows of x up to which the decode path runs; None: `CpuWeight.prefill_rows`),
-    ``split_rows`` (rows of fp32 x up to which the split path runs above them, where the CPU has AMX and the
-    format allows; None: `CpuWeight.split_rows`, 0: never) and ``isa`` exist for tests and tuning.
+    ``split_rows`` (rows of fp32 x up to which the split path runs, above `SPLIT_MIN_ROWS`, where the CPU has
+    AMX and the weight allows; None: `CpuWeight.split_rows`, 0: never), ``prefill_rows`` (rows of x up to which
+    the decode path runs otherwise; None: `CpuWeight.prefill_rows`) and ``isa`` exist for tests and tuning.
     Inference only: no autograd graph is recorded."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dtype not in (
             torch.float32, torch.float16, torch.bfloat16):

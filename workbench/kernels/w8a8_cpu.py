@@ -94,7 +94,11 @@ def _build():
         if not _looks_built():
             print("workbench.kernels.w8a8_cpu: compiling the CPU W8A8 kernel (first use on this machine, ~30 s; cached "
                   "afterwards) ...", file=sys.stderr, flush=True)
-        ext = load(name=_NAME, sources=[str(SOURCE)], extra_cflags=["-O3", "-ffp-contract=off"],
+        # -fopenmp: at::parallel_for is an OpenMP pragma in ATen's headers - without it the kernel runs on one
+        # thread whatever torch.get_num_threads() says (the pragma is compiled away); the OpenMP runtime is the
+        # libgomp torch already loaded
+        ext = load(name=_NAME, sources=[str(SOURCE)], extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"],
+                   extra_ldflags=["-fopenmp"],
                    build_directory=extension_build_dir(_NAME, SOURCE),
                    verbose=False)
         return ext, None

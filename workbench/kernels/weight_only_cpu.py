@@ -194,7 +194,9 @@ def _build():
         print("workbench.kernels.weight_only_cpu: loading the CPU weight-only kernel (compiled on first use on this "
               "machine, "
               "~20 s; cached afterwards) ...", file=sys.stderr, flush=True)
-        ext = load(name=_NAME, sources=[str(SOURCE)], extra_cflags=["-O3", "-ffp-contract=off"], verbose=False,
+        # -fopenmp: at::parallel_for is an OpenMP pragma in ATen's headers (compiled away without it: one thread)
+        ext = load(name=_NAME, sources=[str(SOURCE)], extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"],
+                   extra_ldflags=["-fopenmp"], verbose=False,
                    build_directory=extension_build_dir(_NAME, SOURCE))
         return ext, None
     except Exception as e:  # no compiler, no ninja, no Python headers: reported by load_extension

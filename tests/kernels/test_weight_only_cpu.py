@@ -189,7 +189,8 @@ def test_split_path_is_as_exact_as_the_fp32_reference(fmt):
 def test_split_path_runs_only_where_it_is_exact_and_measured_faster():
     """Eligible: integer codes and integer-valued zero points (not NF4's table, not HQQ's real zeros); by default
     from 9 rows on weights of >= 0.5 M values, up to 2048 / 512 rows per channel (>= 1 M values / fewer), 512 with
-    groups of >= 128, 128 with smaller ones; never on small weights (README: 0.7-1.4x there)."""
+    groups of >= 128, 128 with smaller ones; never on small weights (README: 0.7-1.4x there). bf16 x: see
+    `split_rows_for`."""
     assert not _layer(fm.NF4Format(64), 16, 64)[1].split_ok
     hqq = fm.IntFormat(4, 48, False, float_zero=True)
     t = fm.encode(torch.randn(16, 96), hqq)
@@ -201,6 +202,12 @@ def test_split_path_runs_only_where_it_is_exact_and_measured_faster():
     assert _layer(fm.IntFormat(8, None), 1024, 1024)[1].split_rows == 2048
     assert _layer(fm.IntFormat(4, 128), 1024, 1024)[1].split_rows == 512
     assert _layer(fm.IntFormat(4, 64), 1024, 1024)[1].split_rows == 128
+    # bf16 x: up to 16 rows on every eligible weight, 32 from 0.5 M values, 64 from 1 M per channel / g >= 128
+    assert _layer(fm.IntFormat(8, None), 768, 192)[1].split_rows_bf16 == 16
+    assert _layer(fm.IntFormat(8, None), 1536, 384)[1].split_rows_bf16 == 32
+    assert _layer(fm.IntFormat(8, None), 1024, 1024)[1].split_rows_bf16 == 64
+    assert _layer(fm.IntFormat(4, 64), 1024, 1024)[1].split_rows_bf16 == 32
+    assert _layer(fm.NF4Format(64), 1024, 1024)[1].split_rows_bf16 == 0
     if wk.split_available():   # the default call at 40 rows of a 1 M-value weight is the split path's result
         _, w, _ = _layer(fm.IntFormat(8, None), 1024, 1024)
         for M in (9, 40, 2048):
@@ -211,3 +218,29 @@ def test_split_path_runs_only_where_it_is_exact_and_measured_faster():
         assert torch.equal(wk.weight_only_linear_cpu(x, w), wk.weight_only_linear_cpu(x, w, split_rows=0))
     with pytest.raises(ValueError, match="split_rows"):
         wk.weight_only_linear_cpu(torch.randn(2, 64), _layer(fm.IntFormat(4, 64), 8, 64)[1], split_rows=-1)
+
+
+@SPLIT
+@pytest.mark.parametrize("fmt", [fm.IntFormat(8, None), fm.IntFormat(4, 32, symmetric=False), fm.IntFormat(3, 24)],
+                         ids=str)
+def test_split_path_rounds_bf16_inputs_once(fmt):
+    """bf16 x (one part): the exact products x (u - z) summed in fp32, scaled, rounded to bf16 once - each output
+    within one bf16 rounding of the exact product (|err| <= 2^-8 |y| + fp32 noise), and never further from it than
+    the reference's bf16 math (the weight rounded to bf16 first); ragged shapes, 9-16 rows (every weight) and 64."""
+    for N, K in [(37, 203), (130, 520)]:
+        _, w, dense = _layer(fmt, N, K)
+        bias = torch.randn(N)
+        for M in (9, 16, 64):
+            x = torch.randn(M, K).bfloat16()
+            got = wk.weight_only_linear_cpu(x, w, bias, split_rows=10 ** 6)
+            assert got.dtype == torch.bfloat16 and got.shape == (M, N)
+            exact = x.double() @ dense.double().t() + bias.double()
+            err = (got.double() - exact).abs()
+            assert bool((err <= 2 ** -8 * exact.abs() + 1e-6 * exact.abs().max()).all()), (N, K, M, err.max())
+            ref = torch.nn.functional.linear(x, dense.bfloat16(), bias.bfloat16())
+            assert err.max() <= (ref.double() - exact).abs().max()
+    if N * K < wk.SPLIT_MIN_VALUES:   # the default for a small weight: the split path up to 16 rows
+        x = torch.randn(16, K).bfloat16()
+        assert w.split_rows_bf16 == 16
+        assert torch.equal(wk.weight_only_linear_cpu(x, w, bias), wk.weight_only_linear_cpu(x, w, bias,
+                                                                                          split_rows=10 ** 6))

@@ -740,17 +740,18 @@ void pack_pairs(const uint32_t* src, int64_t rows, int64_t P, int64_t lb, uint32
   pack_pairs_scalar(src, rows, P, lb, dst);
 }
 
-void split_parts(const float* x, int64_t M, int64_t K, int64_t Kp, uint16_t* out) {
-  for (int64_t m = 0; m < M; ++m) {
+// Rows m0 .. m1 of x (x points at row m0) into the three parts of all M rows.
+void split_parts(const float* x, int64_t M, int64_t m0, int64_t m1, int64_t K, int64_t Kp, uint16_t* out) {
+  for (int64_t m = m0; m < m1; ++m) {
     uint16_t *o1 = out + m * Kp, *o2 = o1 + M * Kp, *o3 = o2 + M * Kp;
 #if WB_X86
     if (split_avx512()) {
-      split_parts_avx512(x + m * K, K, o1, o2, o3);
+      split_parts_avx512(x + (m - m0) * K, K, o1, o2, o3);
       for (int64_t k = K; k < Kp; ++k) o1[k] = o2[k] = o3[k] = 0;
       continue;
     }
 #endif
-    split_parts_scalar(x + m * K, K, Kp, o1, o2, o3);
+    split_parts_scalar(x + (m - m0) * K, K, Kp, o1, o2, o3);
   }
 }
 }  // namespace
@@ -759,8 +760,9 @@ torch::Tensor prefill_split(const torch::Tensor& x, const torch::Tensor& q, cons
                             const torch::Tensor& zero, int64_t bits, int64_t group,
                             const c10::optional<torch::Tensor>& bias, int64_t block_rows) {
   namespace cb = at::native::cpublas;
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.device().is_cpu(),
-              "weight_only_linear_cpu: x must be a contiguous 2-D float32 CPU tensor");
+  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat || bf16) && x.is_contiguous() && x.device().is_cpu(),
+              "weight_only_linear_cpu: x must be a contiguous 2-D float32 or bfloat16 CPU tensor");
   const Weight W = view(q, scale, zero, c10::nullopt, bits, group, x.size(1));
   const int64_t M = x.size(0), K = W.K, N = W.N, G = W.G;
   TORCH_CHECK(G == 1 || group % 2 == 0, "weight_only_linear_cpu: the split path needs an even group size");
@@ -768,9 +770,10 @@ torch::Tensor prefill_split(const torch::Tensor& x, const torch::Tensor& q, cons
   const bool has_bias = bias.has_value() && bias->defined();
   TORCH_CHECK(!has_bias || (bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == N),
               "weight_only_linear_cpu: bias must be contiguous float32 (N,)");
-  auto out = torch::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return out;
+  auto out = torch::empty({M, N}, x.options().dtype(torch::kFloat));
+  if (M == 0 || N == 0) return bf16 ? out.to(torch::kBFloat16) : out;
   const int64_t Kp = K + (K & 1);
+  const int P = bf16 ? 1 : 3;                    // parts of x: bf16 x is its own single part
   // B: x's three parts, per block of 64 rows of x, pair-interleaved: part p, block j, element (k, m) at
   // ((k / 2) * ldb + m) * 2 + k % 2; padded rows of x and the pad of an odd K are zeros.
   const int64_t MB = (M + kSplitCols - 1) / kSplitCols;
@@ -778,23 +781,36 @@ torch::Tensor prefill_split(const torch::Tensor& x, const torch::Tensor& q, cons
   for (int64_t j = 0; j < MB; ++j) ldb[j] = (std::min(kSplitCols, M - j * kSplitCols) + 15) / 16 * 16;
   const int64_t part_stride = Kp * kSplitCols;   // bf16 values per (part, block)
   thread_local Scratch<uint16_t> parts_buf, bx_buf;
-  uint16_t* parts = parts_buf.get(3 * M * Kp);   // the three parts, row-major (M, Kp) each
-  split_parts(x.data_ptr<float>(), M, K, Kp, parts);
-  uint16_t* bx = bx_buf.get(3 * MB * part_stride);
-  for (int p = 0; p < 3; ++p)
-    for (int64_t j = 0; j < MB; ++j) {
+  uint16_t* parts = parts_buf.get(P * M * Kp);   // the parts, row-major (M, Kp) each
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    if (bf16) {
+      const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+      for (int64_t m = m0; m < m1; ++m) {
+        std::copy(xb + m * K, xb + (m + 1) * K, parts + m * Kp);
+        if (Kp > K) parts[m * Kp + K] = 0;
+      }
+    } else {
+      split_parts(x.data_ptr<float>() + m0 * K, M, m0, m1, K, Kp, parts);
+    }
+  });
+  uint16_t* bx = bx_buf.get(P * MB * part_stride);
+  at::parallel_for(0, P * MB, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t p = i / MB, j = i % MB;
       const int64_t m0 = j * kSplitCols, cols = std::min(kSplitCols, M - m0), lb = ldb[j];
       const uint32_t* src = reinterpret_cast<const uint32_t*>(parts + (p * M + m0) * Kp);  // pairs of k
       uint32_t* dst = reinterpret_cast<uint32_t*>(bx + (p * MB + j) * part_stride);
       pack_pairs(src, cols, Kp / 2, lb, dst);
     }
+  });
   // (N, M) fp32 accumulator of y transposed; blocks of weight rows across threads
-  auto yt = torch::empty({N, M}, x.options());
+  auto yt = torch::empty({N, M}, out.options());
   float* ytp = yt.data_ptr<float>();
   const int64_t nb = std::min(N, block_rows > 0 ? block_rows
                                  : std::min<int64_t>(256, std::max<int64_t>(16, (int64_t{1} << 20) / (2 * Kp) / 16 * 16)));
   const int64_t nblocks = (N + nb - 1) / nb;
-  const int64_t cg = G == 1 ? kSplitChunk : group, CG = (Kp + cg - 1) / cg;
+  // one chain per group; a one-group weight in chunks of K for fp32 x (three parts: shorter sums), whole for bf16
+  const int64_t cg = G == 1 ? (bf16 ? Kp : kSplitChunk) : group, CG = (Kp + cg - 1) / cg;
   at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
     thread_local Scratch<uint16_t> a_buf;
     thread_local Scratch<uint8_t> c_buf;
@@ -811,7 +827,7 @@ torch::Tensor prefill_split(const torch::Tensor& x, const torch::Tensor& q, cons
         // sums scaled into y^T
         for (int64_t g = 0; g < CG; ++g) {
           const int64_t k0 = g * cg, len = std::min(cg, Kp - k0);
-          for (int p = 0; p < 3; ++p) {
+          for (int p = 0; p < P; ++p) {
             const uint16_t* bp = bx + (p * MB + j) * part_stride + (k0 / 2) * lb * 2;
             cb::brgemm(rows, lb, len, Kp, lb, kSplitCols, p > 0, reinterpret_cast<const at::BFloat16*>(a + k0),
                        reinterpret_cast<const at::BFloat16*>(bp), cbuf, true);
@@ -834,7 +850,7 @@ torch::Tensor prefill_split(const torch::Tensor& x, const torch::Tensor& q, cons
   });
   out.copy_(yt.t());
   if (has_bias) out.add_(*bias);
-  return out;
+  return bf16 ? out.to(torch::kBFloat16) : out;   // bf16 x: the fp32 sums rounded once
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

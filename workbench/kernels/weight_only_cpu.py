@@ -133,6 +133,11 @@ class CpuWeight:
         return split_rows_for(self)
 
     @functools.cached_property
+    def split_rows_bf16(self) -> int:
+        """The same for bf16 x (one part: x itself; `split_rows_for`)."""
+        return split_rows_for(self, bf16=True)
+
+    @functools.cached_property
     def prefill_rows(self) -> int:
         """Rows of x up to which the decode path runs by default (`prefill_rows_for` this weight's size; worked
         out once per packed weight, not per call)."""
@@ -150,17 +155,30 @@ def split_eligible(w: "CpuWeight") -> bool:
     return bool(torch.equal(w.zero, w.zero.round()))
 
 
-def split_rows_for(w: "CpuWeight") -> int:
+def split_rows_for(w: "CpuWeight", bf16: bool = False) -> int:
     """Rows of x up to which the split path runs for ``w`` (above `SPLIT_MIN_ROWS`; 0: never), from the
-    side-by-side measurements in workbench/kernels/README.md (one thread, fp32 x, against what runs without it):
-    on weights of ~0.5 M values and more it is 1.2-3x faster from 16 rows up - the longer, the more of K one
-    brgemm chain covers (its sums are scaled once per group): up to 2048 rows per channel (512 below 1 M values),
-    512 with groups of 128 or more, 128 with smaller groups. On small weights that stay in cache (tiny-lm's
-    192-wide layers) it measured 0.7-1.4x, never clearly faster than fp32: not used there."""
+    side-by-side measurements in workbench/kernels/README.md (one thread, against what runs without it).
+
+    fp32 x (three parts): on weights of ~0.5 M values and more it is 1.2-3x faster from 16 rows up - the longer,
+    the more of K one brgemm chain covers (its sums are scaled once per group): up to 2048 rows per channel (512
+    below 1 M values), 512 with groups of 128 or more, 128 with smaller groups. On small weights that stay in
+    cache (tiny-lm's 192-wide layers) it measured 0.7-1.4x, never clearly faster than fp32: not used there.
+
+    bf16 x (one part, against the decode path's fp32 arithmetic up to 16 rows and the bf16 prefill above): 1.5-3.6x
+    faster at 12-16 rows on every weight shape measured; from 32 rows only on weights of ~0.5 M values and more
+    (1.05-2.1x), to 64 rows from 1 M values per channel or with groups of >= 128 (1.15-1.7x); the bf16 prefill
+    path (oneDNN's bf16 GEMM on decoded blocks) is faster above."""
     values = w.N * w.K
-    if not w.split_ok or values < SPLIT_MIN_VALUES:
+    if not w.split_ok:
         return 0
-    if w.scale.shape[1] == 1:
+    per_channel = w.scale.shape[1] == 1
+    if bf16:
+        if values < SPLIT_MIN_VALUES:
+            return 16
+        return 64 if values >= 2 * SPLIT_MIN_VALUES and (per_channel or w.group_size >= 128) else 32
+    if values < SPLIT_MIN_VALUES:
+        return 0
+    if per_channel:
         return 2048 if values >= 2 * SPLIT_MIN_VALUES else 512
     return 512 if w.group_size >= 128 else 128
 
@@ -240,6 +258,14 @@ def linear_unchecked(x: torch.Tensor, w: CpuWeight, bias: torch.Tensor | None, p
     if prefill_rows is None:
         prefill_rows = w.prefill_rows
     ext = load_extension()
+    if x2.dtype == torch.bfloat16 and SPLIT_MIN_ROWS < x2.shape[0] <= (
+            w.split_rows_bf16 if split_rows is None else split_rows) and isa == "auto" and w.split_ok \
+            and split_available():
+        # bf16 x on AMX: the exact products x (u - z) summed in fp32, scaled per group, rounded to bf16 once
+        if bias is not None:
+            bias = bias.float().contiguous()
+        y = ext.prefill_split(x2.contiguous(), w.qweight, w.scale, w.zero, w.bits, w.group_size, bias, 0)
+        return y.view(*x.shape[:-1], w.N)
     if x2.dtype == torch.bfloat16 and x2.shape[0] > max(prefill_rows, PREFILL_ROWS) and _native_bf16():
         # bf16 prefill on a CPU with bf16 arithmetic: the reference's math (weight decoded in fp32, rounded to
         # bf16, bf16 GEMM), block by block; several times faster than fp32 there (workbench/kernels/README.md).

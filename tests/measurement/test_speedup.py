@@ -64,6 +64,10 @@ def test_speedup_takes_a_task_and_checks_arguments(digits_mlp, digits_task):
         wb.speedup(digits_mlp, "fp32", digits_task)
     with pytest.raises(ValueError, match="min_rounds"):
         wb.speedup(digits_mlp, digits_mlp, digits_task, min_rounds=3)
+    # a task's name, as wb.measure takes it (it was once read as a tuple of its characters)
+    assert wb.speedup(digits_mlp, copy.deepcopy(digits_mlp), "digits", batch_size=8, budget_s=0.2).rounds >= 8
+    with pytest.raises(TypeError, match="task_or_inputs must be"):
+        wb.speedup(digits_mlp, digits_mlp, 3)
 
 
 def test_measure_with_baseline_and_compare(digits_mlp, digits_task):

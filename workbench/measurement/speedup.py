@@ -113,8 +113,8 @@ def speedup(model: nn.Module, baseline: nn.Module, task_or_inputs, *, batch_size
             rel_width: float = 0.05, budget_s: float = 2.0, confidence: float = 0.95,
             min_effect: float = 0.03) -> Speedup:
     """``baseline`` time / ``model`` time on the same inputs, measured in paired, alternating rounds (see the
-    module docstring). ``task_or_inputs``: a task (its ``example_inputs(batch_size)``), a tuple of tensors, or a
-    dict of keyword inputs. ``threads``: CPU threads for both (default: torch's current setting)."""
+    module docstring). ``task_or_inputs``: a task or a task's name (its ``example_inputs(batch_size)``), a tensor,
+    a tuple of tensors, or a dict of keyword inputs. ``threads``: CPU threads for both (default: torch's current setting)."""
     from workbench.measurement.latency import num_threads
     from workbench.tasks.base import Task, model_device
 
@@ -123,6 +123,13 @@ def speedup(model: nn.Module, baseline: nn.Module, task_or_inputs, *, batch_size
             raise TypeError(f"speedup: {what} must be a torch.nn.Module, got {type(m).__name__}")
     if min_rounds < 6:
         raise ValueError(f"speedup: min_rounds must be at least 6 for a 95% interval of the median, got {min_rounds}")
+    if isinstance(task_or_inputs, str):   # a task's name, as wb.measure takes it
+        from workbench import tasks
+
+        task_or_inputs = tasks.load(task_or_inputs)
+    if not isinstance(task_or_inputs, (Task, torch.Tensor, tuple, list, dict)):
+        raise TypeError(f"speedup: task_or_inputs must be a wb.tasks.Task, a task name, a tensor, a tuple of tensors "
+                        f"or a dict of keyword inputs, got {type(task_or_inputs).__name__}")
     inputs = task_or_inputs.example_inputs(batch_size) if isinstance(task_or_inputs, Task) else task_or_inputs
     cuda = model_device(model).type == "cuda"
     run_m, run_b = _runner(model, inputs), _runner(baseline, inputs)

@@ -69,7 +69,7 @@ def test_bf16_prefill_is_the_references_bf16_math_where_the_cpu_has_bf16(N, K):
     t, w, dense = _layer(fm.IntFormat(4, 32, symmetric=False), N, K)
     x = torch.randn(2, 20, K).to(torch.bfloat16)
     bias = torch.randn(N)
-    y = wk.weight_only_linear_cpu(x, w, bias)
+    y = wk.weight_only_linear_cpu(x, w, bias, split_rows=0)   # no AMX micro-kernels: oneDNN's bf16 GEMM
     assert y.dtype == torch.bfloat16 and y.shape == (2, 20, N)
     if wk.load_extension().native_bf16():
         expected = torch.nn.functional.linear(x, dense.to(torch.bfloat16), bias.to(torch.bfloat16))
@@ -234,7 +234,7 @@ def test_split_path_rounds_bf16_inputs_once(fmt):
             x = torch.randn(M, K).bfloat16()
             got = wk.weight_only_linear_cpu(x, w, bias, split_rows=10 ** 6)
             assert got.dtype == torch.bfloat16 and got.shape == (M, N)
-            exact = x.double() @ dense.double().t() + bias.double()
+            exact = x.double() @ dense.double().t() + bias.bfloat16().double()   # the bias in x's dtype
             err = (got.double() - exact).abs()
             assert bool((err <= 2 ** -8 * exact.abs() + 1e-6 * exact.abs().max()).all()), (N, K, M, err.max())
             ref = torch.nn.functional.linear(x, dense.bfloat16(), bias.bfloat16())
@@ -244,3 +244,27 @@ def test_split_path_rounds_bf16_inputs_once(fmt):
         assert w.split_rows_bf16 == 16
         assert torch.equal(wk.weight_only_linear_cpu(x, w, bias), wk.weight_only_linear_cpu(x, w, bias,
                                                                                           split_rows=10 ** 6))
+
+
+@SPLIT
+@pytest.mark.parametrize("fmt", [fm.IntFormat(8, None), fm.IntFormat(4, 64, False, float_zero=True)], ids=str)
+def test_amx_bf16_prefill_is_the_references_bf16_math(fmt):
+    """bf16 x above the split path's rows, up to `AMX_BF16_ROWS`: the reference's bf16 math (weight rounded to
+    bf16, fp32 sums, one rounding) with the decoded blocks packed for AMX - each output within one bf16 rounding
+    of the exact product with the bf16 weight; N not a multiple of the 64-row blocks, M not of the 64-row A."""
+    for N, K in [(100, 96), (130, 1024)]:
+        _, w, dense = _layer(fmt, N, K)
+        assert w.amx_ok
+        bias = torch.randn(N)
+        wb16 = dense.bfloat16()
+        for M in (70, 256):
+            x = torch.randn(M, K).bfloat16()
+            got = wk.weight_only_linear_cpu(x, w, bias)
+            assert got.dtype == torch.bfloat16 and got.shape == (M, N)
+            exact = x.double() @ wb16.double().t() + bias.bfloat16().double()
+            err = (got.double() - exact).abs()
+            assert bool((err <= 2 ** -8 * exact.abs() + 1e-5 * exact.abs().max()).all()), (N, K, M, err.max())
+            amx = wk.load_extension().prefill_amx(x, w.qweight, w.scale, w.zero, w.bits, w.group_size,
+                                                  bias.bfloat16().float())
+            assert torch.equal(got, amx)   # the path the default call took
+    assert not _layer(fm.NF4Format(64), 16, 64)[1].amx_ok and not _layer(fm.IntFormat(3, 24), 16, 48)[1].amx_ok

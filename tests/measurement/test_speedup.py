@@ -92,10 +92,12 @@ def test_session_entries_carry_a_side_by_side_speedup(digits_mlp, digits_task):
 
 def test_quick_measure_with_baseline_stays_honest(digits_mlp, digits_task):
     """Quick mode takes fewer rounds (one warm-up, at least 6) and reports the model's latency from the same
-    paired rounds: an unchanged copy still reads an interval containing 1.0."""
+    paired rounds: an unchanged copy reads no measurable change. (Not "an interval containing 1.0": a 95 % interval
+    of two identical models' ratio misses 1.0 in ~5 % of runs by construction - seen here as 1.001-1.013 - which
+    the 3 % minimum effect is there to absorb.)"""
     m = wb.measure(copy.deepcopy(digits_mlp), digits_task, quick=True, threads=1, progress=False,
                    baseline=digits_mlp)
     s = m.speedup
-    assert s.low <= 1.0 <= s.high and not s.changed, str(s)
+    assert not s.changed and abs(s.ratio - 1) < s.min_effect, str(s)
     assert s.rounds >= 6 and m.latency_runs == s.rounds == len(s.model_times_ms)
     assert m.latency_ms == pytest.approx(s.model_ms)

@@ -853,10 +853,80 @@ torch::Tensor prefill_split(const torch::Tensor& x, const torch::Tensor& q, cons
   return bf16 ? out.to(torch::kBFloat16) : out;   // bf16 x: the fp32 sums rounded once
 }
 
+// bf16 x on AMX, many rows: the reference's bf16 math (each weight row decoded in fp32 and rounded to bf16, an
+// fp32-accumulated product rounded to bf16) without the reorder oneDNN's matmul makes of a plain weight on every
+// call: blocks of 64 decoded rows are transposed straight into AMX's pair-interleaved layout and multiplied by
+// brgemm with x as its A. 4- and 8-bit integer codes in whole 32-value groups (the one-pass AVX-512 decode).
+namespace {
+constexpr int64_t kAmxCols = 64;   // weight rows per block: the widest packed B here
+
+#if WB_X86
+// out[m, i] = bf16(C[m, i] + bias[i]) for i < cols (C: ld 64 fp32)
+WB_TARGET("avx512f,avx512bw,avx512vl,avx512bf16") void store_bf16_rows(const float* C, int64_t M, int64_t cols, const float* bias,
+                                                      uint16_t* out, int64_t ldo) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* c = C + m * kAmxCols;
+    uint16_t* o = out + m * ldo;
+    for (int64_t i = 0; i < cols; i += 16) {
+      const __mmask16 k = static_cast<__mmask16>(cols - i >= 16 ? 0xFFFF : (1u << (cols - i)) - 1);
+      __m512 v = _mm512_maskz_loadu_ps(k, c + i);
+      if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, bias + i));
+      _mm256_mask_storeu_epi16(o + i, k, (__m256i)_mm512_cvtneps_pbh(v));
+    }
+  }
+}
+#endif
+}  // namespace
+
+torch::Tensor prefill_amx(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
+                          const torch::Tensor& zero, int64_t bits, int64_t group,
+                          const c10::optional<torch::Tensor>& bias) {
+  namespace cb = at::native::cpublas;
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous() && x.device().is_cpu(),
+              "weight_only_linear_cpu: x must be a contiguous 2-D bfloat16 CPU tensor");
+  const Weight W = view(q, scale, zero, c10::nullopt, bits, group, x.size(1));
+  const int64_t M = x.size(0), K = W.K, N = W.N;
+  TORCH_CHECK((bits == 4 || bits == 8) && group % 32 == 0 && K % 32 == 0 && split_available() && split_avx512(),
+              "weight_only_linear_cpu: the AMX bf16 path needs 4- or 8-bit codes in groups of a multiple of 32 and "
+              "AMX");
+  const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(!has_bias || (bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == N),
+              "weight_only_linear_cpu: bias must be contiguous float32 (N,)");
+  auto out = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+#if WB_X86
+  const auto* xb = reinterpret_cast<const at::BFloat16*>(x.data_ptr<at::BFloat16>());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
+  const int64_t nblocks = (N + kAmxCols - 1) / kAmxCols;
+  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+    thread_local Scratch<uint16_t> rows_buf, b_buf;
+    thread_local Scratch<float> c_buf;
+    uint16_t* rows = rows_buf.get(kAmxCols * K);
+    uint16_t* B = b_buf.get(K * kAmxCols);
+    float* C = c_buf.get(std::min<int64_t>(M, kSplitCols) * kAmxCols);
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t n0 = blk * kAmxCols, nr = std::min(kAmxCols, N - n0);
+      for (int64_t r = 0; r < nr; ++r) decode_row_avx512<true>(W, n0 + r, rows + r * K);
+      pack_pairs(reinterpret_cast<const uint32_t*>(rows), nr, K / 2, kAmxCols, reinterpret_cast<uint32_t*>(B));
+      for (int64_t m0 = 0; m0 < M; m0 += kSplitCols) {
+        const int64_t mr = std::min(kSplitCols, M - m0);
+        cb::brgemm(mr, kAmxCols, K, K, kAmxCols, kAmxCols, false, xb + m0 * K,
+                   reinterpret_cast<const at::BFloat16*>(B), C, true);
+        store_bf16_rows(C, mr, nr, bp ? bp + n0 : nullptr, op + m0 * N + n0, N);
+      }
+    }
+    cb::brgemm_release(true);
+  });
+#endif
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv, "weight-only Linear, one decoded weight row at a time (see kernels/weight_only_cpu.py)");
   m.def("prefill", &prefill, "weight-only Linear for many rows: blocks of decoded rows times an fp32 GEMM");
   m.def("prefill_split", &prefill_split, "fp32 x times integer codes on AMX: x split into three exact bf16 parts");
+  m.def("prefill_amx", &prefill_amx, "bf16 x, many rows: decoded bf16 weight blocks packed for AMX, brgemm");
   m.def("split_available", &split_available, "whether AMX bf16 brgemm is available (cpublas::could_pack)");
   m.def("decode", &decode, "the stored weight decoded to fp32 (N, K)");
   m.def("native_bf16", &native_bf16, "whether the CPU has bf16 arithmetic (AVX512_BF16)");

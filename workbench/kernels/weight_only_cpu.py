@@ -97,6 +97,10 @@ _VALUES_PER_ROW = 40_000
 # weights of SPLIT_MIN_VALUES values or more, up to `split_rows_for` rows.
 SPLIT_MIN_ROWS = 8
 SPLIT_MIN_VALUES = 1 << 19
+# bf16 x above the split path's rows: blocks of decoded bf16 rows packed for AMX and multiplied by brgemm (no
+# per-call reorder of the weight) up to this many rows; oneDNN's bf16 GEMM on decoded blocks above (measured:
+# README).
+AMX_BF16_ROWS = 256
 
 
 def prefill_rows_for(N: int, K: int) -> int:
@@ -125,6 +129,12 @@ class CpuWeight:
     def split_ok(self) -> bool:
         """`split_eligible` (worked out once per packed weight)."""
         return split_eligible(self)
+
+    @functools.cached_property
+    def amx_ok(self) -> bool:
+        """Whether the AMX bf16 prefill takes ``w``: 4- or 8-bit code slots in whole 32-value groups (the one-pass
+        AVX-512 decode), any zero point; not NF4."""
+        return self.lut is None and self.bits in (4, 8) and self.group_size % 32 == 0 and self.K % 32 == 0
 
     @functools.cached_property
     def split_rows(self) -> int:
@@ -261,9 +271,10 @@ def linear_unchecked(x: torch.Tensor, w: CpuWeight, bias: torch.Tensor | None, p
     if x2.dtype == torch.bfloat16 and SPLIT_MIN_ROWS < x2.shape[0] <= (
             w.split_rows_bf16 if split_rows is None else split_rows) and isa == "auto" and w.split_ok \
             and split_available():
-        # bf16 x on AMX: the exact products x (u - z) summed in fp32, scaled per group, rounded to bf16 once
+        # bf16 x on AMX: the exact products x (u - z) summed in fp32, scaled per group, rounded to bf16 once (the
+        # bias in x's dtype, as the reference takes it)
         if bias is not None:
-            bias = bias.float().contiguous()
+            bias = bias.to(torch.bfloat16).float().contiguous()
         y = ext.prefill_split(x2.contiguous(), w.qweight, w.scale, w.zero, w.bits, w.group_size, bias, 0)
         return y.view(*x.shape[:-1], w.N)
     if x2.dtype == torch.bfloat16 and x2.shape[0] > max(prefill_rows, PREFILL_ROWS) and _native_bf16():
@@ -271,6 +282,11 @@ def linear_unchecked(x: torch.Tensor, w: CpuWeight, bias: torch.Tensor | None, p
         # bf16, bf16 GEMM), block by block; several times faster than fp32 there (workbench/kernels/README.md).
         # Only above PREFILL_ROWS rows whatever the weight's size: fewer bf16 rows compute in fp32, as documented
         x2 = x2.contiguous()
+        if x2.shape[0] <= AMX_BF16_ROWS and split_rows != 0 and isa == "auto" and w.amx_ok and split_available():
+            # the same math with the decoded blocks packed for AMX's brgemm: no per-call reorder of the weight
+            y = ext.prefill_amx(x2, w.qweight, w.scale, w.zero, w.bits, w.group_size,
+                                None if bias is None else bias.to(torch.bfloat16).float().contiguous())
+            return y.view(*x.shape[:-1], w.N)
         if bias is not None:
             bias = bias.to(torch.bfloat16).contiguous()
         y = ext.prefill(x2, w.qweight, w.scale, w.zero, w.lut, w.bits, w.group_size, bias, 0, isa)
@@ -295,8 +311,9 @@ def weight_only_linear_cpu(x: torch.Tensor, w: CpuWeight, bias: torch.Tensor | N
                            prefill_rows: int | None = None, isa: str = "auto",
                            split_rows: int | None = None) -> torch.Tensor:
     """``y (..., N)`` in x's dtype = x ``(..., K)`` times the weight held in ``w`` (from `pack`), plus ``bias``.
-    ``split_rows`` (rows of fp32 x up to which the split path runs, above `SPLIT_MIN_ROWS`, where the CPU has
-    AMX and the weight allows; None: `CpuWeight.split_rows`, 0: never), ``prefill_rows`` (rows of x up to which
+    ``split_rows`` (rows of x up to which the split path runs, above `SPLIT_MIN_ROWS`, where the CPU has AMX and
+    the weight allows; None: `CpuWeight.split_rows` / ``split_rows_bf16``; 0: no AMX micro-kernel path at all,
+    the AMX bf16 prefill included), ``prefill_rows`` (rows of x up to which
     the decode path runs otherwise; None: `CpuWeight.prefill_rows`) and ``isa`` exist for tests and tuning.
     Inference only: no autograd graph is recorded."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dtype not in (

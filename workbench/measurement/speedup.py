@@ -114,7 +114,8 @@ def speedup(model: nn.Module, baseline: nn.Module, task_or_inputs, *, batch_size
             min_effect: float = 0.03) -> Speedup:
     """``baseline`` time / ``model`` time on the same inputs, measured in paired, alternating rounds (see the
     module docstring). ``task_or_inputs``: a task or a task's name (its ``example_inputs(batch_size)``), a tensor,
-    a tuple of tensors, or a dict of keyword inputs. ``threads``: CPU threads for both (default: torch's current setting)."""
+    a tuple of tensors, or a dict of keyword inputs. ``threads``: CPU threads for both (default: torch's current
+    setting)."""
     from workbench.measurement.latency import num_threads
     from workbench.tasks.base import Task, model_device
 

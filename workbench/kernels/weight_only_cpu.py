@@ -30,11 +30,13 @@ Three paths, picked per call by the number of rows M of x and the weight (`CpuWe
 
 Numerics: activations are computed in fp32 whatever their dtype (bf16 / fp16 inputs are converted, the result is
 converted back): on CPUs without native bf16 arithmetic (AVX2) an fp32 GEMM is several times faster than a bf16
-one, and fp32 is at least as exact as the bf16 reference. One exception: bf16 inputs on the prefill path of a CPU
-with bf16 arithmetic (AVX512_BF16, AMX) run the reference's own bf16 math - each block of decoded rows rounded to
-bf16 and a bf16 GEMM - which there is several times faster than fp32. The decode and split paths sum in a
-different order from the reference's GEMM: fp32 outputs agree to ~1e-6 relative (tests: 1e-5); the prefill path
-is bit-identical.
+one, and fp32 is at least as exact as the bf16 reference. Exceptions for bf16 inputs on a CPU with bf16
+arithmetic: the split path with x as its single part (exact products, fp32 sums, one rounding to bf16: within one
+bf16 rounding of the exact product, at least as close to it as the reference); above its rows the reference's own
+bf16 math - each block of decoded rows rounded to bf16, fp32-accumulated products rounded to bf16 - on AMX with
+the blocks packed for brgemm up to `AMX_BF16_ROWS` rows, by oneDNN's bf16 GEMM above. The decode and split paths
+sum in a different order from the reference's GEMM: fp32 outputs agree to ~1e-6 relative (tests: 1e-5); the fp32
+prefill path is bit-identical.
 
 Why not PyTorch's packed kernels (``aten._weight_int4pack_mm_for_cpu``, ``aten._weight_int8pack_mm``): they need
 bf16 activations (fp32 ones fall to a scalar loop), keep scales and zeros in bf16 (our fp16 scales lose 3 bits),

@@ -268,3 +268,17 @@ def test_amx_bf16_prefill_is_the_references_bf16_math(fmt):
                                                   bias.bfloat16().float())
             assert torch.equal(got, amx)   # the path the default call took
     assert not _layer(fm.NF4Format(64), 16, 64)[1].amx_ok and not _layer(fm.IntFormat(3, 24), 16, 48)[1].amx_ok
+
+
+def test_split_table_smoke():
+    """`bench_cpu --split`'s table: one row per shape, format and M with both paths and fp32 timed side by side;
+    refused by name on a CPU without AMX (there would be no split path to compare)."""
+    from workbench.kernels.bench_cpu import split_table
+
+    if not wk.split_available():
+        with pytest.raises(RuntimeError, match="AMX"):
+            split_table(shapes=((64, 64),), ms=(9,), rounds=1, formats=("int8",))
+        return
+    df = split_table(shapes=((64, 64), (32, 128)), ms=(9, 17), rounds=1, formats=("int8", "int4 g64"))
+    assert len(df) == 8 and (df[["fp32_ms", "without_ms", "split_ms"]] > 0).all().all()
+    assert set(df["default_rows"]) == {0}    # fp32 x on small weights: not by default

@@ -123,6 +123,9 @@ def split_table(shapes=SPLIT_SHAPES, ms=(8, 16, 32, 64, 128, 256), threads: int 
     from workbench.measurement import num_threads
     from workbench.quantization import formats as fm
 
+    if not wk.split_available():
+        raise RuntimeError("split_table: the split path runs on CPUs with AMX bf16 tiles; this one has none "
+                           "(cpublas::could_pack(bf16) is false), so there is nothing to compare")
     fmts = {"int8": fm.IntFormat(8, None), "int4 g128": fm.IntFormat(4, 128), "int4 g64": fm.IntFormat(4, 64)}
     rows = []
     gen = torch.Generator().manual_seed(0)

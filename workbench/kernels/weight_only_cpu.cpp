@@ -929,10 +929,66 @@ torch::Tensor prefill_amx(const torch::Tensor& x, const torch::Tensor& q, const 
   return out;
 }
 
+// The whole call of a weight-only Linear: x of any shape (..., K) and float dtype, the path picked by its rows and
+// dtype (the rules and thresholds are worked out in weight_only_cpu.py, once per packed weight, and passed in),
+// the result in x's dtype and shape. One C++ call instead of the Python it replaces (reshape, dtype and
+// contiguity checks, view): ~3-4 us less per call, which on layers of a few hundred values wide is a measurable
+// share of the call (workbench/kernels/README.md). No autograd graph is recorded.
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
+                     const c10::optional<torch::Tensor>& zero, const c10::optional<torch::Tensor>& lut, int64_t bits,
+                     int64_t group, int64_t K, const c10::optional<torch::Tensor>& bias, int64_t prefill_rows,
+                     int64_t split_rows, int64_t split_rows_bf16, bool split_ok, bool amx_ok, int64_t split_min_rows,
+                     int64_t amx_bf16_rows, const std::string& isa) {
+  torch::NoGradGuard no_grad;
+  static const bool amx_here = split_available() && split_avx512();
+  static const bool bf16_here = native_bf16();
+  const int64_t N = q.size(0);
+  auto x2 = x.reshape({-1, K});
+  const int64_t M = x2.size(0);
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = N;
+  const bool amx = amx_here && isa == "auto";
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (x2.scalar_type() == torch::kBFloat16) {
+    if (amx && split_ok && M > split_min_rows && M <= split_rows_bf16) {
+      // the exact products x (u - z), fp32 sums, one rounding (the bias in x's dtype, as the reference takes it)
+      c10::optional<torch::Tensor> b;
+      if (has_bias) b = bias->to(torch::kBFloat16).to(torch::kFloat).contiguous();
+      return prefill_split(x2.contiguous(), q, scale, *zero, bits, group, b, 0).view(shape);
+    }
+    if (M > std::max<int64_t>(prefill_rows, 16) && bf16_here) {
+      auto xc = x2.contiguous();
+      if (amx && amx_ok && M <= amx_bf16_rows) {
+        c10::optional<torch::Tensor> b;
+        if (has_bias) b = bias->to(torch::kBFloat16).to(torch::kFloat).contiguous();
+        return prefill_amx(xc, q, scale, *zero, bits, group, b).view(shape);
+      }
+      c10::optional<torch::Tensor> b;
+      if (has_bias) b = bias->to(torch::kBFloat16).contiguous();
+      return prefill(xc, q, scale, zero, lut, bits, group, b, 0, isa).view(shape);
+    }
+  }
+  if (x2.scalar_type() != torch::kFloat || !x2.is_contiguous()) x2 = x2.to(torch::kFloat).contiguous();
+  c10::optional<torch::Tensor> b;
+  if (has_bias) b = (bias->scalar_type() == torch::kFloat && bias->is_contiguous()) ? *bias
+                                                                                     : bias->to(torch::kFloat).contiguous();
+  torch::Tensor y;
+  if (amx && split_ok && M > split_min_rows && M <= split_rows) {
+    y = prefill_split(x2, q, scale, *zero, bits, group, b, 0);
+  } else if (M <= prefill_rows) {
+    y = gemv(x2, q, scale, zero, lut, bits, group, b, isa);
+  } else {
+    y = prefill(x2, q, scale, zero, lut, bits, group, b, 0, isa);
+  }
+  y = y.view(shape);
+  return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv, "weight-only Linear, one decoded weight row at a time (see kernels/weight_only_cpu.py)");
   m.def("prefill", &prefill, "weight-only Linear for many rows: blocks of decoded rows times an fp32 GEMM");
   m.def("prefill_split", &prefill_split, "fp32 x times integer codes on AMX: x split into three exact bf16 parts");
+  m.def("linear", &linear, "a weight-only Linear: x (..., K) of any float dtype, the path picked by rows and dtype");
   m.def("prefill_amx", &prefill_amx, "bf16 x, many rows: decoded bf16 weight blocks packed for AMX, brgemm");
   m.def("split_available", &split_available, "whether AMX bf16 brgemm is available (cpublas::could_pack)");
   m.def("decode", &decode, "the stored weight decoded to fp32 (N, K)");

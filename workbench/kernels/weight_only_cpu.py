@@ -133,6 +133,17 @@ class CpuWeight:
         return split_eligible(self)
 
     @functools.cached_property
+    def call_args(self) -> tuple:
+        """The weight's arguments of the extension's ``linear``, in order (worked out once)."""
+        return (self.qweight, self.scale, self.zero, self.lut, self.bits, self.group_size, self.K)
+
+    @functools.cached_property
+    def call_rules(self) -> tuple:
+        """The path rules' arguments of the extension's ``linear`` for the default call (worked out once)."""
+        return (self.prefill_rows, self.split_rows, self.split_rows_bf16, self.split_ok, self.amx_ok, SPLIT_MIN_ROWS,
+                AMX_BF16_ROWS)
+
+    @functools.cached_property
     def amx_ok(self) -> bool:
         """Whether the AMX bf16 prefill takes ``w``: 4- or 8-bit code slots in whole 32-value groups (the one-pass
         AVX-512 decode), any zero point; not NF4."""
@@ -265,48 +276,17 @@ def cpu_isa() -> str:
 def linear_unchecked(x: torch.Tensor, w: CpuWeight, bias: torch.Tensor | None, prefill_rows: int | None = None,
                      isa: str = "auto", split_rows: int | None = None) -> torch.Tensor:
     """`weight_only_linear_cpu` without its argument checks (for `WeightOnlyLinear`, whose tensors are known
-    good)."""
-    x2 = x.reshape(-1, w.K)                                               # (M, K)
-    if prefill_rows is None:
-        prefill_rows = w.prefill_rows
-    ext = load_extension()
-    if x2.dtype == torch.bfloat16 and SPLIT_MIN_ROWS < x2.shape[0] <= (
-            w.split_rows_bf16 if split_rows is None else split_rows) and isa == "auto" and w.split_ok \
-            and split_available():
-        # bf16 x on AMX: the exact products x (u - z) summed in fp32, scaled per group, rounded to bf16 once (the
-        # bias in x's dtype, as the reference takes it)
-        if bias is not None:
-            bias = bias.to(torch.bfloat16).float().contiguous()
-        y = ext.prefill_split(x2.contiguous(), w.qweight, w.scale, w.zero, w.bits, w.group_size, bias, 0)
-        return y.view(*x.shape[:-1], w.N)
-    if x2.dtype == torch.bfloat16 and x2.shape[0] > max(prefill_rows, PREFILL_ROWS) and _native_bf16():
-        # bf16 prefill on a CPU with bf16 arithmetic: the reference's math (weight decoded in fp32, rounded to
-        # bf16, bf16 GEMM), block by block; several times faster than fp32 there (workbench/kernels/README.md).
-        # Only above PREFILL_ROWS rows whatever the weight's size: fewer bf16 rows compute in fp32, as documented
-        x2 = x2.contiguous()
-        if x2.shape[0] <= AMX_BF16_ROWS and split_rows != 0 and isa == "auto" and w.amx_ok and split_available():
-            # the same math with the decoded blocks packed for AMX's brgemm: no per-call reorder of the weight
-            y = ext.prefill_amx(x2, w.qweight, w.scale, w.zero, w.bits, w.group_size,
-                                None if bias is None else bias.to(torch.bfloat16).float().contiguous())
-            return y.view(*x.shape[:-1], w.N)
-        if bias is not None:
-            bias = bias.to(torch.bfloat16).contiguous()
-        y = ext.prefill(x2, w.qweight, w.scale, w.zero, w.lut, w.bits, w.group_size, bias, 0, isa)
-        return y.view(*x.shape[:-1], w.N)
-    if x2.dtype != torch.float32 or not x2.is_contiguous():
-        x2 = x2.float().contiguous()
-    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
-        bias = bias.float().contiguous()
-    M = x2.shape[0]
-    if SPLIT_MIN_ROWS < M <= (w.split_rows if split_rows is None else split_rows) and isa == "auto" \
-            and w.split_ok and split_available():
-        y = ext.prefill_split(x2, w.qweight, w.scale, w.zero, w.bits, w.group_size, bias, 0)
-    elif M <= prefill_rows:
-        y = ext.gemv(x2, w.qweight, w.scale, w.zero, w.lut, w.bits, w.group_size, bias, isa)     # (M, N)
-    else:
-        y = ext.prefill(x2, w.qweight, w.scale, w.zero, w.lut, w.bits, w.group_size, bias, 0, isa)
-    y = y.view(*x.shape[:-1], w.N)
-    return y if y.dtype == x.dtype else y.to(x.dtype)
+    good): one C++ call (``linear`` in weight_only_cpu.cpp) picks the path - split (AMX; fp32 or bf16 x) from
+    `SPLIT_MIN_ROWS` + 1 up to ``split_rows`` / ``split_rows_bf16``, decode up to ``prefill_rows``, the AMX bf16
+    prefill (bf16 x, up to `AMX_BF16_ROWS`), the bf16 GEMM on decoded blocks (bf16 x above 16 rows on a CPU with
+    bf16 arithmetic: the reference's bf16 math), the fp32 prefill otherwise."""
+    if prefill_rows is None and split_rows is None and isa == "auto":
+        return load_extension().linear(x, *w.call_args, bias, *w.call_rules, isa)
+    amx = split_rows != 0
+    return load_extension().linear(
+        x, *w.call_args, bias, w.prefill_rows if prefill_rows is None else prefill_rows,
+        w.split_rows if split_rows is None else split_rows, w.split_rows_bf16 if split_rows is None else split_rows,
+        amx and w.split_ok, amx and w.amx_ok, SPLIT_MIN_ROWS, AMX_BF16_ROWS, isa)
 
 
 def weight_only_linear_cpu(x: torch.Tensor, w: CpuWeight, bias: torch.Tensor | None = None, *,

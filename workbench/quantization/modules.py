@@ -467,12 +467,13 @@ class WeightOnlyLinear(_FollowsDevice, _PackedWeight):
         if perm is not None:   # every path below computes with the stored (permuted) K order
             x = x.index_select(-1, perm)
         bias = self._parameters.get("bias")
+        if self.kernel is KernelPath.CPU and not (x.requires_grad and torch.is_grad_enabled()):
+            # an inference kernel (result in x's dtype, the bias taken in it; records no autograd graph); when
+            # autograd needs the input's gradient (training through the layer) the reference's differentiable
+            # math below runs instead
+            return _weight_only_cpu().linear_unchecked(x, self._cpu_weight(), bias)
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
-        if self.kernel is KernelPath.CPU and not (x.requires_grad and torch.is_grad_enabled()):
-            # an inference kernel (fp32 math, result in x's dtype); when autograd needs the input's gradient
-            # (training through the layer) the reference's differentiable math below runs instead
-            return _weight_only_cpu().linear_unchecked(x, self._cpu_weight(), None if bias is None else bias.detach())
         if self.kernel is KernelPath.TRITON:
             return self._triton(x, bias)
         return F.linear(x, self.dequantized_weight(x.dtype), bias)

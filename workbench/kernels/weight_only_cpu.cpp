@@ -624,6 +624,8 @@ struct Scratch {
   T* get(int64_t want) {
     if (want > n) {
       std::free(p);
+      p = nullptr;   // a failed allocation below leaves an empty buffer, not a stale size
+      n = 0;
       const size_t bytes = (static_cast<size_t>(want) * sizeof(T) + 63) / 64 * 64;
       p = static_cast<T*>(std::aligned_alloc(64, bytes));
       TORCH_CHECK(p, "weight_only_linear_cpu: could not allocate ", bytes, " bytes of scratch");
@@ -631,8 +633,17 @@ struct Scratch {
     }
     return p;
   }
+  // Kept for the next call up to `keep` bytes; a larger one (a long input) is given back after the call.
+  void trim(size_t keep) {
+    if (static_cast<size_t>(n) * sizeof(T) > keep) {
+      std::free(p);
+      p = nullptr;
+      n = 0;
+    }
+  }
   ~Scratch() { std::free(p); }
 };
+constexpr size_t kScratchKeep = size_t{16} << 20;
 
 inline uint16_t bf16_bits(float v) { return c10::BFloat16(v).x; }  // round to nearest even, as PyTorch does
 
@@ -855,6 +866,8 @@ torch::Tensor prefill_split(const torch::Tensor& x, const torch::Tensor& q, cons
     }
     cb::brgemm_release(true);
   });
+  parts_buf.trim(kScratchKeep);
+  bx_buf.trim(kScratchKeep);
   out.copy_(yt.t());
   if (has_bias) out.add_(*bias);
   return bf16 ? out.to(torch::kBFloat16) : out;   // bf16 x: the fp32 sums rounded once
@@ -940,8 +953,9 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& q, const torch
                      int64_t split_rows, int64_t split_rows_bf16, bool split_ok, bool amx_ok, int64_t split_min_rows,
                      int64_t amx_bf16_rows, const std::string& isa) {
   torch::NoGradGuard no_grad;
-  static const bool amx_here = split_available() && split_avx512();
   static const bool bf16_here = native_bf16();
+  // asked on every call: oneDNN's answer follows torch.backends.mkldnn.enabled
+  const bool amx_here = split_avx512() && split_available();
   const int64_t N = q.size(0);
   auto x2 = x.reshape({-1, K});
   const int64_t M = x2.size(0);
@@ -968,10 +982,13 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& q, const torch
       return prefill(xc, q, scale, zero, lut, bits, group, b, 0, isa).view(shape);
     }
   }
-  if (x2.scalar_type() != torch::kFloat || !x2.is_contiguous()) x2 = x2.to(torch::kFloat).contiguous();
+  // fp32 math from here; the bias taken in x's dtype first, as the reference takes it
   c10::optional<torch::Tensor> b;
-  if (has_bias) b = (bias->scalar_type() == torch::kFloat && bias->is_contiguous()) ? *bias
-                                                                                     : bias->to(torch::kFloat).contiguous();
+  if (has_bias) {
+    torch::Tensor bx = bias->scalar_type() == x.scalar_type() ? *bias : bias->to(x.scalar_type());
+    b = (bx.scalar_type() == torch::kFloat && bx.is_contiguous()) ? bx : bx.to(torch::kFloat).contiguous();
+  }
+  if (x2.scalar_type() != torch::kFloat || !x2.is_contiguous()) x2 = x2.to(torch::kFloat).contiguous();
   torch::Tensor y;
   if (amx && split_ok && M > split_min_rows && M <= split_rows) {
     y = prefill_split(x2, q, scale, *zero, bits, group, b, 0);

@@ -17,8 +17,10 @@ Three paths, picked per call by the number of rows M of x and the weight (`CpuWe
   group's sums are then scaled by s[n, g]. The fp32 product without an fp32 GEMM: three bf16 passes on AMX cost
   less than one fp32 GEMM on AVX-512 (1.2-3x faster than the paths below from 16 rows, 1.2-2.3x faster than
   fp32 ``F.linear`` on layers whose fp32 weight does not stay in cache). As exact as an fp32 GEMM (tests: its
-  error against an fp64 product is at most 3x the fp32 reference's), in another summation order. Non-finite or
-  huge inputs (|x| > 3.39e38, where bf16 rounds to inf) give NaN where an fp32 GEMM may give +-inf.
+  error against an fp64 product is at most 3x the fp32 reference's), in another summation order. Outside the
+  range of real activations it is not: the unscaled group sums overflow fp32 from |x| ~ 1e35 (the reference's
+  scaled products do not), x's third part is flushed to zero below ~1e-30 (1e-33: 2e-6 relative error instead of
+  3e-7), and a non-finite x gives NaN where an fp32 GEMM may give +-inf.
 - **decode** (M <= prefill_rows otherwise): output rows are split across threads; each decodes one weight row
   into an L1-resident fp32 buffer (unpack the codes, subtract the zero, scale: the reference's fp32 operations,
   in its order) and takes its dot product with every row of x (four rows of x per sweep, AVX2 FMA). The weight
@@ -168,14 +170,16 @@ class CpuWeight:
 
 
 def split_eligible(w: "CpuWeight") -> bool:
-    """Whether the split path can compute with ``w`` exactly: integer codes with integer zero points (u - z is
-    then an integer of at most 255 in magnitude, exact in bf16) and groups of even size or one group per row. Not
-    NF4 (its table values are not bf16) nor HQQ's real-valued zero points."""
+    """Whether the split path can compute with ``w`` exactly: integer codes with integer zero points such that
+    every u - z is an integer of at most 256 in magnitude (exact in bf16) and groups of even size or one group per
+    row. Not NF4 (its table values are not bf16) nor HQQ's real-valued zero points."""
     if w.lut is not None or w.zero is None:
         return False
     if w.scale.shape[1] > 1 and w.group_size % 2:
         return False
-    return bool(torch.equal(w.zero, w.zero.round()))
+    # integers, and |u - z| <= 256 for every code u in [0, 2^bits): bf16 holds integers exactly up to 256
+    z = w.zero
+    return bool(torch.equal(z, z.round())) and float(z.min()) >= (1 << w.bits) - 257 and float(z.max()) <= 256
 
 
 def split_rows_for(w: "CpuWeight", bf16: bool = False) -> int:
@@ -235,7 +239,9 @@ def _build():
         print("workbench.kernels.weight_only_cpu: loading the CPU weight-only kernel (compiled on first use on this "
               "machine, "
               "~20 s; cached afterwards) ...", file=sys.stderr, flush=True)
-        # -fopenmp: at::parallel_for is an OpenMP pragma in ATen's headers (compiled away without it: one thread)
+        # -fopenmp: at::parallel_for is an OpenMP pragma in ATen's headers (compiled away without it: one thread).
+        # The runtime is resolved by soname (libgomp.so.1): the copy torch loaded, one thread pool (checked in
+        # /proc/self/maps); a torch whose OpenMP library has another name would get a second runtime here.
         ext = load(name=_NAME, sources=[str(SOURCE)], extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"],
                    extra_ldflags=["-fopenmp"], verbose=False,
                    build_directory=extension_build_dir(_NAME, SOURCE))

@@ -63,3 +63,20 @@ def test_e2e_rows_plumbing():
     bf16 = df[df["path"] == "bf16"]
     assert len(bf16) == 2 and (bf16["ms"] > 0).all() and (bf16["speedup"] == 1.0).all()
     assert "needs CUDA" in df.loc[df["path"] == "2:4 sparse", "note"].iloc[0]
+
+
+def test_recording_a_run_keeps_every_earlier_row(tmp_path):
+    """A benchmark run appends its rows under a run label; earlier rows (the lent-GPU runs) are never overwritten,
+    and a run label is not reused."""
+    import pandas as pd
+
+    path = tmp_path / "results.csv"
+    pd.DataFrame({"part": ["gpu", "gpu"], "run": ["h100_a", "h100_a"], "ms": [1.0, 2.0]}).to_csv(path, index=False)
+    kept, added = bench.record(pd.DataFrame({"part": ["cpu"], "ms": [3.0]}), path, run="cpu_1")
+    assert (kept, added) == (2, 1)
+    df = pd.read_csv(path)
+    assert list(df["run"]) == ["h100_a", "h100_a", "cpu_1"] and list(df["ms"]) == [1.0, 2.0, 3.0]
+    assert bench.record(pd.DataFrame({"part": ["cpu"], "ms": [4.0]}), path)[0] == 3   # default label: part + time
+    with pytest.raises(ValueError, match="already has a run named 'cpu_1'"):
+        bench.record(pd.DataFrame({"part": ["cpu"], "ms": [5.0]}), path, run="cpu_1")
+    assert len(pd.read_csv(path)) == 4

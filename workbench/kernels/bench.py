@@ -388,7 +388,9 @@ def main(argv=None) -> None:
     p.add_argument("--ms", nargs="+", type=int, default=list(MS))
     p.add_argument("--kernels", nargs="+", choices=list(KERNELS), default=list(KERNELS))
     p.add_argument("--threads", type=int, default=1, help="CPU threads for --cpu (default 1)")
-    p.add_argument("--csv", default="workbench/kernels/results.csv")
+    p.add_argument("--csv", default="workbench/kernels/results.csv",
+                   help="results file: the run's rows are appended, earlier rows kept")
+    p.add_argument("--run", default=None, help="label of this run's rows (default: the parts and the time)")
     p.add_argument("--malloc-keep", action="store_true",
                    help="re-run under glibc settings that keep freed memory (see MALLOC_KEEP); Linux only")
     a = p.parse_args(argv)
@@ -410,10 +412,26 @@ def main(argv=None) -> None:
         df = cpu_minilm(threads=a.threads)
         print(df.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
         tables.append(df.assign(part="cpu"))
-    out = Path(a.csv)
+    kept, added = record(pd.concat(tables).assign(environment=environment()), a.csv, a.run)
+    print(f"{a.csv}: kept {kept} recorded rows, added {added} (run {a.run or 'named by date'})")
+
+
+def record(df, path, run: str | None = None) -> tuple[int, int]:
+    """Append ``df`` to the results CSV at ``path`` as one run (``run``: its label; default the parts and the
+    time), keeping every row already recorded - a benchmark run never overwrites earlier ones (the GPU rows of
+    the repository's file came from lent machines and cannot be measured again here). Returns (kept, added)."""
+    import pandas as pd
+
+    out = Path(path)
+    if run is None:
+        run = "-".join(sorted(set(df["part"]))) + time.strftime("_%Y%m%d-%H%M%S")
+    df = df.assign(run=run)
+    old = pd.read_csv(out) if out.is_file() else pd.DataFrame()
+    if "run" in old.columns and run in set(old["run"].astype(str)):
+        raise ValueError(f"{out} already has a run named {run!r}; give another --run")
     out.parent.mkdir(parents=True, exist_ok=True)
-    pd.concat(tables).assign(environment=environment()).to_csv(out, index=False)
-    print(f"wrote {out}")
+    pd.concat([old, df], ignore_index=True).to_csv(out, index=False)
+    return len(old), len(df)
 
 
 if __name__ == "__main__":

@@ -430,7 +430,10 @@ def record(df, path, run: str | None = None) -> tuple[int, int]:
     if "run" in old.columns and run in set(old["run"].astype(str)):
         raise ValueError(f"{out} already has a run named {run!r}; give another --run")
     out.parent.mkdir(parents=True, exist_ok=True)
-    pd.concat([old, df], ignore_index=True).to_csv(out, index=False)
+    if len(old.columns) and set(df.columns) <= set(old.columns):   # append lines: the recorded ones stay as written
+        df.reindex(columns=old.columns).to_csv(out, mode="a", header=False, index=False)
+    else:
+        pd.concat([old, df], ignore_index=True).to_csv(out, index=False)
     return len(old), len(df)
 
 

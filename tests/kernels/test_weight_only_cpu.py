@@ -327,3 +327,30 @@ def test_split_eligibility_needs_every_code_minus_zero_exact_in_bf16():
     assert wk.pack(t, fmt, 128).split_ok
     w = wk.pack(t, fmt, 128)
     assert not wk.split_eligible(type(w)(w.qweight, w.scale, w.zero - 2 - w.zero.min(), None, 8, 64, 128))
+
+
+@SPLIT
+def test_amx_paths_on_a_hugging_face_gpt2_match_the_reference_kernel():
+    """A model its author did not write: GPT-2 (Conv1D layers) 1024 wide, every Linear-like layer large enough for
+    the AMX paths; at 2 x 20 tokens (40 rows) fp32 and bf16 logits match kernel="reference" (fp32: 1e-5 of the
+    largest logit; bf16: 2e-2, one bf16 rounding per layer apart)."""
+    import copy
+
+    import transformers
+
+    import workbench as wb
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=1024, n_layer=1, n_head=8, vocab_size=500,
+                                                                 bos_token_id=0, eos_token_id=0)).eval()
+    ids = torch.randint(0, 500, (2, 20))
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        base = copy.deepcopy(model).to(dtype)
+        fast = wb.apply(base, {"*": wb.quant.WeightOnly(4, 128)}, progress=False)
+        ref = wb.apply(base, {"*": wb.quant.WeightOnly(4, 128, kernel="reference")}, progress=False)
+        layers = [m for m in fast.modules() if type(m).__name__ == "WeightOnlyLinear"]
+        assert layers and all(m.kernel == "cpu" for m in layers)
+        assert sum(m._cpu_weight().split_rows > 0 for m in layers) >= 4   # c_attn, c_proj, c_fc, mlp.c_proj
+        with torch.inference_mode():
+            a, b = fast(ids).logits.float(), ref(ids).logits.float()
+        assert (a - b).abs().max() <= tol * b.abs().max(), (dtype, (a - b).abs().max())

@@ -615,8 +615,8 @@ constexpr int64_t kSplitCols = 64;     // rows of x per brgemm (its N): AMX's pa
 constexpr int64_t kSplitChunk = 512;   // K per brgemm call for one-group (per-channel) weights
 
 // A buffer reused from call to call (a fresh allocation of these sizes is page faults on every call), 64-byte
-// aligned: AMX tile loads and stores of rows that straddle cache lines ran up to ~1.5x slower (the same call
-// measured 45-68 ms on 4096 x 4096 at M = 256 with malloc's 16-byte alignment, depending on where it landed).
+// aligned for AMX's tile rows: with std::vector's 16-byte aligned buffers the same split call (4096 x 4096,
+// M = 256) measured 29 to 68 ms from one process to the next, with these 29-32 ms.
 template <typename T>
 struct Scratch {
   T* p = nullptr;
@@ -776,7 +776,7 @@ void split_parts(const float* x, int64_t M, int64_t m0, int64_t m1, int64_t K, i
 
 torch::Tensor prefill_split(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
                             const torch::Tensor& zero, int64_t bits, int64_t group,
-                            const c10::optional<torch::Tensor>& bias, int64_t block_rows) {
+                            const c10::optional<torch::Tensor>& bias) {
   namespace cb = at::native::cpublas;
   const bool bf16 = x.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat || bf16) && x.is_contiguous() && x.device().is_cpu(),
@@ -824,8 +824,8 @@ torch::Tensor prefill_split(const torch::Tensor& x, const torch::Tensor& q, cons
   // (N, M) fp32 accumulator of y transposed; blocks of weight rows across threads
   auto yt = torch::empty({N, M}, out.options());
   float* ytp = yt.data_ptr<float>();
-  const int64_t nb = std::min(N, block_rows > 0 ? block_rows
-                                 : std::min<int64_t>(256, std::max<int64_t>(16, (int64_t{1} << 20) / (2 * Kp) / 16 * 16)));
+  // blocks of weight rows of ~1 MB decoded (16 to 256 rows)
+  const int64_t nb = std::min(N, std::clamp<int64_t>((int64_t{1} << 20) / (2 * Kp) / 16 * 16, 16, 256));
   const int64_t nblocks = (N + nb - 1) / nb;
   // one chain per group; a one-group weight in chunks of K for fp32 x (three parts: shorter sums), whole for bf16
   const int64_t cg = G == 1 ? (bf16 ? Kp : kSplitChunk) : group, CG = (Kp + cg - 1) / cg;
@@ -945,7 +945,7 @@ torch::Tensor prefill_amx(const torch::Tensor& x, const torch::Tensor& q, const 
 // The whole call of a weight-only Linear: x of any shape (..., K) and float dtype, the path picked by its rows and
 // dtype (the rules and thresholds are worked out in weight_only_cpu.py, once per packed weight, and passed in),
 // the result in x's dtype and shape. One C++ call instead of the Python it replaces (reshape, dtype and
-// contiguity checks, view): ~3-4 us less per call, which on layers of a few hundred values wide is a measurable
+// contiguity checks, view): ~3 us less per call, which on layers of a few hundred values wide is a measurable
 // share of the call (workbench/kernels/README.md). No autograd graph is recorded.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
                      const c10::optional<torch::Tensor>& zero, const c10::optional<torch::Tensor>& lut, int64_t bits,
@@ -963,20 +963,20 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& q, const torch
   shape.back() = N;
   const bool amx = amx_here && isa == "auto";
   const bool has_bias = bias.has_value() && bias->defined();
+  // the AMX paths add the bias in fp32, taken in x's dtype (bf16) first as the reference takes it
+  auto bias_bf16_fp32 = [&]() -> c10::optional<torch::Tensor> {
+    if (!has_bias) return c10::nullopt;
+    return bias->to(torch::kBFloat16).to(torch::kFloat).contiguous();
+  };
   if (x2.scalar_type() == torch::kBFloat16) {
     if (amx && split_ok && M > split_min_rows && M <= split_rows_bf16) {
-      // the exact products x (u - z), fp32 sums, one rounding (the bias in x's dtype, as the reference takes it)
-      c10::optional<torch::Tensor> b;
-      if (has_bias) b = bias->to(torch::kBFloat16).to(torch::kFloat).contiguous();
-      return prefill_split(x2.contiguous(), q, scale, *zero, bits, group, b, 0).view(shape);
+      // the exact products x (u - z), fp32 sums, one rounding
+      return prefill_split(x2.contiguous(), q, scale, *zero, bits, group, bias_bf16_fp32()).view(shape);
     }
     if (M > std::max<int64_t>(prefill_rows, 16) && bf16_here) {
       auto xc = x2.contiguous();
-      if (amx && amx_ok && M <= amx_bf16_rows) {
-        c10::optional<torch::Tensor> b;
-        if (has_bias) b = bias->to(torch::kBFloat16).to(torch::kFloat).contiguous();
-        return prefill_amx(xc, q, scale, *zero, bits, group, b).view(shape);
-      }
+      if (amx && amx_ok && M <= amx_bf16_rows)
+        return prefill_amx(xc, q, scale, *zero, bits, group, bias_bf16_fp32()).view(shape);
       c10::optional<torch::Tensor> b;
       if (has_bias) b = bias->to(torch::kBFloat16).contiguous();
       return prefill(xc, q, scale, zero, lut, bits, group, b, 0, isa).view(shape);
@@ -991,7 +991,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& q, const torch
   if (x2.scalar_type() != torch::kFloat || !x2.is_contiguous()) x2 = x2.to(torch::kFloat).contiguous();
   torch::Tensor y;
   if (amx && split_ok && M > split_min_rows && M <= split_rows) {
-    y = prefill_split(x2, q, scale, *zero, bits, group, b, 0);
+    y = prefill_split(x2, q, scale, *zero, bits, group, b);
   } else if (M <= prefill_rows) {
     y = gemv(x2, q, scale, zero, lut, bits, group, b, isa);
   } else {

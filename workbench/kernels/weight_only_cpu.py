@@ -15,8 +15,8 @@ Three paths, picked per call by the number of rows M of x and the weight (`CpuWe
   holds the next 8 bits of x's 24-bit significand), and the weight enters as its integers u - z (exact in bf16),
   so every product is exact and AMX tiles (PyTorch's oneDNN brgemm micro-kernels) accumulate in fp32; each
   group's sums are then scaled by s[n, g]. The fp32 product without an fp32 GEMM: three bf16 passes on AMX cost
-  less than one fp32 GEMM on AVX-512 (1.2-3x faster than the paths below from 16 rows, 1.2-2.3x faster than
-  fp32 ``F.linear`` on layers whose fp32 weight does not stay in cache). As exact as an fp32 GEMM (tests: its
+  less than one fp32 GEMM on AVX-512 on large layers (README, side by side: 1.05-3.0x faster than the paths
+  below within its default rows, 1.07-2.3x faster than fp32 ``F.linear``). As exact as an fp32 GEMM (tests: its
   error against an fp64 product is at most 3x the fp32 reference's), in another summation order. Outside the
   range of real activations it is not: the unscaled group sums overflow fp32 from |x| ~ 1e35 (the reference's
   scaled products do not), x's third part is flushed to zero below ~1e-30 (1e-33: 2e-6 relative error instead of
@@ -189,7 +189,7 @@ def split_rows_for(w: "CpuWeight", bf16: bool = False) -> int:
     fp32 x (three parts): on weights of ~0.5 M values and more it is 1.2-3x faster from 16 rows up - the longer,
     the more of K one brgemm chain covers (its sums are scaled once per group): up to 2048 rows per channel (512
     below 1 M values), 512 with groups of 128 or more, 128 with smaller groups. On small weights that stay in
-    cache (tiny-lm's 192-wide layers) it measured 0.7-1.4x, never clearly faster than fp32: not used there.
+    cache (tiny-lm's 192-wide layers) it measured 0.5-1.4x, at most 1.14x fp32: not used there.
 
     bf16 x (one part, against the decode path's fp32 arithmetic up to 16 rows and the bf16 prefill above): 1.5-3.6x
     faster at 12-16 rows on every weight shape measured; from 32 rows only on weights of ~0.5 M values and more
@@ -255,9 +255,9 @@ def _native_bf16() -> bool:
     return bool(load_extension().native_bf16())
 
 
-@functools.cache
 def split_available() -> bool:
-    """Whether this CPU runs the split path: AMX bf16 tiles, as PyTorch's oneDNN micro-kernels report them."""
+    """Whether the split path runs here now: AMX bf16 tiles, as PyTorch's oneDNN micro-kernels report them (asked
+    each time, as the kernel does: the answer follows ``torch.backends.mkldnn.enabled``)."""
     return bool(load_extension().split_available())
 
 

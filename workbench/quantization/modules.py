@@ -426,8 +426,8 @@ class WeightOnlyLinear(_FollowsDevice, _PackedWeight):
         q, s, z = buffers["qweight"], buffers["scale"], buffers.get("zero")
         tensors = (q, s, z)
         # the key: which tensors, where their data is and how often it was written in place (this runs on every
-        # forward, so it is kept to a few attribute reads, spelled out: ~0.5 us less than a generator over the
-        # tensors). Inference tensors - a module built under torch.inference_mode - have no version counter;
+        # forward, so it is kept to a few attribute reads, spelled out rather than a generator over the tensors:
+        # 0.88 -> 0.57 us in two runs of one timing script). Inference tensors - a module built under torch.inference_mode - have no version counter;
         # loading a state dict drops the cache in any case, see _load_from_state_dict.
         try:
             key = (q.data_ptr(), q._version, q.dtype, s.data_ptr(), s._version, s.dtype,

@@ -50,6 +50,52 @@ def test_unpicklable_model_gets_a_clear_error_and_stays_untouched():
         wb.training.fit_classifier(DigitsMLP(), data.digits(), epochs=1, lr=1e-3, workers=2, return_optimizer=True)
 
 
+class _Worker:
+    def __init__(self, alive):
+        self.alive, self.terminated = alive, False
+
+    def is_alive(self):
+        return self.alive
+
+    def terminate(self):
+        self.terminated = True
+
+
+class _Context:
+    """Stands in for torch.multiprocessing's ProcessContext: ``join`` raises what a real one would."""
+    def __init__(self, error):
+        self.error, self.processes = error, [_Worker(True), _Worker(False)]
+
+    def join(self):
+        raise self.error
+
+
+def _abort(index=1):
+    import torch.multiprocessing as mp
+    return mp.ProcessExitedException(f"process {index} terminated with signal SIGABRT", error_index=index,
+                                     error_pid=1234, exit_code=-6, signal_name="SIGABRT")
+
+
+def test_a_worker_failure_is_raised_unless_every_worker_had_finished(tmp_path):
+    """`launch` waits through `_join`: a worker dying before the final barrier fails the run; dying after every
+    worker passed it (its shutdown) leaves complete weights, kept with a warning naming the worker; an interrupt
+    terminates the workers still running."""
+    import torch.multiprocessing as mp
+
+    (tmp_path / "done-0").touch()
+    with pytest.raises(mp.ProcessExitedException, match="SIGABRT"):
+        distributed._join(_Context(_abort()), str(tmp_path), workers=2)   # rank 1 never got past the barrier
+    (tmp_path / "done-1").touch()
+    with pytest.warns(RuntimeWarning, match="worker 1 failed after the run had finished.*SIGABRT"):
+        distributed._join(_Context(_abort()), str(tmp_path), workers=2)
+    with pytest.raises(mp.ProcessExitedException):
+        distributed._join(_Context(_abort()), str(tmp_path), workers=3)   # (a third worker's marker is missing)
+    context = _Context(KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        distributed._join(context, str(tmp_path), workers=2)
+    assert [p.terminated for p in context.processes] == [True, False]
+
+
 @pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
 def test_two_workers_equal_one_process_without_batchnorm(strategy):
     """No BatchNorm: the averaged gradient (DDP's all-reduce, FSDP's reduce-scatter) is the global batch's, so the

@@ -36,7 +36,9 @@ import json
 import os
 import pickle
 import socket
+import sys
 import tempfile
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
@@ -287,9 +289,44 @@ def _worker(rank: int, world: int, port: int, fn: Callable, payloads: tuple[byte
         if rank == 0:
             save_file(state, str(Path(out_dir) / "model.safetensors"))
             (Path(out_dir) / "result.json").write_text(_encode(result))
-        dist.barrier()
+        dist.barrier()   # past it, every worker has taken part in every step and rank 0's files are written
+        (Path(out_dir) / f"done-{rank}").touch()
     finally:
         dist.destroy_process_group()
+    # The run is finished and on disk. A spawned process would go on to the interpreter's teardown, which also
+    # destroys the process group's C++ threads; a C++ thread destroyed while still joinable aborts the process
+    # ("terminate called without an active exception"), and a CI run once lost two data-parallel runs to that
+    # abort in a worker (where in the worker was not recorded). Nothing is left to do: leave without teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _finished(out_dir: str, workers: int) -> bool:
+    """Every worker got past the final barrier (so rank 0's weights and result are complete)."""
+    return all((Path(out_dir) / f"done-{r}").exists() for r in range(workers))
+
+
+def _join(context, out_dir: str, workers: int) -> None:
+    """Wait for the workers of ``context`` (torch.multiprocessing's ProcessContext). A worker's failure is raised
+    unless every worker had passed the final barrier (`_finished`): then it failed while shutting down, the result
+    is complete and stands, with a warning. On an interrupt no worker outlives the call."""
+    import torch.multiprocessing as mp
+
+    try:
+        while not context.join():
+            pass
+    except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
+        if not _finished(out_dir, workers):
+            raise
+        warnings.warn(f"data-parallel worker {e.error_index} failed after the run had finished ({e}); every "
+                      f"worker had passed the final barrier, so the trained weights are complete",
+                      RuntimeWarning, stacklevel=3)
+    except BaseException:
+        for p in context.processes:
+            if p.is_alive():
+                p.terminate()
+        raise
 
 
 def launch(fn: Callable, model: nn.Module, args: tuple, kwargs: dict, workers: int,
@@ -322,8 +359,10 @@ def launch(fn: Callable, model: nn.Module, args: tuple, kwargs: dict, workers: i
     others = pickle.dumps((empty_copy(model), args, kwargs)) if strategy == "fsdp" else payload
     per_worker = threads or max(1, torch.get_num_threads() // workers)
     with tempfile.TemporaryDirectory(prefix="workbench-ddp-") as out_dir:
-        mp.start_processes(_worker, args=(workers, _free_port(), fn, (payload, others), out_dir, per_worker, strategy,
-                                          device.type), nprocs=workers, join=True, start_method="spawn")
+        context = mp.start_processes(_worker, args=(workers, _free_port(), fn, (payload, others), out_dir,
+                                                    per_worker, strategy, device.type),
+                                     nprocs=workers, join=False, start_method="spawn")
+        _join(context, out_dir, workers)
         result = _decode((Path(out_dir) / "result.json").read_text())
         model.load_state_dict(load_file(str(Path(out_dir) / "model.safetensors")), strict=True)
     model.eval()

@@ -186,22 +186,78 @@ def test_split_path_is_as_exact_as_the_fp32_reference(fmt):
         torch.set_num_threads(threads)
 
 
+BRGEMM = pytest.mark.skipif(not wk.brgemm_available(), reason="the fp32 brgemm path runs on AVX-512 CPUs only")
+
+
+@BRGEMM
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+def test_fp32_brgemm_path_is_an_fp32_product_of_the_reference_weight(fmt):
+    """Decoded fp32 blocks (the reference's values) times x^T by oneDNN's fp32 brgemm: every format, against an
+    fp64 product of the same decoded weight its error is within the bound of any fp32 summation order (and close
+    to the reference's F.linear), on ragged shapes (odd K, N and M not multiples of 16, more than one 64-row block
+    of x), with and without bias; the same result on two threads (each output is one brgemm sum whatever the
+    blocks)."""
+    for N, K in [(37, 203), (8, 256), (65, 96), (130, 520)]:
+        _, w, dense = _layer(fmt, N, K)
+        for bias in (torch.randn(N), None):
+            for M in (3, 17, 64, 65, 150):
+                x = torch.randn(M, K)
+                exact = x.double() @ dense.double().t() + (0 if bias is None else bias.double())
+                got = wk.weight_only_linear_cpu(x, w, bias, prefill_rows=0, split_rows=0, brgemm_rows=10 ** 6)
+                ref = torch.nn.functional.linear(x, dense, bias)
+                # any fp32 summation order: |error| <= (K + 1) u sum_k |x_k w_k| (+ the bias's rounding), u = 2^-24
+                bound = (K + 1) * 2.0 ** -24 * (x.double().abs() @ dense.double().abs().t() + (
+                    0 if bias is None else bias.double().abs()))
+                err = (got.double() - exact).abs()
+                assert bool((err <= bound).all()), (N, K, M, (err / bound).max().item())
+                torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(wk.weight_only_linear_cpu(x, w, bias, prefill_rows=0, split_rows=0, brgemm_rows=10 ** 6),
+                           got)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_fp32_brgemm_path_runs_where_measured_faster():
+    """By default above the decode path's rows, where the split path does not run: up to 64 rows below 256 k
+    values or on K <= 64, 128 below 512 k, 256 up to 1 M values, 128 above up to K = 2048 and 64 beyond."""
+    assert [wk.brgemm_rows_for(N, K) for N, K in [(10, 128), (4096, 64), (192, 768), (512, 512), (1024, 512),
+                                                  (1024, 1024), (4096, 1024), (1024, 4096)]] == [
+        64, 64, 64, 128, 256, 256, 128, 64]
+    _, w, _ = _layer(fm.IntFormat(4, 32), 192, 192)    # groups of 32: no split path on a small weight
+    assert w.split_rows == 0 and w.brgemm_rows == 64 and w.prefill_rows == 2
+    for M in (3, 64, 65):
+        x = torch.randn(M, 192)
+        want = wk.weight_only_linear_cpu(x, w, prefill_rows=0, split_rows=0, brgemm_rows=10 ** 6 if M <= 64 else 0)
+        assert torch.equal(wk.weight_only_linear_cpu(x, w), want)
+    with pytest.raises(ValueError, match="brgemm_rows"):
+        wk.weight_only_linear_cpu(torch.randn(2, 64), _layer(fm.IntFormat(4, 64), 8, 64)[1], brgemm_rows=-1)
+
+
 def test_split_path_runs_only_where_it_is_exact_and_measured_faster():
     """Eligible: integer codes and integer-valued zero points (not NF4's table, not HQQ's real zeros); by default
     from 9 rows on weights of >= 0.5 M values, up to 2048 / 512 rows per channel (>= 1 M values / fewer), 512 with
-    groups of >= 128, 128 with smaller ones; never on small weights (README: 0.7-1.4x there). bf16 x: see
-    `split_rows_for`."""
+    groups of >= 128, 128 with groups of 64, 32 with smaller ones from 4 M values; on smaller weights from K = 128
+    and 32 output features, per channel or g >= 128, 256 / 512 rows (from 96 k values), g64 64 rows from 96 k
+    values; never on K = 64, a few output features or small weights in groups of 32 (README: 0.4-1.0x there).
+    bf16 x: see `split_rows_for`."""
     assert not _layer(fm.NF4Format(64), 16, 64)[1].split_ok
     hqq = fm.IntFormat(4, 48, False, float_zero=True)
     t = fm.encode(torch.randn(16, 96), hqq)
     assert wk.pack(t, hqq, 96).split_ok          # zeros that happen to be integers: exact all the same
     assert not wk.pack({**t, "zero": t["zero"] + 0.25}, hqq, 96).split_ok
     assert _layer(fm.IntFormat(4, 64, symmetric=False), 16, 128)[1].split_ok
-    assert _layer(fm.IntFormat(8, None), 768, 192)[1].split_rows == 0
-    assert _layer(fm.IntFormat(8, None), 1536, 384)[1].split_rows == 512
-    assert _layer(fm.IntFormat(8, None), 1024, 1024)[1].split_rows == 2048
-    assert _layer(fm.IntFormat(4, 128), 1024, 1024)[1].split_rows == 512
-    assert _layer(fm.IntFormat(4, 64), 1024, 1024)[1].split_rows == 128
+    rows = {(bits, group, N, K): _layer(fm.IntFormat(bits, group), N, K)[1].split_rows
+            for bits, group, N, K in [(8, None, 768, 192), (8, None, 128, 256), (8, None, 256, 64), (8, None, 10, 128),
+                                      (4, 128, 192, 192), (4, 64, 768, 192), (4, 64, 192, 192), (4, 32, 768, 192),
+                                      (8, None, 1536, 384), (8, None, 1024, 1024), (4, 128, 1024, 1024),
+                                      (4, 64, 1024, 1024), (4, 32, 1024, 1024), (4, 32, 2048, 2048)]}
+    assert rows == {(8, None, 768, 192): 512, (8, None, 128, 256): 256, (8, None, 256, 64): 0, (8, None, 10, 128): 0,
+                    (4, 128, 192, 192): 256, (4, 64, 768, 192): 64, (4, 64, 192, 192): 0, (4, 32, 768, 192): 0,
+                    (8, None, 1536, 384): 512, (8, None, 1024, 1024): 2048, (4, 128, 1024, 1024): 512,
+                    (4, 64, 1024, 1024): 128, (4, 32, 1024, 1024): 0, (4, 32, 2048, 2048): 32}
     # bf16 x: up to 16 rows on every eligible weight, 32 from 0.5 M values, 64 from 1 M per channel / g >= 128
     assert _layer(fm.IntFormat(8, None), 768, 192)[1].split_rows_bf16 == 16
     assert _layer(fm.IntFormat(8, None), 1536, 384)[1].split_rows_bf16 == 32
@@ -281,7 +337,9 @@ def test_split_table_smoke():
         return
     df = split_table(shapes=((64, 64), (32, 128)), ms=(9, 17), rounds=1, formats=("int8", "int4 g64"))
     assert len(df) == 8 and (df[["fp32_ms", "without_ms", "split_ms"]] > 0).all().all()
-    assert set(df["default_rows"]) == {0}    # fp32 x on small weights: not by default
+    # fp32 x on small weights: per channel from K = 128 and 32 output features, not with groups of 64 below 96 k
+    assert dict(zip(zip(df["N"], df["format"]), df["default_rows"])) == {
+        (64, "int8"): 0, (64, "int4 g64"): 0, (32, "int8"): 256, (32, "int4 g64"): 0}
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -32,18 +32,27 @@ from torch import nn
 __all__ = ["decode_tokens_per_s", "interleaved", "main", "split_table", "weight_only_table"]
 
 
-def interleaved(calls: dict, rounds: int, warmup: int = 1) -> dict[str, list[float]]:
+def interleaved(calls: dict, rounds: int, warmup: int = 1, min_ms: float = 0.0) -> dict[str, list[float]]:
     """Milliseconds of each call in each of ``rounds`` interleaved rounds (after ``warmup`` calls each), so slow
-    drift of a shared machine hits every path alike."""
-    for fn in calls.values():
+    drift of a shared machine hits every path alike. ``min_ms``: a round of a call shorter than this repeats it
+    back to back until that long (the same count in every round) and records the mean - for calls of a few
+    microseconds, where one call's timing is mostly timer and cache noise."""
+    reps = {}
+    for name, fn in calls.items():
         for _ in range(warmup):
             fn()
+        t0 = time.perf_counter()
+        fn()
+        once = (time.perf_counter() - t0) * 1e3
+        reps[name] = max(1, min(200, int(min_ms / max(once, 1e-4)))) if min_ms > 0 else 1
     times: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(rounds):
         for name, fn in calls.items():
+            n = reps[name]
             t0 = time.perf_counter()
-            fn()
-            times[name].append((time.perf_counter() - t0) * 1e3)
+            for _ in range(n):
+                fn()
+            times[name].append((time.perf_counter() - t0) * 1e3 / n)
     return times
 
 
@@ -126,7 +135,8 @@ def split_table(shapes=SPLIT_SHAPES, ms=(8, 16, 32, 64, 128, 256), threads: int 
     if not wk.split_available():
         raise RuntimeError("split_table: the split path runs on CPUs with AMX bf16 tiles; this one has none "
                            "(cpublas::could_pack(bf16) is false), so there is nothing to compare")
-    fmts = {"int8": fm.IntFormat(8, None), "int4 g128": fm.IntFormat(4, 128), "int4 g64": fm.IntFormat(4, 64)}
+    fmts = {"int8": fm.IntFormat(8, None), "int4 g128": fm.IntFormat(4, 128), "int4 g64": fm.IntFormat(4, 64),
+            "int4 g32": fm.IntFormat(4, 32)}
     rows = []
     gen = torch.Generator().manual_seed(0)
     with num_threads(threads), torch.inference_mode():
@@ -152,6 +162,51 @@ def split_table(shapes=SPLIT_SHAPES, ms=(8, 16, 32, 64, 128, 256), threads: int 
                                                                                    times["split"])),
                                  "split_vs_fp32": med["fp32"] / med["split"], "default_rows": w.split_rows,
                                  "threads": threads, "rounds": rounds})
+    return pd.DataFrame(rows)
+
+
+BRGEMM_SHAPES = ((10, 128), (64, 64), (256, 64), (128, 256), (192, 192), (576, 192), (768, 192), (192, 768),
+                 (512, 512), (1024, 512), (1536, 384), (1024, 1024))
+
+
+def brgemm_table(shapes=BRGEMM_SHAPES, ms=(4, 8, 16, 32, 64, 128, 256, 512), threads: int = 1, rounds: int = 7,
+                 formats: tuple[str, ...] = ("int8", "int4 g64", "int4 g32")):
+    """The fp32 brgemm path (decoded fp32 blocks times oneDNN's fp32 brgemm) against the paths without it (the
+    decode path up to the weight's `prefill_rows`, the fp32 prefill path - MKL's GEMM on decoded blocks - above;
+    no split path) and fp32 ``F.linear`` on the decoded weight, side by side in interleaved rounds: the
+    measurements behind `brgemm_rows_for`."""
+    import pandas as pd
+
+    from workbench.kernels import weight_only_cpu as wk
+    from workbench.measurement import num_threads
+    from workbench.quantization import formats as fm
+
+    fmts = {"int8": fm.IntFormat(8, None), "int4 g128": fm.IntFormat(4, 128), "int4 g64": fm.IntFormat(4, 64),
+            "int4 g32": fm.IntFormat(4, 32), "nf4 g64": fm.NF4Format(64)}
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    with num_threads(threads), torch.inference_mode():
+        for N, K in shapes:
+            weight = torch.randn(N, K, generator=gen) / K ** 0.5
+            for f in formats:
+                t = fm.encode(weight, fmts[f])
+                w, dense = wk.pack(t, fmts[f], K), fm.decode(t, fmts[f], K)
+                for M in ms:
+                    x = torch.randn(M, K, generator=gen)
+                    calls = {"fp32": functools.partial(F.linear, x, dense),
+                             "without": functools.partial(wk.weight_only_linear_cpu, x, w, split_rows=0,
+                                                          brgemm_rows=0),
+                             "brgemm": functools.partial(wk.weight_only_linear_cpu, x, w, split_rows=0,
+                                                         prefill_rows=0, brgemm_rows=1 << 30)}
+                    times = interleaved(calls, rounds, min_ms=0.3)
+                    med = {p: statistics.median(v) for p, v in times.items()}
+                    ratios = [a / b for a, b in zip(times["without"], times["brgemm"])]
+                    rows.append({"N": N, "K": K, "format": f, "M": M, "fp32_ms": med["fp32"],
+                                 "without_ms": med["without"], "brgemm_ms": med["brgemm"],
+                                 "brgemm_vs_without": med["without"] / med["brgemm"],
+                                 "brgemm_vs_without_min": min(ratios), "brgemm_vs_without_max": max(ratios),
+                                 "brgemm_vs_fp32": med["fp32"] / med["brgemm"], "default_rows": w.brgemm_rows,
+                                 "prefill_rows": w.prefill_rows, "threads": threads, "rounds": rounds})
     return pd.DataFrame(rows)
 
 

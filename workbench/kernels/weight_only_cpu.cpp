@@ -709,6 +709,34 @@ void pack_pairs_scalar(const uint32_t* src, int64_t rows, int64_t P, int64_t lb,
 }
 
 #if WB_X86
+// r[i] (row i of a 16 x 16 block of 32-bit values) becomes column i, in registers.
+WB_TARGET("avx512f") inline void transpose16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // r[4a + b] now holds, per 128-bit lane L, column 4L + (b: 0, 1, 2, 3 -> 0, 1, 2, 3) of rows 4a .. 4a + 3
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[4 + i], 0x88);       // lanes 0, 2 of r[i], lanes 0, 2 of r[4 + i]
+    t[4 + i] = _mm512_shuffle_i32x4(r[i], r[4 + i], 0xDD);   // lanes 1, 3
+    t[8 + i] = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0x88);
+    t[12 + i] = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0xDD);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0x88);        // columns i, rows 0..15
+    r[8 + i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0xDD);    // columns 8 + i
+    r[4 + i] = _mm512_shuffle_i32x4(t[4 + i], t[12 + i], 0x88);
+    r[12 + i] = _mm512_shuffle_i32x4(t[4 + i], t[12 + i], 0xDD);
+  }
+}
+
 // 16 x 16 32-bit transposes in registers.
 WB_TARGET("avx512f") void pack_pairs_avx512(const uint32_t* src, int64_t rows, int64_t P, int64_t lb, uint32_t* dst) {
   for (int64_t m0 = 0; m0 < lb; m0 += 16) {
@@ -718,31 +746,54 @@ WB_TARGET("avx512f") void pack_pairs_avx512(const uint32_t* src, int64_t rows, i
       __m512i r[16];
       for (int i = 0; i < 16; ++i)
         r[i] = m0 + i < rows ? _mm512_maskz_loadu_epi32(km, src + (m0 + i) * P + kp0) : _mm512_setzero_si512();
-      __m512i t[16];
-      for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-      }
-      for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-      }
-      // r[4a + b] now holds, per 128-bit lane L, column 4L + (b: 0, 1, 2, 3 -> 0, 1, 2, 3) of rows 4a .. 4a + 3
-      for (int i = 0; i < 4; ++i) {
-        t[i] = _mm512_shuffle_i32x4(r[i], r[4 + i], 0x88);       // lanes 0, 2 of r[i], lanes 0, 2 of r[4 + i]
-        t[4 + i] = _mm512_shuffle_i32x4(r[i], r[4 + i], 0xDD);   // lanes 1, 3
-        t[8 + i] = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0x88);
-        t[12 + i] = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0xDD);
-      }
-      for (int i = 0; i < 4; ++i) {
-        r[i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0x88);        // columns i, rows 0..15
-        r[8 + i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0xDD);    // columns 8 + i
-        r[4 + i] = _mm512_shuffle_i32x4(t[4 + i], t[12 + i], 0x88);
-        r[12 + i] = _mm512_shuffle_i32x4(t[4 + i], t[12 + i], 0xDD);
-      }
+      transpose16(r);
       for (int i = 0; i < nk; ++i) _mm512_storeu_si512(dst + (kp0 + i) * lb + m0, r[i]);
+    }
+  }
+}
+
+// out[i * ldo + r] = s[r] * acc[r * lda + i] + bias[r] for r < rows, i < cols (s, bias: either may be null): a
+// block of y^T stored into y, scaled (a one-group weight's scales) and the bias added in fp32 as it is stored - a
+// multiply then an add, as the scalar code computes them.
+WB_TARGET("avx512f") void store_transposed_avx512(const float* acc, int64_t rows, int64_t cols, int64_t lda,
+                                                  const float* s, const float* bias, float* out, int64_t ldo) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+    const int64_t nr = std::min<int64_t>(16, rows - r0);
+    const __mmask16 rm = static_cast<__mmask16>((1u << nr) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(rm, bias + r0) : _mm512_setzero_ps();
+    const __m512 sv = s ? _mm512_maskz_loadu_ps(rm, s + r0) : _mm512_setzero_ps();
+    for (int64_t i0 = 0; i0 < cols; i0 += 16) {
+      const int64_t ni = std::min<int64_t>(16, cols - i0);
+      const __mmask16 im = static_cast<__mmask16>((1u << ni) - 1);
+      __m512i r[16];
+      for (int j = 0; j < 16; ++j)
+        r[j] = j < nr ? _mm512_maskz_loadu_epi32(im, acc + (r0 + j) * lda + i0) : _mm512_setzero_si512();
+      transpose16(r);
+      for (int j = 0; j < ni; ++j) {
+        __m512 v = _mm512_castsi512_ps(r[j]);
+        if (s) v = _mm512_mul_ps(sv, v);
+        if (bias) v = _mm512_add_ps(v, b);
+        _mm512_mask_storeu_ps(out + (i0 + j) * ldo + r0, rm, v);
+      }
+    }
+  }
+}
+
+// acc[r, i] = s[r] * c[r, i] (first) or acc[r, i] += s[r] * c[r, i], r < rows, i < cols (lines of 64; s[r] at
+// s + r * sstride): a group's sums scaled into the block's accumulator, a multiply then an add (no FMA), as the
+// scalar loop computes them.
+WB_TARGET("avx512f") void scale_rows_avx512(const float* c, int64_t rows, int64_t cols, const float* s,
+                                            int64_t sstride, bool first, float* acc) {
+  const __mmask16 tail = static_cast<__mmask16>(cols % 16 ? (1u << (cols % 16)) - 1 : 0xFFFF);
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 sv = _mm512_set1_ps(s[r * sstride]);
+    const float* cr = c + r * kSplitCols;
+    float* ar = acc + r * kSplitCols;
+    for (int64_t i = 0; i < cols; i += 16) {
+      const __mmask16 k = i + 16 <= cols ? static_cast<__mmask16>(0xFFFF) : tail;
+      __m512 v = _mm512_mul_ps(sv, _mm512_maskz_loadu_ps(k, cr + i));
+      if (!first) v = _mm512_add_ps(_mm512_maskz_loadu_ps(k, ar + i), v);
+      _mm512_mask_storeu_ps(ar + i, k, v);
     }
   }
 }
@@ -821,55 +872,76 @@ torch::Tensor prefill_split(const torch::Tensor& x, const torch::Tensor& q, cons
       pack_pairs(src, cols, Kp / 2, lb, dst);
     }
   });
-  // (N, M) fp32 accumulator of y transposed; blocks of weight rows across threads
-  auto yt = torch::empty({N, M}, out.options());
-  float* ytp = yt.data_ptr<float>();
-  // blocks of weight rows of ~1 MB decoded (16 to 256 rows)
-  const int64_t nb = std::min(N, std::clamp<int64_t>((int64_t{1} << 20) / (2 * Kp) / 16 * 16, 16, 256));
+  float* op = out.data_ptr<float>();
+  const float* biasp = has_bias ? bias->data_ptr<float>() : nullptr;
+  // blocks of weight rows of ~1 MB decoded (16 to 256 rows), across threads: at least one block per thread
+  // where the weight has the rows (a small weight in one block would run on one thread)
+  int64_t nb = std::min(N, std::clamp<int64_t>((int64_t{1} << 20) / (2 * Kp) / 16 * 16, 16, 256));
+  const int64_t threads = at::get_num_threads();
+  if (threads > 1) nb = std::min(nb, std::max<int64_t>(16, ((N + threads - 1) / threads + 15) / 16 * 16));
   const int64_t nblocks = (N + nb - 1) / nb;
   // one chain per group; a one-group weight in chunks of K for fp32 x (three parts: shorter sums), whole for bf16
   const int64_t cg = G == 1 ? (bf16 ? Kp : kSplitChunk) : group, CG = (Kp + cg - 1) / cg;
   at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
     thread_local Scratch<uint16_t> a_buf;
     thread_local Scratch<uint8_t> c_buf;
-    thread_local Scratch<float> cbuf_buf;
+    thread_local Scratch<float> cbuf_buf, acc_buf;
     uint16_t* a = a_buf.get(nb * Kp);
     uint8_t* c = c_buf.get(K + 64);
     float* cbuf = cbuf_buf.get(nb * kSplitCols);
+    // the block's y^T for 64 rows of x: the group sums scaled and added up (one chain: C itself, scaled as it is
+    // stored into y)
+    float* acc = CG == 1 ? cbuf : acc_buf.get(nb * kSplitCols);
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t n0 = blk * nb, rows = std::min(nb, N - n0);
       for (int64_t r = 0; r < rows; ++r) decode_row_int_bf16(W, n0 + r, c, a + r * Kp, Kp);
       for (int64_t j = 0; j < MB; ++j) {
         const int64_t m0 = j * kSplitCols, cols = std::min(kSplitCols, M - m0), lb = ldb[j];
         // one brgemm chain per group (per 512 values of K for a one-group weight: shorter fp32 sums), then its
-        // sums scaled into y^T
+        // sums scaled: acc[r, i] (+)= s[n0 + r, g] * C[r, i]
         for (int64_t g = 0; g < CG; ++g) {
           const int64_t k0 = g * cg, len = std::min(cg, Kp - k0);
-          for (int p = 0; p < P; ++p) {
-            const uint16_t* bp = bx + (p * MB + j) * part_stride + (k0 / 2) * lb * 2;
-            cb::brgemm(rows, lb, len, Kp, lb, kSplitCols, p > 0, reinterpret_cast<const at::BFloat16*>(a + k0),
-                       reinterpret_cast<const at::BFloat16*>(bp), cbuf, true);
-          }
-          // y^T[n, m] (+)= s[n, g] * C[n, m]
-          for (int64_t r = 0; r < rows; ++r) {
-            const float s = W.scale[(n0 + r) * G + (G == 1 ? 0 : g)];
-            const float* cr = cbuf + r * kSplitCols;
-            float* yr = ytp + (n0 + r) * M + m0;
-            if (g == 0) {
-              for (int64_t i = 0; i < cols; ++i) yr[i] = s * cr[i];
-            } else {
-              for (int64_t i = 0; i < cols; ++i) yr[i] += s * cr[i];
+          // (at most 64 weight rows per brgemm: on 64-256-wide K, 128 and 256 rows in one call measured 1.3-1.5x
+          // the time per row of 32-64)
+          for (int64_t r0 = 0; r0 < rows; r0 += kSplitCols) {
+            for (int p = 0; p < P; ++p) {
+              const uint16_t* bp = bx + (p * MB + j) * part_stride + (k0 / 2) * lb * 2;
+              cb::brgemm(std::min(kSplitCols, rows - r0), lb, len, Kp, lb, kSplitCols, p > 0,
+                         reinterpret_cast<const at::BFloat16*>(a + r0 * Kp + k0),
+                         reinterpret_cast<const at::BFloat16*>(bp), cbuf + r0 * kSplitCols, true);
             }
           }
+          const float* s = W.scale + n0 * G + (G == 1 ? 0 : g);
+#if WB_X86
+          if (split_avx512()) {
+            if (CG > 1) scale_rows_avx512(cbuf, rows, cols, s, G, g == 0, acc);
+            continue;
+          }
+#endif
+          for (int64_t r = 0; r < rows; ++r) {
+            const float sr = s[r * G];
+            const float* cr = cbuf + r * kSplitCols;
+            float* ar = acc + r * kSplitCols;
+            for (int64_t i = 0; i < cols; ++i) ar[i] = g == 0 ? sr * cr[i] : ar[i] + sr * cr[i];
+          }
         }
+        // y[m0 + i, n0 + r] = acc[r, i] + bias[n0 + r]
+        const float* br = biasp ? biasp + n0 : nullptr;
+        float* ob = op + m0 * N + n0;
+#if WB_X86
+        if (split_avx512()) {
+          store_transposed_avx512(acc, rows, cols, kSplitCols, CG == 1 ? W.scale + n0 * G : nullptr, br, ob, N);
+          continue;
+        }
+#endif
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t i = 0; i < cols; ++i) ob[i * N + r] = br ? acc[r * kSplitCols + i] + br[r] : acc[r * kSplitCols + i];
       }
     }
     cb::brgemm_release(true);
   });
   parts_buf.trim(kScratchKeep);
   bx_buf.trim(kScratchKeep);
-  out.copy_(yt.t());
-  if (has_bias) out.add_(*bias);
   return bf16 ? out.to(torch::kBFloat16) : out;   // bf16 x: the fp32 sums rounded once
 }
 
@@ -942,6 +1014,102 @@ torch::Tensor prefill_amx(const torch::Tensor& x, const torch::Tensor& q, const 
   return out;
 }
 
+// fp32 x on weights that stay in cache: blocks of decoded fp32 weight rows - the reference's values bit for bit -
+// times x^T by oneDNN's fp32 brgemm (PyTorch's cpublas), whose AVX-512 micro-kernels multiply these small shapes
+// 1.2-4.6x faster than the fp32 GEMM behind F.linear (MKL; measured side by side in workbench/kernels/README.md).
+// Orientation as in the split path: A is a block of decoded weight rows as stored, B x transposed (64 rows of x at
+// a time), C y transposed, stored into y with the bias. Every format the decode takes (any bits, group, NF4).
+bool brgemm_f32_here() {
+#if WB_X86
+  // oneDNN's fp32 brgemm needs AVX-512 core (F, BW, VL, DQ); without it cpublas falls back to a plain GEMM
+  static const bool ok = best_isa() == Isa::Avx512 && (__builtin_cpu_init(), __builtin_cpu_supports("avx512bw")) &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+torch::Tensor prefill_f32(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
+                          const c10::optional<torch::Tensor>& zero, const c10::optional<torch::Tensor>& lut,
+                          int64_t bits, int64_t group, const c10::optional<torch::Tensor>& bias,
+                          const std::string& isa) {
+  namespace cb = at::native::cpublas;
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.device().is_cpu(),
+              "weight_only_linear_cpu: x must be a contiguous 2-D float32 CPU tensor");
+  const Weight W = view(q, scale, zero, lut, bits, group, x.size(1));
+  const int64_t M = x.size(0), K = W.K, N = W.N;
+  const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(!has_bias || (bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == N),
+              "weight_only_linear_cpu: bias must be contiguous float32 (N,)");
+  const Isa use = parse_isa(isa);
+  const Kernels kern = kernels_for(use);
+  auto out = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  if (K == 0) return has_bias ? out.copy_(bias->expand({M, N})) : out.zero_();
+#if WB_X86
+  const bool direct = use == Isa::Avx512 && !W.lut && (W.bits == 4 || W.bits == 8) && W.group % 32 == 0 &&
+                      K % 32 == 0;
+#else
+  const bool direct = false;
+#endif
+  // B: x^T per block of 64 rows of x, (K, ldb) at xt + j * K * 64, ldb = the block's rows rounded up to 16
+  const int64_t MB = (M + kSplitCols - 1) / kSplitCols;
+  thread_local Scratch<float> xt_buf;
+  float* xt = xt_buf.get(MB * K * kSplitCols);
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, MB, 1, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t m0 = j * kSplitCols, cols = std::min(kSplitCols, M - m0);
+      pack_pairs(reinterpret_cast<const uint32_t*>(xp + m0 * K), cols, K, (cols + 15) / 16 * 16,
+                 reinterpret_cast<uint32_t*>(xt + j * K * kSplitCols));
+    }
+  });
+  float* op = out.data_ptr<float>();
+  const float* biasp = has_bias ? bias->data_ptr<float>() : nullptr;
+  // blocks of 64 weight rows (fewer where that leaves a thread without a block)
+  int64_t nb = std::min<int64_t>(N, kSplitCols);
+  const int64_t threads = at::get_num_threads();
+  if (threads > 1) nb = std::min(nb, std::max<int64_t>(16, ((N + threads - 1) / threads + 15) / 16 * 16));
+  const int64_t nblocks = (N + nb - 1) / nb;
+  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+    thread_local Scratch<float> w_buf, c_buf;
+    thread_local Scratch<uint8_t> code_buf;
+    float* wr = w_buf.get(nb * K);
+    float* C = c_buf.get(nb * kSplitCols);
+    uint8_t* c = code_buf.get(K + 64);
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t n0 = blk * nb, rows = std::min(nb, N - n0);
+      for (int64_t r = 0; r < rows; ++r) {
+#if WB_X86
+        if (direct) {
+          decode_row_avx512<false>(W, n0 + r, wr + r * K);
+          continue;
+        }
+#endif
+        decode_row(W, kern, n0 + r, c, wr + r * K);
+      }
+      for (int64_t j = 0; j < MB; ++j) {
+        const int64_t m0 = j * kSplitCols, cols = std::min(kSplitCols, M - m0), lb = (cols + 15) / 16 * 16;
+        cb::brgemm(rows, lb, K, K, lb, kSplitCols, false, wr, xt + j * K * kSplitCols, C, false);
+        const float* br = biasp ? biasp + n0 : nullptr;
+        float* ob = op + m0 * N + n0;
+#if WB_X86
+        if (use == Isa::Avx512) {
+          store_transposed_avx512(C, rows, cols, kSplitCols, nullptr, br, ob, N);
+          continue;
+        }
+#endif
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t i = 0; i < cols; ++i) ob[i * N + r] = br ? C[r * kSplitCols + i] + br[r] : C[r * kSplitCols + i];
+      }
+    }
+    cb::brgemm_release(false);
+  });
+  xt_buf.trim(kScratchKeep);
+  return out;
+}
+
 // The whole call of a weight-only Linear: x of any shape (..., K) and float dtype, the path picked by its rows and
 // dtype (the rules and thresholds are worked out in weight_only_cpu.py, once per packed weight, and passed in),
 // the result in x's dtype and shape. One C++ call instead of the Python it replaces (reshape, dtype and
@@ -951,7 +1119,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& q, const torch
                      const c10::optional<torch::Tensor>& zero, const c10::optional<torch::Tensor>& lut, int64_t bits,
                      int64_t group, int64_t K, const c10::optional<torch::Tensor>& bias, int64_t prefill_rows,
                      int64_t split_rows, int64_t split_rows_bf16, bool split_ok, bool amx_ok, int64_t split_min_rows,
-                     int64_t amx_bf16_rows, const std::string& isa) {
+                     int64_t amx_bf16_rows, int64_t brgemm_rows, const std::string& isa) {
   torch::NoGradGuard no_grad;
   static const bool bf16_here = native_bf16();
   // asked on every call: oneDNN's answer follows torch.backends.mkldnn.enabled
@@ -994,6 +1162,8 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& q, const torch
     y = prefill_split(x2, q, scale, *zero, bits, group, b);
   } else if (M <= prefill_rows) {
     y = gemv(x2, q, scale, zero, lut, bits, group, b, isa);
+  } else if (M <= brgemm_rows && isa == "auto" && brgemm_f32_here()) {
+    y = prefill_f32(x2, q, scale, zero, lut, bits, group, b, isa);
   } else {
     y = prefill(x2, q, scale, zero, lut, bits, group, b, 0, isa);
   }
@@ -1006,6 +1176,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill", &prefill, "weight-only Linear for many rows: blocks of decoded rows times an fp32 GEMM");
   m.def("prefill_split", &prefill_split, "fp32 x times integer codes on AMX: x split into three exact bf16 parts");
   m.def("linear", &linear, "a weight-only Linear: x (..., K) of any float dtype, the path picked by rows and dtype");
+  m.def("prefill_f32", &prefill_f32, "fp32 x, small weights: blocks of decoded fp32 rows times x^T by fp32 brgemm");
+  m.def("brgemm_f32_here", &brgemm_f32_here, "whether oneDNN's fp32 brgemm micro-kernels run on this CPU");
   m.def("prefill_amx", &prefill_amx, "bf16 x, many rows: decoded bf16 weight blocks packed for AMX, brgemm");
   m.def("split_available", &split_available, "whether AMX bf16 brgemm is available (cpublas::could_pack)");
   m.def("decode", &decode, "the stored weight decoded to fp32 (N, K)");

@@ -101,6 +101,9 @@ _VALUES_PER_ROW = 40_000
 # weights of SPLIT_MIN_VALUES values or more, up to `split_rows_for` rows.
 SPLIT_MIN_ROWS = 8
 SPLIT_MIN_VALUES = 1 << 19
+SPLIT_SMALL_VALUES = 96 * 1024   # below SPLIT_MIN_VALUES: where the longer row ranges start (`split_rows_for`)
+# fp32 x above the decode path's rows, up to `brgemm_rows_for` rows where the split path does not run: decoded
+# fp32 blocks times oneDNN's fp32 brgemm.
 # bf16 x above the split path's rows: blocks of decoded bf16 rows packed for AMX and multiplied by brgemm (no
 # per-call reorder of the weight) up to this many rows; oneDNN's bf16 GEMM on decoded blocks above (measured:
 # README).
@@ -143,7 +146,7 @@ class CpuWeight:
     def call_rules(self) -> tuple:
         """The path rules' arguments of the extension's ``linear`` for the default call (worked out once)."""
         return (self.prefill_rows, self.split_rows, self.split_rows_bf16, self.split_ok, self.amx_ok, SPLIT_MIN_ROWS,
-                AMX_BF16_ROWS)
+                AMX_BF16_ROWS, self.brgemm_rows)
 
     @functools.cached_property
     def amx_ok(self) -> bool:
@@ -161,6 +164,12 @@ class CpuWeight:
     def split_rows_bf16(self) -> int:
         """The same for bf16 x (one part: x itself; `split_rows_for`)."""
         return split_rows_for(self, bf16=True)
+
+    @functools.cached_property
+    def brgemm_rows(self) -> int:
+        """Rows of fp32 x up to which the fp32 brgemm path runs where neither the split nor the decode path does
+        (`brgemm_rows_for`)."""
+        return brgemm_rows_for(self.N, self.K)
 
     @functools.cached_property
     def prefill_rows(self) -> int:
@@ -186,10 +195,13 @@ def split_rows_for(w: "CpuWeight", bf16: bool = False) -> int:
     """Rows of x up to which the split path runs for ``w`` (above `SPLIT_MIN_ROWS`; 0: never), from the
     side-by-side measurements in workbench/kernels/README.md (one thread, against what runs without it).
 
-    fp32 x (three parts): on weights of ~0.5 M values and more it is 1.2-3x faster from 16 rows up - the longer,
-    the more of K one brgemm chain covers (its sums are scaled once per group): up to 2048 rows per channel (512
-    below 1 M values), 512 with groups of 128 or more, 128 with smaller groups. On small weights that stay in
-    cache (tiny-lm's 192-wide layers) it measured 0.5-1.4x, at most 1.14x fp32: not used there.
+    fp32 x (three parts; one brgemm chain per group, so short groups cost chains): on weights of ~0.5 M values
+    and more it is 1.6-2.8x faster per channel and 1.1-1.7x with groups of 64 and more from 16 rows up: up to
+    2048 rows per channel (512 below 1 M values), 512 with groups of 128 or more, 128 with groups of 64; groups of
+    32 only up to 32 rows on weights of 4 M values and more (1.1-1.3x; 0.7-0.85x from 128 rows). On smaller
+    weights, per channel or with groups of 128 or more, from K = 128 and 32 output features: 1.04-2.0x up to 256
+    rows (512 from 96 k values); with groups of 64 from 96 k values up to 64 rows (1.04-1.3x). Not on K = 64 (a
+    tie), on a few output features (10: 0.5-0.9x) nor with groups of 32 on small weights (0.4-0.9x).
 
     bf16 x (one part, against the decode path's fp32 arithmetic up to 16 rows and the bf16 prefill above): 1.5-3.6x
     faster at 12-16 rows on every weight shape measured; from 32 rows only on weights of ~0.5 M values and more
@@ -199,15 +211,41 @@ def split_rows_for(w: "CpuWeight", bf16: bool = False) -> int:
     if not w.split_ok:
         return 0
     per_channel = w.scale.shape[1] == 1
+    group = w.K if per_channel else w.group_size
     if bf16:
         if values < SPLIT_MIN_VALUES:
             return 16
-        return 64 if values >= 2 * SPLIT_MIN_VALUES and (per_channel or w.group_size >= 128) else 32
-    if values < SPLIT_MIN_VALUES:
+        return 64 if values >= 2 * SPLIT_MIN_VALUES and (per_channel or group >= 128) else 32
+    if values >= SPLIT_MIN_VALUES:
+        if per_channel:
+            return 2048 if values >= 2 * SPLIT_MIN_VALUES else 512
+        if group >= 128:
+            return 512
+        if group >= 64:
+            return 128
+        return 32 if values >= 8 * SPLIT_MIN_VALUES else 0
+    if w.K < 128 or w.N < 32:
         return 0
-    if per_channel:
-        return 2048 if values >= 2 * SPLIT_MIN_VALUES else 512
-    return 512 if w.group_size >= 128 else 128
+    if group >= 128:
+        return 512 if values >= SPLIT_SMALL_VALUES else 256
+    return 64 if group >= 64 and values >= SPLIT_SMALL_VALUES else 0
+
+
+def brgemm_rows_for(N: int, K: int) -> int:
+    """Rows of fp32 x up to which blocks of decoded fp32 weight rows are multiplied by oneDNN's fp32 brgemm (on
+    an AVX-512 CPU) instead of MKL's fp32 GEMM on decoded blocks (`bench_cpu.brgemm_table`, one thread, against
+    the paths without it, every format alike): 1.1-3.6x faster from 16 to 64 rows on every shape measured (10 x
+    128 to 4096 x 1024 and 1024 x 4096), 1.0-1.3x at 128 rows from 256 k values up to K = 2048 (0.9x at K =
+    4096), 1.0-1.1x at 256 rows from 512 k to 1 M values; slower above (0.8-0.98x) and at 128 rows on small
+    weights or K = 64 (0.94-1.0x)."""
+    values = N * K
+    if K <= 64 or values < 1 << 18:
+        return 64
+    if values < 1 << 19:
+        return 128
+    if values <= 1 << 20:
+        return 256
+    return 128 if K <= 2048 else 64
 
 
 def supports(fmt) -> bool:
@@ -261,6 +299,11 @@ def split_available() -> bool:
     return bool(load_extension().split_available())
 
 
+def brgemm_available() -> bool:
+    """Whether the fp32 brgemm path runs on this CPU (oneDNN's fp32 micro-kernels need AVX-512 F / BW / VL / DQ)."""
+    return bool(load_extension().brgemm_f32_here())
+
+
 def load_extension():
     """The compiled extension; raises a RuntimeError naming what is missing when it cannot be built here."""
     ext, err = _build()
@@ -280,29 +323,33 @@ def cpu_isa() -> str:
 
 
 def linear_unchecked(x: torch.Tensor, w: CpuWeight, bias: torch.Tensor | None, prefill_rows: int | None = None,
-                     isa: str = "auto", split_rows: int | None = None) -> torch.Tensor:
+                     isa: str = "auto", split_rows: int | None = None,
+                     brgemm_rows: int | None = None) -> torch.Tensor:
     """`weight_only_linear_cpu` without its argument checks (for `WeightOnlyLinear`, whose tensors are known
     good): one C++ call (``linear`` in weight_only_cpu.cpp) picks the path - split (AMX; fp32 or bf16 x) from
     `SPLIT_MIN_ROWS` + 1 up to ``split_rows`` / ``split_rows_bf16``, decode up to ``prefill_rows``, the AMX bf16
     prefill (bf16 x, up to `AMX_BF16_ROWS`), the bf16 GEMM on decoded blocks (bf16 x above 16 rows on a CPU with
     bf16 arithmetic: the reference's bf16 math), the fp32 prefill otherwise."""
-    if prefill_rows is None and split_rows is None and isa == "auto":
+    if prefill_rows is None and split_rows is None and brgemm_rows is None and isa == "auto":
         return load_extension().linear(x, *w.call_args, bias, *w.call_rules, isa)
     amx = split_rows != 0
     return load_extension().linear(
         x, *w.call_args, bias, w.prefill_rows if prefill_rows is None else prefill_rows,
         w.split_rows if split_rows is None else split_rows, w.split_rows_bf16 if split_rows is None else split_rows,
-        amx and w.split_ok, amx and w.amx_ok, SPLIT_MIN_ROWS, AMX_BF16_ROWS, isa)
+        amx and w.split_ok, amx and w.amx_ok, SPLIT_MIN_ROWS, AMX_BF16_ROWS,
+        w.brgemm_rows if brgemm_rows is None else brgemm_rows, isa)
 
 
 def weight_only_linear_cpu(x: torch.Tensor, w: CpuWeight, bias: torch.Tensor | None = None, *,
                            prefill_rows: int | None = None, isa: str = "auto",
-                           split_rows: int | None = None) -> torch.Tensor:
+                           split_rows: int | None = None, brgemm_rows: int | None = None) -> torch.Tensor:
     """``y (..., N)`` in x's dtype = x ``(..., K)`` times the weight held in ``w`` (from `pack`), plus ``bias``.
     ``split_rows`` (rows of x up to which the split path runs, above `SPLIT_MIN_ROWS`, where the CPU has AMX and
     the weight allows; None: `CpuWeight.split_rows` / ``split_rows_bf16``; 0: no AMX micro-kernel path at all,
     the AMX bf16 prefill included), ``prefill_rows`` (rows of x up to which
-    the decode path runs otherwise; None: `CpuWeight.prefill_rows`) and ``isa`` exist for tests and tuning.
+    the decode path runs otherwise; None: `CpuWeight.prefill_rows`), ``brgemm_rows`` (rows of fp32 x up to which
+    the fp32 brgemm path runs above those; None: `CpuWeight.brgemm_rows`; 0: never) and ``isa`` exist for tests
+    and tuning.
     Inference only: no autograd graph is recorded."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dtype not in (
             torch.float32, torch.float16, torch.bfloat16):
@@ -318,12 +365,13 @@ def weight_only_linear_cpu(x: torch.Tensor, w: CpuWeight, bias: torch.Tensor | N
     if prefill_rows is not None and (isinstance(prefill_rows, bool) or not isinstance(prefill_rows, int)
                                      or prefill_rows < 0):
         raise ValueError(f"{_OP}: prefill_rows must be an int >= 0, got {prefill_rows!r}")
-    if split_rows is not None and (isinstance(split_rows, bool) or not isinstance(split_rows, int) or split_rows < 0):
-        raise ValueError(f"{_OP}: split_rows must be an int >= 0, got {split_rows!r}")
+    for name, v in (("split_rows", split_rows), ("brgemm_rows", brgemm_rows)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise ValueError(f"{_OP}: {name} must be an int >= 0, got {v!r}")
     if isa not in ISAS:
         raise ValueError(f"{_OP}: isa must be one of {ISAS}, got {isa!r}")
     with torch.no_grad():
-        return linear_unchecked(x, w, bias, prefill_rows, isa, split_rows)
+        return linear_unchecked(x, w, bias, prefill_rows, isa, split_rows, brgemm_rows)
 
 
 def reference(x: torch.Tensor, w: CpuWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

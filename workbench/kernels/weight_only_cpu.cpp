@@ -874,15 +874,13 @@ torch::Tensor prefill_split(const torch::Tensor& x, const torch::Tensor& q, cons
   });
   float* op = out.data_ptr<float>();
   const float* biasp = has_bias ? bias->data_ptr<float>() : nullptr;
-  // blocks of weight rows of ~1 MB decoded (16 to 256 rows), across threads: at least one block per thread
-  // where the weight has the rows (a small weight in one block would run on one thread)
-  int64_t nb = std::min(N, std::clamp<int64_t>((int64_t{1} << 20) / (2 * Kp) / 16 * 16, 16, 256));
-  const int64_t threads = at::get_num_threads();
-  if (threads > 1) nb = std::min(nb, std::max<int64_t>(16, ((N + threads - 1) / threads + 15) / 16 * 16));
-  const int64_t nblocks = (N + nb - 1) / nb;
+  // blocks of weight rows of ~1 MB decoded (16 to 256 rows); the threads share the rows in even ranges of whole
+  // 16-row units (blocks of a fixed size would leave one thread most of a small weight: 576 rows in blocks of
+  // 256 ran at 1.0x on two threads)
+  const int64_t nb = std::min(N, std::clamp<int64_t>((int64_t{1} << 20) / (2 * Kp) / 16 * 16, 16, 256));
   // one chain per group; a one-group weight in chunks of K for fp32 x (three parts: shorter sums), whole for bf16
   const int64_t cg = G == 1 ? (bf16 ? Kp : kSplitChunk) : group, CG = (Kp + cg - 1) / cg;
-  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t u0, int64_t u1) {
     thread_local Scratch<uint16_t> a_buf;
     thread_local Scratch<uint8_t> c_buf;
     thread_local Scratch<float> cbuf_buf, acc_buf;
@@ -892,8 +890,9 @@ torch::Tensor prefill_split(const torch::Tensor& x, const torch::Tensor& q, cons
     // the block's y^T for 64 rows of x: the group sums scaled and added up (one chain: C itself, scaled as it is
     // stored into y)
     float* acc = CG == 1 ? cbuf : acc_buf.get(nb * kSplitCols);
-    for (int64_t blk = b0; blk < b1; ++blk) {
-      const int64_t n0 = blk * nb, rows = std::min(nb, N - n0);
+    const int64_t end = std::min(N, u1 * 16);
+    for (int64_t n0 = u0 * 16; n0 < end; n0 += nb) {
+      const int64_t rows = std::min(nb, end - n0);
       for (int64_t r = 0; r < rows; ++r) decode_row_int_bf16(W, n0 + r, c, a + r * Kp, Kp);
       for (int64_t j = 0; j < MB; ++j) {
         const int64_t m0 = j * kSplitCols, cols = std::min(kSplitCols, M - m0), lb = ldb[j];
@@ -1067,19 +1066,17 @@ torch::Tensor prefill_f32(const torch::Tensor& x, const torch::Tensor& q, const 
   });
   float* op = out.data_ptr<float>();
   const float* biasp = has_bias ? bias->data_ptr<float>() : nullptr;
-  // blocks of 64 weight rows (fewer where that leaves a thread without a block)
-  int64_t nb = std::min<int64_t>(N, kSplitCols);
-  const int64_t threads = at::get_num_threads();
-  if (threads > 1) nb = std::min(nb, std::max<int64_t>(16, ((N + threads - 1) / threads + 15) / 16 * 16));
-  const int64_t nblocks = (N + nb - 1) / nb;
-  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+  // blocks of up to 64 weight rows; the threads share the rows in even ranges of whole 16-row units
+  const int64_t nb = std::min<int64_t>(N, kSplitCols);
+  at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t u0, int64_t u1) {
     thread_local Scratch<float> w_buf, c_buf;
     thread_local Scratch<uint8_t> code_buf;
     float* wr = w_buf.get(nb * K);
     float* C = c_buf.get(nb * kSplitCols);
     uint8_t* c = code_buf.get(K + 64);
-    for (int64_t blk = b0; blk < b1; ++blk) {
-      const int64_t n0 = blk * nb, rows = std::min(nb, N - n0);
+    const int64_t end = std::min(N, u1 * 16);
+    for (int64_t n0 = u0 * 16; n0 < end; n0 += nb) {
+      const int64_t rows = std::min(nb, end - n0);
       for (int64_t r = 0; r < rows; ++r) {
 #if WB_X86
         if (direct) {

@@ -235,11 +235,11 @@ def brgemm_rows_for(N: int, K: int) -> int:
     """Rows of fp32 x up to which blocks of decoded fp32 weight rows are multiplied by oneDNN's fp32 brgemm (on
     an AVX-512 CPU) instead of MKL's fp32 GEMM on decoded blocks (`bench_cpu.brgemm_table`, one thread, against
     the paths without it, every format alike): 1.1-3.6x faster from 16 to 64 rows on every shape measured (10 x
-    128 to 4096 x 1024 and 1024 x 4096), 1.0-1.3x at 128 rows from 256 k values up to K = 2048 (0.9x at K =
-    4096), 1.0-1.1x at 256 rows from 512 k to 1 M values; slower above (0.8-0.98x) and at 128 rows on small
-    weights or K = 64 (0.94-1.0x)."""
+    128 to 4096 x 1024 and 1024 x 4096); at 128 rows 0.98-1.12x on small weights from K = 128 (1.0-1.3x from
+    256 k values up to K = 2048, 0.9x at K = 4096); 1.0-1.1x at 256 rows from 512 k to 1 M values; slower above
+    (0.8-0.98x) and at 128 rows on K = 64 (0.94-1.0x)."""
     values = N * K
-    if K <= 64 or values < 1 << 18:
+    if K <= 64:
         return 64
     if values < 1 << 19:
         return 128

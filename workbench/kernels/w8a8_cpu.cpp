@@ -298,7 +298,32 @@ torch::Tensor w8a8_linear(const torch::Tensor& x, const torch::Tensor& wt, const
   return out;
 }
 
+// The whole call of a W8A8Linear: x of any shape (..., K) and float dtype, the result in x's dtype and shape; the
+// scale, bias and static activation scale taken as fp32 whatever their dtype and shape. One C++ call instead of
+// the Python that did the same reshapes and casts: on the layers of a small MLP (64 rows, 64-256 wide) that
+// Python was about half the layer's time (workbench/kernels/README.md). No autograd graph is recorded.
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wt, const torch::Tensor& ws,
+                     const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& act_scale,
+                     int64_t block_rows, const std::string& isa_name) {
+  torch::NoGradGuard no_grad;
+  const int64_t K = wt.size(0), N = wt.size(1);
+  auto f32 = [](const torch::Tensor& t) {
+    return t.scalar_type() == torch::kFloat && t.is_contiguous() ? t : t.to(torch::kFloat).contiguous();
+  };
+  auto x2 = x.reshape({-1, K});
+  if (x2.scalar_type() != torch::kFloat || !x2.is_contiguous()) x2 = x2.to(torch::kFloat).contiguous();
+  c10::optional<torch::Tensor> b, a;
+  if (bias.has_value() && bias->defined()) b = f32(*bias);
+  if (act_scale.has_value() && act_scale->defined()) a = f32(*act_scale).reshape({1});
+  auto y = w8a8_linear(x2, wt, f32(ws).reshape({-1}), b, a, block_rows, isa_name);
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = N;
+  y = y.view(shape);
+  return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w8a8_linear", &w8a8_linear, "W8A8 Linear on the CPU (see kernels/w8a8_cpu.py)");
+  m.def("linear", &linear, "a W8A8 Linear: x (..., K) of any float dtype, fp32 math, the result in x's dtype");
   m.def("cpu_isa", &cpu_isa, "the widest vector ISA this CPU supports among avx512 / avx2 / scalar");
 }

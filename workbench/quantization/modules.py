@@ -346,6 +346,13 @@ def _weight_only_cpu():
     return weight_only_cpu
 
 
+def _w8a8_cpu():
+    """`workbench.kernels.w8a8_cpu`, imported on first use (it is not needed off the CPU path)."""
+    from workbench.kernels import w8a8_cpu
+
+    return w8a8_cpu
+
+
 class _PackedWeight(nn.Module):
     """Holds a format's tensors as buffers (saved by state_dict, counted by size_bytes)."""
 
@@ -648,13 +655,23 @@ class W8A8Linear(_FollowsDevice, nn.Module):
         return new.set_kernel(kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., in)
-        xs = x / self.smooth if hasattr(self, "smooth") else x
+        # (buffers read from nn.Module's own dict: on small layers the per-call Python cost is a measurable share of
+        # the forward, and hasattr on a missing buffer raises and formats an AttributeError inside nn.Module)
+        smooth = self._buffers.get("smooth")
+        xs = x / smooth if smooth is not None else x
+        if self.kernel is KernelPath.CPU and not torch.compiler.is_compiling():   # (an inference kernel)
+            buffers, bias = self._buffers, self._parameters.get("bias")
+            if xs.shape[-1] != self.in_features:
+                raise ValueError(f"W8A8Linear: the input has {xs.shape[-1]} features, the layer takes "
+                                 f"{self.in_features}")
+            return _w8a8_cpu().linear_unchecked(xs, buffers["qweight_t"], buffers["scale"], bias,
+                                                buffers["act_scale"] if self.static else None)
         if self.kernel is KernelPath.TRITON:
             from workbench.kernels.w8a8 import w8a8_mm
 
             bias = None if self.bias is None else self.bias.detach()   # an inference kernel: no autograd
             return w8a8_mm(xs.contiguous(), self.qweight_t, self.scale, bias)
-        if self.kernel is KernelPath.CPU:
+        if self.kernel is KernelPath.CPU:   # under torch.compile: the checked custom op
             return self._cpu(xs)
         else:
             qx, sx = self._quantize(to_groups(xs, PerToken()))            # (M, in) int8, (M, 1)
@@ -678,8 +695,8 @@ class W8A8Linear(_FollowsDevice, nn.Module):
         return quantize_per_tensor(x2d, self.act_scale) if self.static else quantize_per_token(x2d)
 
     def _cpu(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out) in x's dtype
-        """`workbench.kernels.w8a8_cpu` without its per-call argument checks (the module's own tensors are known good);
-        under ``torch.compile`` the checked custom op."""
+        """`workbench.kernels.w8a8_cpu`'s checked custom op (under ``torch.compile``; eager calls take the
+        unchecked one-C++-call path in `forward`)."""
         from workbench.kernels import w8a8_cpu
 
         act = self.act_scale if self.static else None
@@ -687,11 +704,7 @@ class W8A8Linear(_FollowsDevice, nn.Module):
         scale = self.scale
         if any(t is not None and t.dtype != torch.float32 for t in (scale, bias, act)):   # after module.half()
             scale, bias, act = (None if t is None else t.float() for t in (scale, bias, act))
-        if torch.compiler.is_compiling():
-            return w8a8_cpu.w8a8_linear_cpu(x, self.qweight_t, scale, bias, act)
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"W8A8Linear: the input has {x.shape[-1]} features, the layer takes {self.in_features}")
-        return w8a8_cpu.linear_unchecked(x, self.qweight_t, scale, bias, act)
+        return w8a8_cpu.w8a8_linear_cpu(x, self.qweight_t, scale, bias, act)
 
     def extra_repr(self) -> str:
         mode = "static" if self.static else "dynamic"

@@ -849,9 +849,8 @@ torch::Tensor prefill_split(const torch::Tensor& x, const torch::Tensor& q, cons
   std::vector<int64_t> ldb(MB);
   for (int64_t j = 0; j < MB; ++j) ldb[j] = (std::min(kSplitCols, M - j * kSplitCols) + 15) / 16 * 16;
   const int64_t part_stride = Kp * kSplitCols;   // bf16 values per (part, block)
-  thread_local Scratch<uint16_t> parts_buf, bx_buf;
-  uint16_t* parts = parts_buf.get(P * M * Kp);   // the parts, row-major (M, Kp) each
-  at::parallel_for(0, M, rows_grain(K, 16), [&](int64_t m0, int64_t m1) {
+  // x's parts (rows m0 .. m1, row-major (M, Kp) each) and their packed blocks
+  auto split_rows = [&](int64_t m0, int64_t m1, uint16_t* parts) {
     if (bf16) {
       const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
       for (int64_t m = m0; m < m1; ++m) {
@@ -861,17 +860,27 @@ torch::Tensor prefill_split(const torch::Tensor& x, const torch::Tensor& q, cons
     } else {
       split_parts(x.data_ptr<float>() + m0 * K, M, m0, m1, K, Kp, parts);
     }
-  });
-  uint16_t* bx = bx_buf.get(P * MB * part_stride);
-  at::parallel_for(0, P * MB, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t p = i / MB, j = i % MB;
-      const int64_t m0 = j * kSplitCols, cols = std::min(kSplitCols, M - m0), lb = ldb[j];
-      const uint32_t* src = reinterpret_cast<const uint32_t*>(parts + (p * M + m0) * Kp);  // pairs of k
-      uint32_t* dst = reinterpret_cast<uint32_t*>(bx + (p * MB + j) * part_stride);
-      pack_pairs(src, cols, Kp / 2, lb, dst);
-    }
-  });
+  };
+  auto pack_block = [&](int64_t i, const uint16_t* parts, uint16_t* bx) {
+    const int64_t p = i / MB, j = i % MB;
+    const int64_t m0 = j * kSplitCols, cols = std::min(kSplitCols, M - m0), lb = ldb[j];
+    const uint32_t* src = reinterpret_cast<const uint32_t*>(parts + (p * M + m0) * Kp);  // pairs of k
+    pack_pairs(src, cols, Kp / 2, lb, reinterpret_cast<uint32_t*>(bx + (p * MB + j) * part_stride));
+  };
+  // A small x (up to 256 k values): every thread prepares its own copy inside the one parallel region of the
+  // call; a shared copy costs a serial phase, two more fork-joins and a copy between the cores' caches, and on
+  // small weights two threads ran slower than one. A larger x is prepared once, across the threads.
+  const bool local = M * Kp <= (int64_t{1} << 18);
+  thread_local Scratch<uint16_t> parts_buf, bx_buf;
+  uint16_t* shared_bx = nullptr;
+  if (!local) {
+    uint16_t* parts = parts_buf.get(P * M * Kp);
+    at::parallel_for(0, M, rows_grain(K, 16), [&](int64_t m0, int64_t m1) { split_rows(m0, m1, parts); });
+    shared_bx = bx_buf.get(P * MB * part_stride);
+    at::parallel_for(0, P * MB, 1, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) pack_block(i, parts, shared_bx);
+    });
+  }
   float* op = out.data_ptr<float>();
   const float* biasp = has_bias ? bias->data_ptr<float>() : nullptr;
   // blocks of weight rows of ~1 MB decoded (16 to 256 rows); the threads share the rows in even ranges of whole
@@ -890,6 +899,15 @@ torch::Tensor prefill_split(const torch::Tensor& x, const torch::Tensor& q, cons
     // the block's y^T for 64 rows of x: the group sums scaled and added up (one chain: C itself, scaled as it is
     // stored into y)
     float* acc = CG == 1 ? cbuf : acc_buf.get(nb * kSplitCols);
+    const uint16_t* bx = shared_bx;
+    if (local) {
+      thread_local Scratch<uint16_t> own_parts, own_bx;
+      uint16_t* parts = own_parts.get(P * M * Kp);
+      uint16_t* b = own_bx.get(P * MB * part_stride);
+      split_rows(0, M, parts);
+      for (int64_t i = 0; i < P * MB; ++i) pack_block(i, parts, b);
+      bx = b;
+    }
     const int64_t end = std::min(N, u1 * 16);
     for (int64_t n0 = u0 * 16; n0 < end; n0 += nb) {
       const int64_t rows = std::min(nb, end - n0);
@@ -1052,28 +1070,27 @@ torch::Tensor prefill_f32(const torch::Tensor& x, const torch::Tensor& q, const 
 #else
   const bool direct = false;
 #endif
-  // B: x^T per block of 64 rows of x, (K, ldb) at xt + j * K * 64, ldb = the block's rows rounded up to 16
+  // B: x^T per block of 64 rows of x, (K, ldb) at xt + j * K * 64, ldb = the block's rows rounded up to 16. Each
+  // thread packs its own copy, in the one parallel region of the call: on small weights a shared copy cost a
+  // serial phase, a second fork-join and a copy between the cores' caches, and two threads ran slower than one.
   const int64_t MB = (M + kSplitCols - 1) / kSplitCols;
-  thread_local Scratch<float> xt_buf;
-  float* xt = xt_buf.get(MB * K * kSplitCols);
   const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, MB, 1, [&](int64_t j0, int64_t j1) {
-    for (int64_t j = j0; j < j1; ++j) {
-      const int64_t m0 = j * kSplitCols, cols = std::min(kSplitCols, M - m0);
-      pack_pairs(reinterpret_cast<const uint32_t*>(xp + m0 * K), cols, K, (cols + 15) / 16 * 16,
-                 reinterpret_cast<uint32_t*>(xt + j * K * kSplitCols));
-    }
-  });
   float* op = out.data_ptr<float>();
   const float* biasp = has_bias ? bias->data_ptr<float>() : nullptr;
   // blocks of up to 64 weight rows; the threads share the rows in even ranges of whole 16-row units
   const int64_t nb = std::min<int64_t>(N, kSplitCols);
   at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t u0, int64_t u1) {
-    thread_local Scratch<float> w_buf, c_buf;
+    thread_local Scratch<float> w_buf, c_buf, xt_buf;
     thread_local Scratch<uint8_t> code_buf;
     float* wr = w_buf.get(nb * K);
     float* C = c_buf.get(nb * kSplitCols);
     uint8_t* c = code_buf.get(K + 64);
+    float* xt = xt_buf.get(MB * K * kSplitCols);
+    for (int64_t j = 0; j < MB; ++j) {
+      const int64_t m0 = j * kSplitCols, cols = std::min(kSplitCols, M - m0);
+      pack_pairs(reinterpret_cast<const uint32_t*>(xp + m0 * K), cols, K, (cols + 15) / 16 * 16,
+                 reinterpret_cast<uint32_t*>(xt + j * K * kSplitCols));
+    }
     const int64_t end = std::min(N, u1 * 16);
     for (int64_t n0 = u0 * 16; n0 < end; n0 += nb) {
       const int64_t rows = std::min(nb, end - n0);
@@ -1102,8 +1119,8 @@ torch::Tensor prefill_f32(const torch::Tensor& x, const torch::Tensor& q, const 
       }
     }
     cb::brgemm_release(false);
+    xt_buf.trim(kScratchKeep);
   });
-  xt_buf.trim(kScratchKeep);
   return out;
 }
 

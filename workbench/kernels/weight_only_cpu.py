@@ -7,11 +7,12 @@ The math (the numbers of ``WeightOnlyLinear``'s reference path, fp32)::
     w[n, k] = nf4[u[n, k]] * s[n, g]               NF4
     y[m, n] = sum_k x[m, k] w[n, k] + bias[n]
 
-Three paths, picked per call by the number of rows M of x and the weight (`CpuWeight.split_rows`,
-`CpuWeight.prefill_rows`; defaults from measurements in ``workbench/kernels/README.md``):
+Four paths, picked per call by the number of rows M of x and the weight (`CpuWeight.split_rows`,
+`CpuWeight.prefill_rows`, `CpuWeight.brgemm_rows`; defaults from measurements in ``workbench/kernels/README.md``):
 
-- **split** (fp32 x, a CPU with AMX, integer codes with integer zero points, weights of ~0.5 M values and more,
-  `SPLIT_MIN_ROWS` < M <= `split_rows_for`): x is split into three bf16 parts, x = x1 + x2 + x3 exactly (each
+- **split** (fp32 x, a CPU with AMX, integer codes with integer zero points, `SPLIT_MIN_ROWS` < M <=
+  `split_rows_for`: weights of ~0.5 M values and more, and smaller ones per channel or in groups of >= 64 from
+  K = 128 and 32 output features): x is split into three bf16 parts, x = x1 + x2 + x3 exactly (each
   holds the next 8 bits of x's 24-bit significand), and the weight enters as its integers u - z (exact in bf16),
   so every product is exact and AMX tiles (PyTorch's oneDNN brgemm micro-kernels) accumulate in fp32; each
   group's sums are then scaled by s[n, g]. The fp32 product without an fp32 GEMM: three bf16 passes on AMX cost
@@ -25,6 +26,10 @@ Three paths, picked per call by the number of rows M of x and the weight (`CpuWe
   into an L1-resident fp32 buffer (unpack the codes, subtract the zero, scale: the reference's fp32 operations,
   in its order) and takes its dot product with every row of x (four rows of x per sweep, AVX2 FMA). The weight
   is read once, as the bytes it is stored in - the memory traffic of the compressed layer, not of the float one.
+- **fp32 brgemm** (fp32 x on an AVX-512 CPU, prefill_rows < M <= `brgemm_rows_for`, where the split path does
+  not run - any format): blocks of up to 64 decoded fp32 weight rows (the reference's values bit for bit) times
+  x^T by oneDNN's fp32 brgemm micro-kernels; on these shapes they run 1.1-3.6x faster than the decode-then-MKL
+  path below (README), and the decoded block never leaves L1 / L2.
 - **prefill** (more rows): the whole weight is decoded (the same per-row routine, all threads) into an fp32
   matrix and multiplied by PyTorch's fp32 GEMM. The decode is bit for bit the reference's, so this path returns
   exactly the reference's result for fp32 inputs; the decode is a pass over N x K values against the GEMM's
@@ -37,8 +42,8 @@ arithmetic: the split path with x as its single part (exact products, fp32 sums,
 bf16 rounding of the exact product, at least as close to it as the reference); above its rows the reference's own
 bf16 math - each block of decoded rows rounded to bf16, fp32-accumulated products rounded to bf16 - on AMX with
 the blocks packed for brgemm up to `AMX_BF16_ROWS` rows, by oneDNN's bf16 GEMM above. The decode and split paths
-sum in a different order from the reference's GEMM: fp32 outputs agree to ~1e-6 relative (tests: 1e-5); the fp32
-prefill path is bit-identical.
+sum in a different order from the reference's GEMM: fp32 outputs agree to ~1e-6 relative (tests: 1e-5; the fp32
+brgemm path within the error bound of any fp32 summation order); the fp32 prefill path is bit-identical.
 
 Why not PyTorch's packed kernels (``aten._weight_int4pack_mm_for_cpu``, ``aten._weight_int8pack_mm``): they need
 bf16 activations (fp32 ones fall to a scalar loop), keep scales and zeros in bf16 (our fp16 scales lose 3 bits),

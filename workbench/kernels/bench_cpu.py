@@ -117,6 +117,24 @@ def weight_only_table(K: int = 4096, N: int = 4096, ms=(1, 16, 256), threads: in
     return pd.DataFrame(rows)
 
 
+def _layer_cases(shapes, formats, ms):
+    """(N, K, format, M, x, packed weight, decoded fp32 weight) for every weight shape, format name (int8, int4
+    g128 / g64 / g32, nf4 g64) and rows of x: random weights (seeded) encoded by the package's formats."""
+    from workbench.kernels import weight_only_cpu as wk
+    from workbench.quantization import formats as fm
+
+    fmts = {"int8": fm.IntFormat(8, None), "int4 g128": fm.IntFormat(4, 128), "int4 g64": fm.IntFormat(4, 64),
+            "int4 g32": fm.IntFormat(4, 32), "nf4 g64": fm.NF4Format(64)}
+    gen = torch.Generator().manual_seed(0)
+    for N, K in shapes:
+        weight = torch.randn(N, K, generator=gen) / K ** 0.5
+        for f in formats:
+            t = fm.encode(weight, fmts[f])
+            w, dense = wk.pack(t, fmts[f], K), fm.decode(t, fmts[f], K)
+            for M in ms:
+                yield N, K, f, M, torch.randn(M, K, generator=gen), w, dense
+
+
 SPLIT_SHAPES = ((768, 192), (192, 768), (1536, 384), (384, 1536), (1024, 1024), (2048, 2048), (5632, 2048),
                 (2048, 5632), (4096, 4096))
 
@@ -130,38 +148,28 @@ def split_table(shapes=SPLIT_SHAPES, ms=(8, 16, 32, 64, 128, 256), threads: int 
 
     from workbench.kernels import weight_only_cpu as wk
     from workbench.measurement import num_threads
-    from workbench.quantization import formats as fm
 
     if not wk.split_available():
         raise RuntimeError("split_table: the split path runs on CPUs with AMX bf16 tiles; this one has none "
                            "(cpublas::could_pack(bf16) is false), so there is nothing to compare")
-    fmts = {"int8": fm.IntFormat(8, None), "int4 g128": fm.IntFormat(4, 128), "int4 g64": fm.IntFormat(4, 64),
-            "int4 g32": fm.IntFormat(4, 32)}
     rows = []
-    gen = torch.Generator().manual_seed(0)
     with num_threads(threads), torch.inference_mode():
-        for N, K in shapes:
-            weight = torch.randn(N, K, generator=gen) / K ** 0.5
-            for f in formats:
-                t = fm.encode(weight, fmts[f])
-                w, dense = wk.pack(t, fmts[f], K), fm.decode(t, fmts[f], K)
-                for M in ms:
-                    x = torch.randn(M, K, generator=gen)
-                    calls = {"fp32": functools.partial(F.linear, x, dense),
-                             "without split": functools.partial(wk.weight_only_linear_cpu, x, w, split_rows=0),
-                             "split": functools.partial(wk.weight_only_linear_cpu, x, w, prefill_rows=0,
-                                                        split_rows=1 << 30)}
-                    times = interleaved(calls, rounds)
-                    med = {p: statistics.median(v) for p, v in times.items()}
-                    rows.append({"N": N, "K": K, "format": f, "M": M, "fp32_ms": med["fp32"],
-                                 "without_ms": med["without split"], "split_ms": med["split"],
-                                 "split_vs_without": med["without split"] / med["split"],
-                                 "split_vs_without_min": min(a / b for a, b in zip(times["without split"],
-                                                                                   times["split"])),
-                                 "split_vs_without_max": max(a / b for a, b in zip(times["without split"],
-                                                                                   times["split"])),
-                                 "split_vs_fp32": med["fp32"] / med["split"], "default_rows": w.split_rows,
-                                 "threads": threads, "rounds": rounds})
+        for N, K, f, M, x, w, dense in _layer_cases(shapes, formats, ms):
+            calls = {"fp32": functools.partial(F.linear, x, dense),
+                     "without split": functools.partial(wk.weight_only_linear_cpu, x, w, split_rows=0),
+                     "split": functools.partial(wk.weight_only_linear_cpu, x, w, prefill_rows=0,
+                                                split_rows=1 << 30)}
+            times = interleaved(calls, rounds)
+            med = {p: statistics.median(v) for p, v in times.items()}
+            rows.append({"N": N, "K": K, "format": f, "M": M, "fp32_ms": med["fp32"],
+                         "without_ms": med["without split"], "split_ms": med["split"],
+                         "split_vs_without": med["without split"] / med["split"],
+                         "split_vs_without_min": min(a / b for a, b in zip(times["without split"],
+                                                                           times["split"])),
+                         "split_vs_without_max": max(a / b for a, b in zip(times["without split"],
+                                                                           times["split"])),
+                         "split_vs_fp32": med["fp32"] / med["split"], "default_rows": w.split_rows,
+                         "threads": threads, "rounds": rounds})
     return pd.DataFrame(rows)
 
 
@@ -179,34 +187,24 @@ def brgemm_table(shapes=BRGEMM_SHAPES, ms=(4, 8, 16, 32, 64, 128, 256, 512), thr
 
     from workbench.kernels import weight_only_cpu as wk
     from workbench.measurement import num_threads
-    from workbench.quantization import formats as fm
 
-    fmts = {"int8": fm.IntFormat(8, None), "int4 g128": fm.IntFormat(4, 128), "int4 g64": fm.IntFormat(4, 64),
-            "int4 g32": fm.IntFormat(4, 32), "nf4 g64": fm.NF4Format(64)}
     rows = []
-    gen = torch.Generator().manual_seed(0)
     with num_threads(threads), torch.inference_mode():
-        for N, K in shapes:
-            weight = torch.randn(N, K, generator=gen) / K ** 0.5
-            for f in formats:
-                t = fm.encode(weight, fmts[f])
-                w, dense = wk.pack(t, fmts[f], K), fm.decode(t, fmts[f], K)
-                for M in ms:
-                    x = torch.randn(M, K, generator=gen)
-                    calls = {"fp32": functools.partial(F.linear, x, dense),
-                             "without": functools.partial(wk.weight_only_linear_cpu, x, w, split_rows=0,
-                                                          brgemm_rows=0),
-                             "brgemm": functools.partial(wk.weight_only_linear_cpu, x, w, split_rows=0,
-                                                         prefill_rows=0, brgemm_rows=1 << 30)}
-                    times = interleaved(calls, rounds, min_ms=0.3)
-                    med = {p: statistics.median(v) for p, v in times.items()}
-                    ratios = [a / b for a, b in zip(times["without"], times["brgemm"])]
-                    rows.append({"N": N, "K": K, "format": f, "M": M, "fp32_ms": med["fp32"],
-                                 "without_ms": med["without"], "brgemm_ms": med["brgemm"],
-                                 "brgemm_vs_without": med["without"] / med["brgemm"],
-                                 "brgemm_vs_without_min": min(ratios), "brgemm_vs_without_max": max(ratios),
-                                 "brgemm_vs_fp32": med["fp32"] / med["brgemm"], "default_rows": w.brgemm_rows,
-                                 "prefill_rows": w.prefill_rows, "threads": threads, "rounds": rounds})
+        for N, K, f, M, x, w, dense in _layer_cases(shapes, formats, ms):
+            calls = {"fp32": functools.partial(F.linear, x, dense),
+                     "without": functools.partial(wk.weight_only_linear_cpu, x, w, split_rows=0,
+                                                  brgemm_rows=0),
+                     "brgemm": functools.partial(wk.weight_only_linear_cpu, x, w, split_rows=0,
+                                                 prefill_rows=0, brgemm_rows=1 << 30)}
+            times = interleaved(calls, rounds, min_ms=0.3)
+            med = {p: statistics.median(v) for p, v in times.items()}
+            ratios = [a / b for a, b in zip(times["without"], times["brgemm"])]
+            rows.append({"N": N, "K": K, "format": f, "M": M, "fp32_ms": med["fp32"],
+                         "without_ms": med["without"], "brgemm_ms": med["brgemm"],
+                         "brgemm_vs_without": med["without"] / med["brgemm"],
+                         "brgemm_vs_without_min": min(ratios), "brgemm_vs_without_max": max(ratios),
+                         "brgemm_vs_fp32": med["fp32"] / med["brgemm"], "default_rows": w.brgemm_rows,
+                         "prefill_rows": w.prefill_rows, "threads": threads, "rounds": rounds})
     return pd.DataFrame(rows)
 
 

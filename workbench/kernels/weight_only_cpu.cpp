@@ -492,17 +492,27 @@ std::string cpu_isa() {
   return best_isa() == Isa::Avx512 ? "avx512" : best_isa() == Isa::Avx2 ? "avx2" : "scalar";
 }
 
+// The checks of an fp32 path's arguments (x a contiguous 2-D fp32 CPU tensor, the bias fp32 (N,)) and the weight's
+// view.
+static Weight fp32_call(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
+                        const c10::optional<torch::Tensor>& zero, const c10::optional<torch::Tensor>& lut, int64_t bits,
+                        int64_t group, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.device().is_cpu(),
+              "weight_only_linear_cpu: x must be a contiguous 2-D float32 CPU tensor");
+  const Weight W = view(q, scale, zero, lut, bits, group, x.size(1));
+  TORCH_CHECK(!(bias.has_value() && bias->defined()) ||
+              (bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == W.N),
+              "weight_only_linear_cpu: bias must be contiguous float32 (N,)");
+  return W;
+}
+
 // y (M, N) fp32 = x (M, K) fp32 @ W^T + bias, one decoded row of W at a time (decode / small M).
 torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
                    const c10::optional<torch::Tensor>& zero, const c10::optional<torch::Tensor>& lut,
                    int64_t bits, int64_t group, const c10::optional<torch::Tensor>& bias, const std::string& isa) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.device().is_cpu(),
-              "weight_only_linear_cpu: x must be a contiguous 2-D float32 CPU tensor");
-  const Weight W = view(q, scale, zero, lut, bits, group, x.size(1));
+  const Weight W = fp32_call(x, q, scale, zero, lut, bits, group, bias);
   const int64_t M = x.size(0), K = W.K, N = W.N;
   const bool has_bias = bias.has_value() && bias->defined();
-  TORCH_CHECK(!has_bias || (bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == N),
-              "weight_only_linear_cpu: bias must be contiguous float32 (N,)");
   const Kernels kern = kernels_for(parse_isa(isa));
   auto out = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
@@ -858,6 +868,24 @@ void pack_pairs(const uint32_t* src, int64_t rows, int64_t P, int64_t lb, uint32
   pack_pairs_scalar(src, rows, P, lb, dst);
 }
 
+// A block of y^T (rows x cols, lines of 64) stored into y: out[i * ldo + r] = s[r] * acc[r, i] + bias[r] (s, bias:
+// either may be null), by register transposes on AVX-512.
+void store_y_block(const float* acc, int64_t rows, int64_t cols, const float* s, const float* bias, float* out,
+                   int64_t ldo, bool avx512) {
+#if WB_X86
+  if (avx512) {
+    store_transposed_avx512(acc, rows, cols, kSplitCols, s, bias, out, ldo);
+    return;
+  }
+#endif
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < cols; ++i) {
+      float v = acc[r * kSplitCols + i];
+      if (s) v = s[r] * v;
+      out[i * ldo + r] = bias ? v + bias[r] : v;
+    }
+}
+
 // Rows m0 .. m1 of x (x points at row m0) into the three parts of all M rows.
 void split_parts(const float* x, int64_t M, int64_t m0, int64_t m1, int64_t K, int64_t Kp, uint16_t* out) {
   for (int64_t m = m0; m < m1; ++m) {
@@ -977,10 +1005,11 @@ torch::Tensor prefill_split(const torch::Tensor& x, const torch::Tensor& q, cons
                          reinterpret_cast<const at::BFloat16*>(bp), cbuf + r0 * kSplitCols, true);
             }
           }
-          const float* s = W.scale + n0 * G + (G == 1 ? 0 : g);
+          if (CG == 1) continue;   // (one chain: scaled as it is stored)
+          const float* s = W.scale + n0 * G + (G == 1 ? 0 : g);   // (one group in chunks of K: its one scale)
 #if WB_X86
           if (split_avx512()) {
-            if (CG > 1) scale_rows_avx512(cbuf, rows, cols, s, G, g == 0, acc);
+            scale_rows_avx512(cbuf, rows, cols, s, G, g == 0, acc);
             continue;
           }
 #endif
@@ -992,16 +1021,8 @@ torch::Tensor prefill_split(const torch::Tensor& x, const torch::Tensor& q, cons
           }
         }
         // y[m0 + i, n0 + r] = acc[r, i] + bias[n0 + r]
-        const float* br = biasp ? biasp + n0 : nullptr;
-        float* ob = op + m0 * N + n0;
-#if WB_X86
-        if (split_avx512()) {
-          store_transposed_avx512(acc, rows, cols, kSplitCols, CG == 1 ? W.scale + n0 * G : nullptr, br, ob, N);
-          continue;
-        }
-#endif
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t i = 0; i < cols; ++i) ob[i * N + r] = br ? acc[r * kSplitCols + i] + br[r] : acc[r * kSplitCols + i];
+        store_y_block(acc, rows, cols, CG == 1 ? W.scale + n0 * G : nullptr, biasp ? biasp + n0 : nullptr,
+                      op + m0 * N + n0, N, split_avx512());
       }
     }
     cb::brgemm_release(true);
@@ -1101,13 +1122,9 @@ torch::Tensor prefill_f32(const torch::Tensor& x, const torch::Tensor& q, const 
                           int64_t bits, int64_t group, const c10::optional<torch::Tensor>& bias,
                           const std::string& isa) {
   namespace cb = at::native::cpublas;
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.device().is_cpu(),
-              "weight_only_linear_cpu: x must be a contiguous 2-D float32 CPU tensor");
-  const Weight W = view(q, scale, zero, lut, bits, group, x.size(1));
+  const Weight W = fp32_call(x, q, scale, zero, lut, bits, group, bias);
   const int64_t M = x.size(0), K = W.K, N = W.N;
   const bool has_bias = bias.has_value() && bias->defined();
-  TORCH_CHECK(!has_bias || (bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == N),
-              "weight_only_linear_cpu: bias must be contiguous float32 (N,)");
   const Isa use = parse_isa(isa);
   const Kernels kern = kernels_for(use);
   auto out = torch::empty({M, N}, x.options());
@@ -1155,16 +1172,7 @@ torch::Tensor prefill_f32(const torch::Tensor& x, const torch::Tensor& q, const 
       for (int64_t j = 0; j < MB; ++j) {
         const int64_t m0 = j * kSplitCols, cols = std::min(kSplitCols, M - m0), lb = (cols + 15) / 16 * 16;
         cb::brgemm(rows, lb, K, K, lb, kSplitCols, false, wr, xt + j * K * kSplitCols, C, false);
-        const float* br = biasp ? biasp + n0 : nullptr;
-        float* ob = op + m0 * N + n0;
-#if WB_X86
-        if (use == Isa::Avx512) {
-          store_transposed_avx512(C, rows, cols, kSplitCols, nullptr, br, ob, N);
-          continue;
-        }
-#endif
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t i = 0; i < cols; ++i) ob[i * N + r] = br ? C[r * kSplitCols + i] + br[r] : C[r * kSplitCols + i];
+        store_y_block(C, rows, cols, nullptr, biasp ? biasp + n0 : nullptr, op + m0 * N + n0, N, use == Isa::Avx512);
       }
     }
     cb::brgemm_release(false);

@@ -52,13 +52,16 @@ def test_unpicklable_model_gets_a_clear_error_and_stays_untouched():
 
 class _Worker:
     def __init__(self, alive):
-        self.alive, self.terminated = alive, False
+        self.alive, self.terminated, self.joined = alive, False, False
 
     def is_alive(self):
         return self.alive
 
     def terminate(self):
-        self.terminated = True
+        self.terminated, self.alive = True, False
+
+    def join(self, timeout=None):
+        self.joined = True
 
 
 class _Context:
@@ -66,7 +69,8 @@ class _Context:
     def __init__(self, error):
         self.error, self.processes = error, [_Worker(True), _Worker(False)]
 
-    def join(self):
+    def join(self, grace_period=None):
+        assert grace_period == distributed._GRACE_S   # the others get time to reach their markers
         raise self.error
 
 
@@ -93,7 +97,7 @@ def test_a_worker_failure_is_raised_unless_every_worker_had_finished(tmp_path):
     context = _Context(KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
         distributed._join(context, str(tmp_path), workers=2)
-    assert [p.terminated for p in context.processes] == [True, False]
+    assert [p.terminated for p in context.processes] == [True, False] and all(p.joined for p in context.processes)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])

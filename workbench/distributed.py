@@ -296,10 +296,14 @@ def _worker(rank: int, world: int, port: int, fn: Callable, payloads: tuple[byte
     # The run is finished and on disk. A spawned process would go on to the interpreter's teardown, which also
     # destroys the process group's C++ threads; a C++ thread destroyed while still joinable aborts the process
     # ("terminate called without an active exception"), and a CI run once lost two data-parallel runs to that
-    # abort in a worker (where in the worker was not recorded). Nothing is left to do: leave without teardown.
+    # abort in a worker (where in the worker was not recorded). Nothing is left to do: leave without teardown (nor
+    # atexit handlers: what the training function returns and the weights are on disk by now).
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+_GRACE_S = 5.0   # seconds the other workers get to exit on their own after one fails or on an interrupt
 
 
 def _finished(out_dir: str, workers: int) -> bool:
@@ -314,7 +318,9 @@ def _join(context, out_dir: str, workers: int) -> None:
     import torch.multiprocessing as mp
 
     try:
-        while not context.join():
+        # after a failure the others get _GRACE_S to finish on their own before they are terminated: a worker past
+        # the final barrier but not yet at its marker must not be killed into a false failure
+        while not context.join(grace_period=_GRACE_S):
             pass
     except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
         if not _finished(out_dir, workers):
@@ -326,6 +332,11 @@ def _join(context, out_dir: str, workers: int) -> None:
         for p in context.processes:
             if p.is_alive():
                 p.terminate()
+        for p in context.processes:   # gone before the caller's temporary folder is removed
+            p.join(_GRACE_S)
+            if p.is_alive():
+                p.kill()
+                p.join()
         raise
 
 

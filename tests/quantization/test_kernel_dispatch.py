@@ -53,6 +53,24 @@ def test_w8a8_cpu_is_inference_only_but_works_with_grad_enabled():
     assert not y.requires_grad
 
 
+def test_w8a8_cpu_keeps_the_input_gradient_and_the_input_dtype():
+    """An input that needs its gradient runs the reference's math (a graph, the reference's numbers); a half input
+    of a smoothed layer (fp32 factors promote it) comes back in its own dtype, as from the reference."""
+    lin = linear(64, 32)
+    smooth = torch.rand(64) + 0.5
+    ref = W8A8Linear.from_float(lin[0], smooth=smooth)
+    cpu = W8A8Linear.from_float(lin[0], kernel="cpu", smooth=smooth)
+    x = torch.randn(5, 64, requires_grad=True)
+    y = cpu(x)
+    assert y.requires_grad and torch.equal(y, ref(x))
+    y.sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape
+    xh = torch.randn(5, 64).half()
+    with torch.no_grad():
+        got, want = cpu(xh), ref(xh)
+    assert got.dtype == want.dtype == torch.float16 and torch.equal(got, want)
+
+
 @pytest.mark.parametrize("config", [Q.WeightOnly(8, None), Q.WeightOnly(4, 32), Q.WeightOnly(4, 32, symmetric=False),
                                     Q.WeightOnly(4, 32, symmetric=False, method="hqq"), Q.WeightOnly(3, 24),
                                     Q.WeightOnly(2, 16, symmetric=False), Q.NF4(32)])

@@ -918,6 +918,10 @@ torch::Tensor prefill_split(const torch::Tensor& x, const torch::Tensor& q, cons
               "weight_only_linear_cpu: bias must be contiguous float32 (N,)");
   auto out = torch::empty({M, N}, x.options().dtype(torch::kFloat));
   if (M == 0 || N == 0) return bf16 ? out.to(torch::kBFloat16) : out;
+  if (K == 0) {   // an empty sum: the bias, or zeros
+    if (has_bias) out.copy_(bias->expand({M, N})); else out.zero_();
+    return bf16 ? out.to(torch::kBFloat16) : out;
+  }
   const int64_t Kp = K + (K & 1);
   const int P = bf16 ? 1 : 3;                    // parts of x: bf16 x is its own single part
   // B: x's three parts, per block of 64 rows of x, pair-interleaved: part p, block j, element (k, m) at
@@ -977,8 +981,8 @@ torch::Tensor prefill_split(const torch::Tensor& x, const torch::Tensor& q, cons
     // stored into y)
     float* acc = CG == 1 ? cbuf : acc_buf.get(nb * kSplitCols);
     const uint16_t* bx = shared_bx;
+    thread_local Scratch<uint16_t> own_parts, own_bx;
     if (local) {
-      thread_local Scratch<uint16_t> own_parts, own_bx;
       uint16_t* parts = own_parts.get(P * M * Kp);
       uint16_t* b = own_bx.get(P * MB * part_stride);
       split_rows(0, M, parts);
@@ -1026,6 +1030,7 @@ torch::Tensor prefill_split(const torch::Tensor& x, const torch::Tensor& q, cons
       }
     }
     cb::brgemm_release(true);
+    own_bx.trim(kScratchKeep);   // (its blocks are 64 columns wide whatever M: 3 x 128 K bytes)
   });
   parts_buf.trim(kScratchKeep);
   bx_buf.trim(kScratchKeep);
@@ -1177,6 +1182,7 @@ torch::Tensor prefill_f32(const torch::Tensor& x, const torch::Tensor& q, const 
     }
     cb::brgemm_release(false);
     xt_buf.trim(kScratchKeep);
+    w_buf.trim(kScratchKeep);
   });
   return out;
 }

@@ -658,21 +658,25 @@ class W8A8Linear(_FollowsDevice, nn.Module):
         # (buffers read from nn.Module's own dict: on small layers the per-call Python cost is a measurable share of
         # the forward, and hasattr on a missing buffer raises and formats an AttributeError inside nn.Module)
         smooth = self._buffers.get("smooth")
-        xs = x / smooth if smooth is not None else x
-        if self.kernel is KernelPath.CPU and not torch.compiler.is_compiling():   # (an inference kernel)
+        xs = x / smooth if smooth is not None else x   # (fp32 smoothing factors promote x: the result is cast back)
+        if self.kernel is KernelPath.CPU and not torch.compiler.is_compiling() and not (
+                x.requires_grad and torch.is_grad_enabled()):
+            # an inference kernel (records no autograd graph); when autograd needs the input's gradient the
+            # reference's differentiable math below runs instead, as in WeightOnlyLinear
             buffers, bias = self._buffers, self._parameters.get("bias")
             if xs.shape[-1] != self.in_features:
                 raise ValueError(f"W8A8Linear: the input has {xs.shape[-1]} features, the layer takes "
                                  f"{self.in_features}")
-            return _w8a8_cpu().linear_unchecked(xs, buffers["qweight_t"], buffers["scale"], bias,
-                                                buffers["act_scale"] if self.static else None)
+            y = _w8a8_cpu().linear_unchecked(xs, buffers["qweight_t"], buffers["scale"], bias,
+                                             buffers["act_scale"] if self.static else None)
+            return y if y.dtype == x.dtype else y.to(x.dtype)
         if self.kernel is KernelPath.TRITON:
             from workbench.kernels.w8a8 import w8a8_mm
 
             bias = None if self.bias is None else self.bias.detach()   # an inference kernel: no autograd
             return w8a8_mm(xs.contiguous(), self.qweight_t, self.scale, bias)
-        if self.kernel is KernelPath.CPU:   # under torch.compile: the checked custom op
-            return self._cpu(xs)
+        if self.kernel is KernelPath.CPU and torch.compiler.is_compiling():   # the checked custom op
+            return self._cpu(xs).to(x.dtype)
         else:
             qx, sx = self._quantize(to_groups(xs, PerToken()))            # (M, in) int8, (M, 1)
             acc = qx.float() @ self.qweight_t.float()                     # the same integers, in fp32

@@ -222,16 +222,26 @@ def test_fp32_brgemm_path_is_an_fp32_product_of_the_reference_weight(fmt):
 
 def test_fp32_brgemm_path_runs_where_measured_faster():
     """By default above the decode path's rows, where the split path does not run: up to 64 rows on K <= 64, 128
-    below 512 k values, 256 up to 1 M values, 128 above up to K = 2048 and 64 beyond."""
+    below 512 k values, 256 up to 1 M values, 128 above up to K = 2048 and 64 beyond; on more than one thread up
+    to 256 rows below 512 k values from K = 128."""
     assert [wk.brgemm_rows_for(N, K) for N, K in [(10, 128), (4096, 64), (192, 768), (512, 512), (1024, 512),
                                                   (1024, 1024), (4096, 1024), (1024, 4096)]] == [
         128, 64, 128, 128, 256, 256, 128, 64]
+    assert [wk.brgemm_rows_for(N, K, threads=2) for N, K in [(10, 128), (4096, 64), (192, 768), (1024, 512)]] == [
+        256, 64, 256, 256]
     _, w, _ = _layer(fm.IntFormat(4, 32), 192, 192)    # groups of 32: no split path on a small weight
-    assert w.split_rows == 0 and w.brgemm_rows == 128 and w.prefill_rows == 2
-    for M in (3, 128, 129):
-        x = torch.randn(M, 192)
-        want = wk.weight_only_linear_cpu(x, w, prefill_rows=0, split_rows=0, brgemm_rows=10 ** 6 if M <= 128 else 0)
-        assert torch.equal(wk.weight_only_linear_cpu(x, w), want)
+    assert w.split_rows == 0 and w.brgemm_rows == 128 and w.brgemm_rows_threads == 256 and w.prefill_rows == 2
+    threads = torch.get_num_threads()
+    try:
+        for n, rows in ((1, 128), (2, 256)):
+            torch.set_num_threads(n)
+            for M in (3, rows, rows + 1):
+                x = torch.randn(M, 192)
+                want = wk.weight_only_linear_cpu(x, w, prefill_rows=0, split_rows=0,
+                                                 brgemm_rows=10 ** 6 if M <= rows else 0)
+                assert torch.equal(wk.weight_only_linear_cpu(x, w), want), (n, M)
+    finally:
+        torch.set_num_threads(threads)
     with pytest.raises(ValueError, match="brgemm_rows"):
         wk.weight_only_linear_cpu(torch.randn(2, 64), _layer(fm.IntFormat(4, 64), 8, 64)[1], brgemm_rows=-1)
 

@@ -1196,7 +1196,8 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& q, const torch
                      const c10::optional<torch::Tensor>& zero, const c10::optional<torch::Tensor>& lut, int64_t bits,
                      int64_t group, int64_t K, const c10::optional<torch::Tensor>& bias, int64_t prefill_rows,
                      int64_t split_rows, int64_t split_rows_bf16, bool split_ok, bool amx_ok, int64_t split_min_rows,
-                     int64_t amx_bf16_rows, int64_t brgemm_rows, const std::string& isa) {
+                     int64_t amx_bf16_rows, int64_t brgemm_rows, int64_t brgemm_rows_threads,
+                     const std::string& isa) {
   torch::NoGradGuard no_grad;
   static const bool bf16_here = native_bf16();
   // asked on every call: oneDNN's answer follows torch.backends.mkldnn.enabled
@@ -1239,7 +1240,8 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& q, const torch
     y = prefill_split(x2, q, scale, *zero, bits, group, b);
   } else if (M <= prefill_rows) {
     y = gemv(x2, q, scale, zero, lut, bits, group, b, isa);
-  } else if (M <= brgemm_rows && isa == "auto" && brgemm_f32_here()) {
+  } else if (M <= (at::get_num_threads() > 1 ? brgemm_rows_threads : brgemm_rows) && isa == "auto" &&
+             brgemm_f32_here()) {
     y = prefill_f32(x2, q, scale, zero, lut, bits, group, b, isa);
   } else {
     y = prefill(x2, q, scale, zero, lut, bits, group, b, 0, isa);

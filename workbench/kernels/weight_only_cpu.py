@@ -151,7 +151,7 @@ class CpuWeight:
     def call_rules(self) -> tuple:
         """The path rules' arguments of the extension's ``linear`` for the default call (worked out once)."""
         return (self.prefill_rows, self.split_rows, self.split_rows_bf16, self.split_ok, self.amx_ok, SPLIT_MIN_ROWS,
-                AMX_BF16_ROWS, self.brgemm_rows)
+                AMX_BF16_ROWS, self.brgemm_rows, self.brgemm_rows_threads)
 
     @functools.cached_property
     def amx_ok(self) -> bool:
@@ -175,6 +175,11 @@ class CpuWeight:
         """Rows of fp32 x up to which the fp32 brgemm path runs where neither the split nor the decode path does
         (`brgemm_rows_for`)."""
         return brgemm_rows_for(self.N, self.K)
+
+    @functools.cached_property
+    def brgemm_rows_threads(self) -> int:
+        """The same when the call runs on more than one thread (`brgemm_rows_for` with ``threads=2``)."""
+        return brgemm_rows_for(self.N, self.K, threads=2)
 
     @functools.cached_property
     def prefill_rows(self) -> int:
@@ -236,18 +241,23 @@ def split_rows_for(w: "CpuWeight", bf16: bool = False) -> int:
     return 64 if group >= 64 and values >= SPLIT_SMALL_VALUES else 0
 
 
-def brgemm_rows_for(N: int, K: int) -> int:
+def brgemm_rows_for(N: int, K: int, threads: int = 1) -> int:
     """Rows of fp32 x up to which blocks of decoded fp32 weight rows are multiplied by oneDNN's fp32 brgemm (on
     an AVX-512 CPU) instead of MKL's fp32 GEMM on decoded blocks (`bench_cpu.brgemm_table`, one thread, against
     the paths without it, every format alike): 1.1-3.6x faster from 16 to 64 rows on every shape measured (10 x
     128 to 4096 x 1024 and 1024 x 4096); at 128 rows 0.98-1.12x on small weights from K = 128 (1.0-1.3x from
     256 k values up to K = 2048, 0.9x at K = 4096); 1.0-1.1x at 256 rows from 512 k to 1 M values; slower above
-    (0.8-0.98x) and at 128 rows on K = 64 (0.94-1.0x)."""
+    (0.8-0.98x) and at 128 rows on K = 64 (0.94-1.0x).
+
+    ``threads`` > 1: on two threads the path it replaces also pays for the second core reading the weight the
+    first one just decoded (128 x 256 at 128 rows: F.linear on a fresh decode 59 us, on a settled weight 36), and
+    brgemm measured 1.08-1.4x faster at 256 rows on weights below 512 k values from K = 128 (int4 g64; two threads
+    only measured): up to 256 rows there."""
     values = N * K
     if K <= 64:
         return 64
     if values < 1 << 19:
-        return 128
+        return 256 if threads > 1 else 128
     if values <= 1 << 20:
         return 256
     return 128 if K <= 2048 else 64
@@ -342,7 +352,8 @@ def linear_unchecked(x: torch.Tensor, w: CpuWeight, bias: torch.Tensor | None, p
         x, *w.call_args, bias, w.prefill_rows if prefill_rows is None else prefill_rows,
         w.split_rows if split_rows is None else split_rows, w.split_rows_bf16 if split_rows is None else split_rows,
         amx and w.split_ok, amx and w.amx_ok, SPLIT_MIN_ROWS, AMX_BF16_ROWS,
-        w.brgemm_rows if brgemm_rows is None else brgemm_rows, isa)
+        w.brgemm_rows if brgemm_rows is None else brgemm_rows,
+        w.brgemm_rows_threads if brgemm_rows is None else brgemm_rows, isa)
 
 
 def weight_only_linear_cpu(x: torch.Tensor, w: CpuWeight, bias: torch.Tensor | None = None, *,

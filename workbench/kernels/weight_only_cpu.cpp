@@ -35,6 +35,8 @@ struct Weight {          // one call's view of the stored weight
   const float* lut;      // 16 values (NF4) or nullptr
   int64_t N, K, G, group, row_bytes;
   int bits;              // code slot width: 2, 4 or 8
+  // integer codes of 4 or 8 bits in whole 32-value groups: what the one-pass vector decodes take
+  bool whole32() const { return !lut && (bits == 4 || bits == 8) && group % 32 == 0 && K % 32 == 0; }
 };
 
 // Rows per thread's share in at::parallel_for: at least `least`, and enough rows of `per_row` values each for
@@ -522,7 +524,7 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& q, const torch::
 #if WB_X86
   // Whole 32-value chunks of 4- or 8-bit integer codes: decoded in registers (gemv_row_avx512 / _avx2).
   const Isa use = parse_isa(isa);
-  if (use >= Isa::Avx2 && !W.lut && (W.bits == 4 || W.bits == 8) && W.group % 32 == 0 && K % 32 == 0) {
+  if (use >= Isa::Avx2 && W.whole32()) {
     const RowFn* row_fns = use == Isa::Avx512 ? (W.bits == 4 ? kAvx512Rows<4> : kAvx512Rows<8>)
                                               : (W.bits == 4 ? kAvx2Rows<4> : kAvx2Rows<8>);
     std::vector<float> xsum(M * W.G, 0.f);  // (M, G): x's per-group sums
@@ -619,8 +621,7 @@ torch::Tensor prefill(const torch::Tensor& x, const torch::Tensor& q, const torc
   thread_local std::vector<float> scratch;
   if (static_cast<int64_t>(scratch.size()) < nb * K) scratch.resize(nb * K);
   // AVX-512, 4- or 8-bit codes in whole 32-value groups: rows decoded in one pass (to bf16 directly for bf16 x)
-  const bool direct = WB_X86 && use == Isa::Avx512 && !W.lut && (W.bits == 4 || W.bits == 8) &&
-                      W.group % 32 == 0 && K % 32 == 0 && (!bf16 || native_bf16());
+  const bool direct = WB_X86 && use == Isa::Avx512 && W.whole32() && (!bf16 || native_bf16());
   auto out = nb == N ? torch::Tensor() : torch::empty({M, N}, x.options());
   for (int64_t n0 = 0; n0 < N; n0 += nb) {
     const int64_t rows = std::min(nb, N - n0);
@@ -711,7 +712,7 @@ void decode_row_int_bf16(const Weight& W, int64_t n, uint8_t* c, uint16_t* a, in
   const uint8_t* q = W.q + n * W.row_bytes;
   const float* z = W.zero + n * W.G;
 #if WB_X86
-  if ((W.bits == 4 || W.bits == 8) && W.group % 32 == 0 && W.K % 32 == 0 && split_avx512()) {
+  if (W.whole32() && split_avx512()) {   // (integer codes: the split path takes no NF4)
     decode_row_int_bf16_avx512(q, z, W.bits, W.K, W.group, a);
     return;
   }
@@ -1070,7 +1071,7 @@ torch::Tensor prefill_amx(const torch::Tensor& x, const torch::Tensor& q, const 
               "weight_only_linear_cpu: x must be a contiguous 2-D bfloat16 CPU tensor");
   const Weight W = view(q, scale, zero, c10::nullopt, bits, group, x.size(1));
   const int64_t M = x.size(0), K = W.K, N = W.N;
-  TORCH_CHECK((bits == 4 || bits == 8) && group % 32 == 0 && K % 32 == 0 && split_available() && split_avx512(),
+  TORCH_CHECK(W.whole32() && split_available() && split_avx512(),
               "weight_only_linear_cpu: the AMX bf16 path needs 4- or 8-bit codes in groups of a multiple of 32 and "
               "AMX");
   const bool has_bias = bias.has_value() && bias->defined();
@@ -1135,12 +1136,7 @@ torch::Tensor prefill_f32(const torch::Tensor& x, const torch::Tensor& q, const 
   auto out = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   if (K == 0) return has_bias ? out.copy_(bias->expand({M, N})) : out.zero_();
-#if WB_X86
-  const bool direct = use == Isa::Avx512 && !W.lut && (W.bits == 4 || W.bits == 8) && W.group % 32 == 0 &&
-                      K % 32 == 0;
-#else
-  const bool direct = false;
-#endif
+  const bool direct = WB_X86 && use == Isa::Avx512 && W.whole32();
   // B: x^T per block of 64 rows of x, (K, ldb) at xt + j * K * 64, ldb = the block's rows rounded up to 16. Each
   // thread packs its own copy, in the one parallel region of the call: on small weights a shared copy cost a
   // serial phase, a second fork-join and a copy between the cores' caches, and two threads ran slower than one.
@@ -1219,6 +1215,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& q, const torch
       // the exact products x (u - z), fp32 sums, one rounding
       return prefill_split(x2.contiguous(), q, scale, *zero, bits, group, bias_bf16_fp32()).view(shape);
     }
+    // (above PREFILL_ROWS = 16 rows whatever the weight's size, weight_only_cpu.py: fewer bf16 rows compute in fp32)
     if (M > std::max<int64_t>(prefill_rows, 16) && bf16_here) {
       auto xc = x2.contiguous();
       if (amx && amx_ok && M <= amx_bf16_rows)

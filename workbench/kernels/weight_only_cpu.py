@@ -28,8 +28,8 @@ Four paths, picked per call by the number of rows M of x and the weight (`CpuWei
   is read once, as the bytes it is stored in - the memory traffic of the compressed layer, not of the float one.
 - **fp32 brgemm** (fp32 x on an AVX-512 CPU, prefill_rows < M <= `brgemm_rows_for`, where the split path does
   not run - any format): blocks of up to 64 decoded fp32 weight rows (the reference's values bit for bit) times
-  x^T by oneDNN's fp32 brgemm micro-kernels; on these shapes they run 1.1-3.6x faster than the decode-then-MKL
-  path below (README), and the decoded block never leaves L1 / L2.
+  x^T by oneDNN's fp32 brgemm micro-kernels, each thread multiplying the rows it decoded; on these shapes 1.1-3.6x
+  faster than the decode-then-MKL path below (README, one thread).
 - **prefill** (more rows): the whole weight is decoded (the same per-row routine, all threads) into an fp32
   matrix and multiplied by PyTorch's fp32 GEMM. The decode is bit for bit the reference's, so this path returns
   exactly the reference's result for fp32 inputs; the decode is a pass over N x K values against the GEMM's
@@ -102,13 +102,13 @@ PREFILL_ROWS = 16
 # int8, interleaved medians; workbench/kernels/README.md): 192 x 192 and 576 x 192 near 3 rows, 512 x 512 near 5,
 # 1024 x 512 above 6, 4096 x 4096 near 16 - about one row per `_VALUES_PER_ROW` weight values, between 2 and 16.
 _VALUES_PER_ROW = 40_000
-# The split path (fp32 x on AMX) runs above SPLIT_MIN_ROWS rows of x (at 8 rows it ties the decode path) on
-# weights of SPLIT_MIN_VALUES values or more, up to `split_rows_for` rows.
+# The split path (fp32 x on AMX) runs above SPLIT_MIN_ROWS rows of x (at 8 rows it ties the decode path) up to
+# `split_rows_for` rows: its longest ranges on weights of SPLIT_MIN_VALUES values or more, shorter ones on smaller
+# weights, longer from SPLIT_SMALL_VALUES. Where it does not run, fp32 x above the decode path's rows goes to the
+# fp32 brgemm path up to `brgemm_rows_for` rows.
 SPLIT_MIN_ROWS = 8
 SPLIT_MIN_VALUES = 1 << 19
-SPLIT_SMALL_VALUES = 96 * 1024   # below SPLIT_MIN_VALUES: where the longer row ranges start (`split_rows_for`)
-# fp32 x above the decode path's rows, up to `brgemm_rows_for` rows where the split path does not run: decoded
-# fp32 blocks times oneDNN's fp32 brgemm.
+SPLIT_SMALL_VALUES = 96 * 1024
 # bf16 x above the split path's rows: blocks of decoded bf16 rows packed for AMX and multiplied by brgemm (no
 # per-call reorder of the weight) up to this many rows; oneDNN's bf16 GEMM on decoded blocks above (measured:
 # README).
@@ -301,11 +301,6 @@ def _build():
         return ext, None
     except Exception as e:  # no compiler, no ninja, no Python headers: reported by load_extension
         return None, e
-
-
-@functools.cache
-def _native_bf16() -> bool:
-    return bool(load_extension().native_bf16())
 
 
 def split_available() -> bool:

@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install lab lint test test-fast report bench weights strip clean
+.PHONY: install lab lint test test-fast test-isa report bench weights strip clean
 
 # torch first: keep an existing torch (GPU machines: the venv sees the system site-packages), otherwise
 # the local CPU wheel torch==2.13.0, so a CPU-only machine never downloads CUDA packages. Then triton
@@ -30,9 +30,24 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/python -m mypy
 
-# everything, as CI runs it: lint, then every test tier (slow ML claims, notebooks, browser tests)
+# everything, as CI runs it: lint, then every test tier (slow ML claims, notebooks, browser tests), then the
+# other CPU classes' tier
 test: install lint
 	$(BIN)/python -m pytest
+	$(MAKE) test-isa
+
+# This machine as the other CPU classes (workbench/kernels/isa.py: an AVX-512 CPU without AMX, an AVX2-only one -
+# caps on PyTorch, oneDNN, MKL and our kernels): the kernels, the quantized and pruned modules, the reload identity,
+# the architecture gallery and the goldens of the notebooks whose numbers move most between CPUs
+ISA_CLASSES ?= avx512 avx2
+ISA_TESTS ?= tests/kernels tests/quantization tests/plans tests/pruning tests/test_gallery.py \
+	tests/notebooks/test_notebooks.py::test_notebook_matches_its_goldens[21_pruning_beyond] \
+	tests/notebooks/test_notebooks.py::test_notebook_matches_its_goldens[60_llm_decode]
+test-isa: install
+	@for c in $(ISA_CLASSES); do \
+	  echo "== as CPU class $$c: $$($(BIN)/python -m workbench.kernels.isa $$c)"; \
+	  env $$($(BIN)/python -m workbench.kernels.isa $$c) $(BIN)/python -m pytest -q -m "not e2e" $(ISA_TESTS) || exit 1; \
+	done
 
 # the quick tier (<= 3 min on 2 cores): no slow ML claims, no papermill notebooks, no servers or browser
 test-fast: install

@@ -28,6 +28,14 @@ TESTS = Path(__file__).resolve().parent
 FOLDER_MARKERS = {"e2e": "e2e"}   # first folder under tests/ -> marker every test in it gets
 
 
+def pytest_report_header(config):
+    """Which CPU code runs: the ISA caps in force (workbench/kernels/isa.py; `make test-isa` sets them)."""
+    from workbench.kernels.isa import EMULATED
+
+    caps = {k: os.environ[k] for k in sorted({k for c in EMULATED.values() for k in c}) if k in os.environ}
+    return f"CPU ISA caps: {caps or 'none (this CPU as it is)'}"
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 

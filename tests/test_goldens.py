@@ -102,3 +102,45 @@ def test_a_conditional_metric_is_checked_only_when_its_condition_holds():
     assert "not checked" in goldens.not_applicable(g, {"speedup": 0.02, "cpu_int8_dot_product": False})[0]
     assert "was not recorded" in goldens.compare(g, {"speedup": 3.0})[0]                 # the condition must be
     assert json.loads(json.dumps(g.to_json()))["metrics"][0]["when"] == {"cpu_int8_dot_product": True}
+
+
+def test_measured_values_are_recorded_per_cpu_class_and_checked(tmp_path):
+    path = tmp_path / "10_number_formats.json"
+    path.write_text(json.dumps(golden(("m", 1.0, 0.1, "lower"), ("c", 2.0, 0.0, "equal"),
+                                      ("s", 3.0, 1.0, "higher")).to_json()))
+    g = goldens.load(path)
+    g.metrics[2].when = {"c": 9.0}   # not applicable in these runs: left without a measurement
+    goldens.record_measured(g, "native", {"m": 1.0, "c": 2.0, "s": 0.1})
+    goldens.record_measured(g, "avx2", {"m": 1.25, "c": 2.0, "s": 0.1})
+    again = goldens.load(path)
+    assert again.metrics[0].measured == {"native": 1.0, "avx2": 1.25} and again.metrics[0].value == 1.0
+    assert again.metrics[2].measured is None
+    problems = goldens.measured_problems(again)
+    assert len(problems) == 1 and "'m'" in problems[0] and "as avx2" in problems[0] and "rose by 0.25" in problems[0]
+    with pytest.raises(ValueError, match="unknown CPU class"):
+        goldens.record_measured(again, "zen9", {"m": 1.0, "c": 2.0})
+    with pytest.raises(ValueError, match="did not record"):
+        goldens.record_measured(again, "avx512", {"m": 1.0})
+    with pytest.raises(ValueError, match="measured must map"):
+        GoldenMetric("m", 1.0, 0.1, "lower", measured=[1.0])
+
+
+def test_measure_needs_a_cpu_class(capsys):
+    assert main(["goldens", "app", "--measure"]) != 0
+    assert "--measure records values under a CPU class" in capsys.readouterr().err
+
+
+# the CPU classes every shipped golden was measured under (workbench.kernels.isa.EMULATED)
+MEASURED_CLASSES = ("native", "avx512", "avx2", "default")
+
+
+@pytest.mark.parametrize("g", goldens.load_all(), ids=lambda g: g.notebook)
+def test_every_tolerance_holds_the_values_measured_on_every_cpu_class(g):
+    """No golden is narrower than the spread its metrics showed across the emulated CPU classes (recorded with
+    `workbench goldens --cpu-class C --measure`), and every metric checked on every CPU was measured on each."""
+    assert goldens.measured_problems(g) == []
+    for m in g.metrics:
+        if m.when:   # a hardware-conditional metric: measured where its condition held
+            continue
+        assert m.measured and set(MEASURED_CLASSES) <= set(m.measured), \
+            f"{g.notebook}: metric {m.metric!r} measured on {sorted(m.measured or {})}, not on every CPU class"

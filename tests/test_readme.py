@@ -167,6 +167,10 @@ EXCLUDED = {   # command -> why it is neither run nor parsed here
                     "`python -m workbench.models.train NAME` runs below into a temporary folder",
     "workbench report": "the command's name in prose; its full forms run below",
     "workbench goldens --update": "rewrites data/golden deliberately, never from a test",
+    "workbench goldens --cpu-class avx2 --measure": "runs every notebook as an AVX2 CPU and records the values in "
+                                                    "data/golden (deliberate, minutes); tests/test_goldens.py checks "
+                                                    "what it recorded",
+    "make test-isa": "installs, then runs the other CPU classes' tier (minutes) - `make test` runs it last",
     "workbench measure --plan": "the explorer notebook naming the option; `workbench measure ... --plan` runs here",
 }
 

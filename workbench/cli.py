@@ -139,12 +139,23 @@ def _goldens(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     from workbench import goldens
+    from workbench.kernels import isa
 
     selected = [goldens.load(n) for n in args.notebooks] if args.notebooks else goldens.load_all()
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="workbench-goldens-"))
+    if args.measure and not args.cpu_class:
+        raise ValueError("--measure records values under a CPU class: give --cpu-class")
+    if args.cpu_class:   # the notebooks' kernels are new processes: they start with this class's caps
+        env = isa.environment(args.cpu_class)
+        os.environ.clear()
+        os.environ.update(env)
+        print(f"running as CPU class {args.cpu_class!r}: {dict(isa.EMULATED[args.cpu_class]) or 'no caps'}")
     failures: list[str] = []
     for golden in tqdm(selected, desc="notebooks", unit="nb"):
         recorded, nb, _ = goldens.run(golden, out)
+        if args.measure:
+            goldens.record_measured(golden, args.cpu_class, recorded)
+            print(f"{golden.notebook}: recorded {len(golden.metrics)} metric(s) as {args.cpu_class} in {golden.path}")
         if args.update:
             goldens.update(golden, recorded)
             print(f"{golden.notebook}: updated {len(golden.metrics)} metric(s) in {golden.path}")
@@ -218,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("notebooks", nargs="*", help="notebook names (default: every golden file)")
     g.add_argument("--update", action="store_true", help="rewrite the golden values from this run (deliberate)")
     g.add_argument("--out", default=None, help="where executed notebooks go (default: a temporary folder)")
+    g.add_argument("--cpu-class", default=None, help="run the notebooks as this CPU class would (its ISA caps, "
+                   "workbench.kernels.isa.EMULATED: native, avx512, avx2, default)")
+    g.add_argument("--measure", action="store_true", help="store the values found under --cpu-class in the golden "
+                   "files (\"measured\"), for tolerances that hold on every CPU")
     g.set_defaults(func=_goldens)
 
     sub.add_parser("models", help="list the zoo models").set_defaults(func=_list_models)
@@ -226,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, TypeError, FileNotFoundError) as e:  # TaskMismatchError is a ValueError
+    except (ValueError, TypeError, FileNotFoundError, FileExistsError) as e:  # TaskMismatchError: a ValueError
         print(f"workbench {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -16,6 +16,16 @@ goldens deliberately to lock them in.
     workbench goldens --update             # rewrite the values from a fresh run (tolerances and directions kept)
 
 Nothing updates goldens automatically: `update` is only called by ``--update``.
+
+Tolerances hold on every CPU. The machines that run the suite differ (AMX Xeons, AVX-512 Zen 4 / 5, AVX2-only
+EPYCs) and each sums floats in its own order, so a tolerance is set from the values the notebooks give under every
+CPU class this machine can emulate (`workbench.kernels.isa.EMULATED`), recorded beside it::
+
+    workbench goldens --cpu-class avx2 --measure     # run as an AVX2-only CPU; store each value in "measured"
+
+A metric's ``measured`` maps CPU class -> the value found there, ``why`` says what its tolerance rests on
+(the measured spread, or the claim checked when a number is machine-dependent). `measured_problems` lists every
+recorded value that the golden itself would reject: tests/test_goldens.py keeps that list empty.
 """
 from __future__ import annotations
 
@@ -29,7 +39,7 @@ from typing import Any
 from workbench.paths import data_dir
 
 __all__ = ["GoldenMetric", "Golden", "golden_dir", "notebook_dir", "load", "load_all", "compare", "not_applicable",
-           "run", "update", "DIRECTIONS"]
+           "run", "update", "record_measured", "measured_problems", "DIRECTIONS"]
 
 DIRECTIONS = ("higher", "lower", "equal")
 
@@ -51,8 +61,16 @@ class GoldenMetric:
     # checked only when the run recorded these values (e.g. {"cpu_int8_dot_product": true}: an int8 speedup
     # is a property of CPUs with an int8 dot-product instruction); otherwise reported as not applicable
     when: dict[str, Any] | None = None
+    # the value found under each emulated CPU class (`workbench.kernels.isa.EMULATED`), by `record_measured`
+    measured: dict[str, Any] | None = None
+    why: str | None = None   # what the tolerance rests on, in words
 
     def __post_init__(self):
+        if self.measured is not None and not isinstance(self.measured, dict):
+            raise ValueError(f"golden metric {self.metric!r}: measured must map CPU classes to values, "
+                             f"got {self.measured!r}")
+        if self.why is not None and not isinstance(self.why, str):
+            raise ValueError(f"golden metric {self.metric!r}: why must be a string, got {self.why!r}")
         if self.when is not None and not isinstance(self.when, dict):
             raise ValueError(f"golden metric {self.metric!r}: when must map recorded metrics to values, "
                              f"got {self.when!r}")
@@ -92,7 +110,8 @@ class Golden:
     def to_json(self) -> dict:
         return {"notebook": self.notebook, "parameters": self.parameters,
                 "metrics": [{"metric": m.metric, "value": m.value, "tolerance": m.tolerance,
-                             "direction": m.direction, **({"when": m.when} if m.when else {})}
+                             "direction": m.direction, **({"when": m.when} if m.when else {}),
+                             **({"measured": m.measured} if m.measured else {}), **({"why": m.why} if m.why else {})}
                             for m in self.metrics]}
 
 
@@ -174,6 +193,36 @@ def update(golden: Golden, recorded: dict[str, Any]) -> Golden:
         raise ValueError(f"{golden.notebook}: cannot update, the run did not record {missing}")
     for m in golden.metrics:
         m.value = recorded[m.metric]
+    _save(golden)
+    return golden
+
+
+def _save(golden: Golden) -> None:
     path = golden.path or golden_dir() / f"{golden.notebook}.json"
     path.write_text(json.dumps(golden.to_json(), indent=2) + "\n")
+
+
+def record_measured(golden: Golden, cpu_class: str, recorded: dict[str, Any]) -> Golden:
+    """Store each value of ``recorded`` as found under ``cpu_class`` (values, tolerances and directions kept) and
+    save the golden; metrics whose ``when`` condition this run does not meet are left as they are."""
+    from workbench.kernels.isa import EMULATED
+
+    if cpu_class not in EMULATED:
+        raise ValueError(f"unknown CPU class {cpu_class!r}; one of {', '.join(EMULATED)}")
+    missing = [m.metric for m in golden.metrics if _applies(m, recorded) and m.metric not in recorded]
+    if missing:
+        raise ValueError(f"{golden.notebook}: cannot record, the run did not record {missing}")
+    for m in golden.metrics:
+        if _applies(m, recorded):
+            m.measured = {**(m.measured or {}), cpu_class: recorded[m.metric]}
+    _save(golden)
     return golden
+
+
+def measured_problems(golden: Golden) -> list[str]:
+    """One message per value recorded under some CPU class that this golden would reject (a tolerance narrower
+    than the spread measured across CPU classes)."""
+    return [f"{golden.notebook}: metric {m.metric!r} expected {m.value!r} ({m.direction}, tolerance {m.tolerance:g}) "
+            f"but {found!r} was measured as {cpu_class}: {why}"
+            for m in golden.metrics for cpu_class, found in (m.measured or {}).items()
+            if (why := m.check(found))]

@@ -10,7 +10,7 @@ import workbench.kernels as kernels_pkg
 
 KERNELS = Path(kernels_pkg.__file__).parent
 ALLOWED = {"workbench.quantization.primitives", "workbench.quantization.packing", "workbench.kernels._common",
-           "workbench.kernels.w8a8_cpu"}
+           "workbench.kernels.w8a8_cpu", "workbench.kernels.isa"}
 
 
 def _imports(path: Path) -> set[str]:

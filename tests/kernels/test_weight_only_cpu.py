@@ -77,8 +77,11 @@ def test_bf16_prefill_is_the_references_bf16_math_where_the_cpu_has_bf16(N, K):
             assert torch.equal(y, expected)
         else:         # column blocks: each output is still one bf16 dot product over all of K
             torch.testing.assert_close(y, expected, rtol=1.6e-2, atol=1e-2 * expected.abs().max().item())
-    else:
-        assert torch.equal(y, torch.nn.functional.linear(x.float(), dense, bias).to(torch.bfloat16))
+    else:   # fp32 sums (the bias taken in x's dtype) in the kernel's order, rounded once to bf16
+        b16 = bias.to(torch.bfloat16).double()
+        exact = torch.nn.functional.linear(x.double(), dense.double(), b16)
+        fp32_bound = (K + 1) * 2.0 ** -24 * (x.double().abs() @ dense.double().abs().T + b16.abs())
+        assert ((y.double() - exact).abs() <= exact.abs() * 2.0 ** -8 + fp32_bound * (1 + 2.0 ** -8)).all()
 
 
 def test_bad_inputs_are_refused_by_name():

@@ -15,6 +15,9 @@ launches, a reference, and a ``torch.library`` custom op with a fake implementat
 - `w8a8_cpu` - ``workbench::w8a8_linear_cpu``: the CPU fast path of W8A8 (C++ compiled on first use:
   per-token quantization, oneDNN's int8 GEMM and the rescale fused block by block of rows).
 
+`isa` says which x86 instruction sets the CPU code may use and how one machine runs as another CPU class (the caps
+of PyTorch, oneDNN, MKL and these kernels; ``make test-isa``).
+
 `bench` is ``python -m workbench.kernels.bench`` (results in workbench/kernels/README.md). The quantized modules of
 `workbench.quantization` call the Triton kernels with ``kernel="triton"`` and `w8a8_cpu` with ``kernel="cpu"``.
 Importing this package does not import Triton or initialise CUDA: each kernel module imports Triton when it is

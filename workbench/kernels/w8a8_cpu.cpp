@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -161,13 +162,24 @@ WB_TARGET("avx512f") void rescale_row_avx512(const int32_t* acc, int64_t N, floa
 }
 #endif  // WB_X86
 
+// WORKBENCH_CPU_ISA (avx2 / scalar) caps the vector ISA below the CPU's (as in weight_only_cpu.cpp).
+Isa isa_cap() {
+  const char* v = std::getenv("WORKBENCH_CPU_ISA");
+  const std::string s = v ? v : "";
+  if (s.empty() || s == "auto" || s == "avx512") return Isa::Avx512;
+  if (s == "avx2") return Isa::Avx2;
+  TORCH_CHECK(s == "scalar", "WORKBENCH_CPU_ISA must be auto, avx512, avx2 or scalar, got '", s, "'");
+  return Isa::Scalar;
+}
+
 Isa detect_isa() {
+  Isa found = Isa::Scalar;
 #if WB_X86
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return Isa::Avx512;
-  if (__builtin_cpu_supports("avx2")) return Isa::Avx2;
+  if (__builtin_cpu_supports("avx512f")) found = Isa::Avx512;
+  else if (__builtin_cpu_supports("avx2")) found = Isa::Avx2;
 #endif
-  return Isa::Scalar;
+  return std::min(found, isa_cap());
 }
 
 Isa best_isa() {
@@ -207,6 +219,29 @@ std::string cpu_isa() {
     case Isa::Avx512: return "avx512";
     case Isa::Avx2: return "avx2";
     default: return "scalar";
+  }
+}
+
+// Whether oneDNN's s8 x s8 -> s32 GEMM behind _int_mm gives exact sums in this process. With an int8 dot product
+// (AVX-512 VNNI, AVX-VNNI, AMX) it does; without one (AVX2, AVX-512 without VNNI - or ONEDNN_MAX_CPU_ISA set below
+// VNNI) it multiplies u8 x s8 pairs with vpmaddubsw, whose 16-bit pair sums saturate: measured, a 64 x 256 x 96
+// product off by up to 8e4. Asked once by a product that saturates there (every code 127: 2 x 255 x 127 > 2^15).
+bool int_mm_exact() {
+  static const bool exact = [] {
+    const auto a = torch::full({16, 64}, 127, torch::dtype(torch::kChar));
+    const auto b = torch::full({64, 16}, 127, torch::dtype(torch::kChar));
+    return at::_int_mm(a, b).eq(64 * 127 * 127).all().item<bool>();
+  }();
+  return exact;
+}
+
+// acc = q w, exactly: oneDNN's int8 GEMM where it is exact, else an fp64 GEMM (every int8 x int8 sum of fewer than
+// 2^38 terms is an integer below 2^53, so exact too; slower, and kernel="auto" does not choose this kernel there).
+void int_mm_into(torch::Tensor& acc, const torch::Tensor& q, const torch::Tensor& w) {
+  if (int_mm_exact()) {
+    at::_int_mm_out(acc, q, w);
+  } else {
+    acc.copy_(at::mm(q.to(torch::kDouble), w.to(torch::kDouble)));
   }
 }
 
@@ -283,7 +318,7 @@ torch::Tensor w8a8_linear(const torch::Tensor& x, const torch::Tensor& wt, const
       }
       auto qt = torch::from_blob(q, {rows, K}, x.options().dtype(torch::kChar));
       auto acct = torch::from_blob(acc, {rows, N}, x.options().dtype(torch::kInt));
-      at::_int_mm_out(acct, qt, w);
+      int_mm_into(acct, qt, w);
       for (int64_t r = 0; r < rows; ++r) kern.rescale_row(acc + r * N, N, s[r], wsp, bp, op + (r0 + r) * N, stream);
     }
 #if WB_X86
@@ -325,5 +360,6 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wt, const torc
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w8a8_linear", &w8a8_linear, "W8A8 Linear on the CPU (see kernels/w8a8_cpu.py)");
   m.def("linear", &linear, "a W8A8 Linear: x (..., K) of any float dtype, fp32 math, the result in x's dtype");
+  m.def("int_mm_exact", &int_mm_exact, "whether oneDNN's int8 GEMM (torch._int_mm) sums exactly in this process");
   m.def("cpu_isa", &cpu_isa, "the widest vector ISA this CPU supports among avx512 / avx2 / scalar");
 }

@@ -14,18 +14,20 @@ int32 product ``block_rows x N x 4`` bytes at most 3 MB; the per-thread buffers 
 the next call). For each block: quantize its rows into a
 per-thread int8 buffer (max |x| and the codes in one read of each row; the row is still in L1 for the second
 sweep), ``at::_int_mm_out`` into a per-thread int32 buffer (oneDNN's s8 x s8 -> s32 GEMM, VNNI where the CPU
-has it), then one pass that converts, multiplies by both scales, adds the bias and writes the fp32 output.
+has it; without an int8 dot product oneDNN's pair sums saturate at 16 bits - measured: off by up to 8e4 - and the
+product is taken by an exact fp64 GEMM instead, ``int_mm_exact()`` in the extension), then one pass that
+converts, multiplies by both scales, adds the bias and writes the fp32 output.
 Compared with quantize -> ``torch._int_mm`` -> rescale as whole tensors, the int32 product (as many bytes as
 the output) never goes to DRAM and back, no M x N temporary is allocated per call, and nothing goes through
 Python between the three steps. With several threads each thread takes whole row blocks (its GEMM runs
 single-threaded); below ``32 x threads`` rows (decode) one thread walks the blocks and the GEMM uses them all.
 
-Vector code: AVX-512 or AVX2 intrinsics chosen at run time from what the CPU reports (``cpu_isa()``), a
-scalar loop elsewhere (e.g. ARM); ``isa=`` forces one for tests. Every float operation is the reference's, in
-the same order, built with ``-ffp-contract=off`` (no multiply-add contraction): the output equals the
-reference bit for bit whenever the reference's fp32 matmul of the codes is exact (every partial sum below
-2^24, e.g. K <= 1024; past that the int32 sum here is the more exact of the two). Tests check each ISA, ragged
-shapes, static scales, non-finite rows.
+Vector code: AVX-512 or AVX2 intrinsics chosen at run time from what the CPU reports (``cpu_isa()``, capped by
+``WORKBENCH_CPU_ISA``: `workbench.kernels.isa`), a scalar loop elsewhere (e.g. ARM); ``isa=`` forces one for tests.
+Every float operation is the reference's, in the same order, built with ``-ffp-contract=off`` (no multiply-add
+contraction): the output equals the reference bit for bit whenever the reference's fp32 matmul of the codes is
+exact (every partial sum below 2^24, e.g. K <= 1024; past that the int32 sum here is the more exact of the two).
+Tests check each ISA, ragged shapes, static scales, non-finite rows.
 
 Build: compiled on first use with ``torch.utils.cpp_extension.load`` (ninja and the system C++ compiler;
 about 30 s once, then cached under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``). No
@@ -124,8 +126,23 @@ def int8_dot_product() -> bool:
     """Whether this CPU has an int8 dot-product instruction (AVX-512 VNNI, AVX-VNNI or AMX on x86) that oneDNN's
     int8 GEMM - the heart of the W8A8 CPU path - runs on. Without one (e.g. an AVX2-only x86) oneDNN runs a
     generic loop that is many times slower than an fp32 GEMM, so ``kernel="auto"`` does not choose that path.
-    Read from /proc/cpuinfo on Linux x86; assumed present elsewhere (ARM has its own dot-product path)."""
-    return _int8_dot_product()
+    Read from /proc/cpuinfo on Linux x86; assumed present elsewhere (ARM has its own dot-product path). Capped as
+    the CPU is by ``ONEDNN_MAX_CPU_ISA`` (an ISA below VNNI: oneDNN runs without one) and ``WORKBENCH_CPU_ISA``
+    (``avx2`` or ``scalar``: run as an AVX2-only x86 would), so one machine can take the other ISAs' choices."""
+    return _int8_dot_product() and not _int8_dot_product_capped()
+
+
+# oneDNN's ISA names that still have an int8 dot product (VNNI, AVX-VNNI, AMX; the AVX10 family has VNNI too)
+_ONEDNN_VNNI_ISAS = ("AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE_VNNI", "AVX512_CORE_BF16", "AVX512_CORE_FP16",
+                     "AVX512_CORE_AMX", "AVX512_CORE_AMX_FP16", "AVX10_1_512", "AVX10_1_512_AMX",
+                     "AVX10_1_512_AMX_FP16", "AVX10_2_512", "AVX10_2_512_AMX_2", "ALL", "DEFAULT")
+
+
+def _int8_dot_product_capped() -> bool:
+    from workbench.kernels.isa import isa_cap
+
+    onednn = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
+    return isa_cap() in ("avx2", "scalar") or bool(onednn and onednn not in _ONEDNN_VNNI_ISAS)
 
 
 @functools.lru_cache(maxsize=None)

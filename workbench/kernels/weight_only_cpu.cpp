@@ -393,8 +393,11 @@ WB_TARGET("avx512f,avx512bf16") void decode_row_int_bf16_avx512(const uint8_t* q
   }
 }
 
+Isa best_isa();
+
+// AVX-512 BF16 conversions (the split path's and the bf16 decodes'): on the CPU, and not capped by WORKBENCH_CPU_ISA.
 inline bool split_avx512() {
-  static const bool ok = (__builtin_cpu_init(), __builtin_cpu_supports("avx512bf16"));
+  static const bool ok = best_isa() == Isa::Avx512 && (__builtin_cpu_init(), __builtin_cpu_supports("avx512bf16"));
   return ok;
 }
 
@@ -409,14 +412,27 @@ constexpr RowFn kAvx512Rows[4] = {gemv_row_avx512<1, BITS>, gemv_row_avx512<2, B
                                   gemv_row_avx512<4, BITS>};
 #endif  // WB_X86
 
+// WORKBENCH_CPU_ISA (avx2 / scalar) caps the vector ISA below the CPU's, so that one machine runs the code an
+// AVX2-only or a plain x86-64 CPU would (tests of the other ISAs); unset, "auto" or "avx512": no cap. Read once.
+Isa isa_cap() {
+  const char* v = std::getenv("WORKBENCH_CPU_ISA");
+  const std::string s = v ? v : "";
+  if (s.empty() || s == "auto" || s == "avx512") return Isa::Avx512;
+  if (s == "avx2") return Isa::Avx2;
+  TORCH_CHECK(s == "scalar", "WORKBENCH_CPU_ISA must be auto, avx512, avx2 or scalar, got '", s, "'");
+  return Isa::Scalar;
+}
+
 Isa detect_isa() {
+  Isa found = Isa::Scalar;
 #if WB_X86
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-    return Isa::Avx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::Avx2;
+    found = Isa::Avx512;
+  else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    found = Isa::Avx2;
 #endif
-  return Isa::Scalar;
+  return std::min(found, isa_cap());
 }
 
 Isa best_isa() {
@@ -484,7 +500,7 @@ Weight view(const torch::Tensor& q, const torch::Tensor& scale, const c10::optio
 bool native_bf16() {
 #if WB_X86
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512bf16");
+  return best_isa() == Isa::Avx512 && __builtin_cpu_supports("avx512bf16");
 #else
   return false;
 #endif

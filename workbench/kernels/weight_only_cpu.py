@@ -53,8 +53,9 @@ where this kernel took 2.1 / 2.0; on an AVX-512 + AMX Xeon (three runs) aten's i
 kernel's 1.3 and its int8 1.5-1.9 against 1.65-1.84 (`python -m workbench.kernels.bench_cpu` measures all of them
 side by side).
 
-Vector code chosen at run time (``cpu_isa()``): AVX-512 for the decode path of 4- and 8-bit integer codes in whole
-32-value groups (16 lanes; 4-bit codes meet x reordered to their nibble order instead of being put back in order),
+Vector code chosen at run time (``cpu_isa()``; ``WORKBENCH_CPU_ISA`` caps it, `workbench.kernels.isa`): AVX-512
+for the decode path of 4- and 8-bit integer codes in whole 32-value groups (16 lanes; 4-bit codes meet x
+reordered to their nibble order instead of being put back in order),
 AVX2 + FMA for the rest and on AVX2-only CPUs, a scalar loop elsewhere; ``isa=`` forces one for tests. The decode
 paths prefetch the weight a few KB ahead of the row they are on (one core's stream of a weight that is not in
 cache otherwise stalls on memory latency at a fraction of the bandwidth). Built on first use with

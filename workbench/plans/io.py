@@ -8,7 +8,14 @@ exactly, and only then fills in the values.
 
 Memory: the structure is built with meta tensors (no copy of the base's weights), and each tensor is read
 from the memory-mapped file straight into its place, so loading needs about the file's bytes on top of the
-base. The base itself may hold no weights: build it under `empty_weights` (parameters on the meta device,
+base. Alignment: safetensors packs tensors back to back after a header padded to 8 bytes, so a mapped tensor
+may start anywhere on a 4- or 8-byte boundary; oneDNN picks another (bitwise different) convolution or GEMM path
+for data that is not 64-byte aligned on some CPUs (measured on a Zen 5). `aligned` copies just those tensors
+into fresh 64-byte-aligned memory (PyTorch's CPU allocator), the others stay mapped: outputs after `load` are
+bit-identical to the saved model's on every CPU, at the cost of one copy of the misaligned tensors' bytes (the
+file format is unchanged: safetensors allows no padding between tensors).
+
+The base itself may hold no weights: build it under `empty_weights` (parameters on the meta device,
 buffers real) and an int4 file of a model larger than memory's fp copy loads in about the int4 bytes.
 
 File format versions: 2 (this one) stores GPTQ act-order layers with a ``perm`` buffer (groups in activation
@@ -28,11 +35,23 @@ from torch import nn
 from workbench.plans.apply import applied_plans, build_skeleton
 from workbench.plans.plan import Plan
 
-__all__ = ["save", "load", "empty_weights", "FILE_FORMAT", "FILE_FORMAT_VERSION"]
+__all__ = ["save", "load", "empty_weights", "aligned", "ALIGNMENT", "FILE_FORMAT", "FILE_FORMAT_VERSION"]
 
 FILE_FORMAT = "workbench.model"
 FILE_FORMAT_VERSION = 2
 _READS = ("1", "2")
+
+
+# bytes: where PyTorch's CPU allocator starts every tensor, and what oneDNN's and our kernels' fastest paths expect
+ALIGNMENT = 64
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when it is not on the CPU or its data starts on an `ALIGNMENT` boundary, else a contiguous copy
+    in fresh memory (which PyTorch's allocator aligns) - for tensors mapped from a file at arbitrary offsets."""
+    if t.device.type != "cpu" or t.data_ptr() % ALIGNMENT == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 @contextlib.contextmanager
@@ -171,7 +190,7 @@ def load(path: str | os.PathLike, base: nn.Module | str | None = None) -> nn.Mod
         filled: dict[int, torch.Tensor] = {}
         for key, t in expected.items():   # each tensor read once from the mapped file, straight into its place
             if id(t) not in filled:
-                value = f.get_tensor(next(k for k in by_object[id(t)] if k in stored))
+                value = aligned(f.get_tensor(next(k for k in by_object[id(t)] if k in stored)))
                 filled[id(t)] = nn.Parameter(value, t.requires_grad) if isinstance(t, nn.Parameter) else value
             owner, _, attr = key.rpartition(".")
             module = model.get_submodule(owner)

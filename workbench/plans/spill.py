@@ -79,13 +79,15 @@ class Spill:
         """Put every spilled tensor back where it was (tensors that were one object are one object again)."""
         from safetensors import safe_open
 
+        from workbench.plans.io import aligned
+
         while self._files:
             path, places = self._files.pop()
             with safe_open(str(path), "pt") as f:
                 loaded: dict[str, torch.Tensor] = {}
                 params: dict[str, nn.Parameter] = {}
                 for owner, kind, key, file_key, grad, device in places:   # (back on the device it came from)
-                    t = loaded.setdefault(file_key, f.get_tensor(file_key).to(device))
+                    t = loaded.setdefault(file_key, aligned(f.get_tensor(file_key)).to(device))
                     if kind == "_parameters":
                         getattr(owner, kind)[key] = params.setdefault(file_key, nn.Parameter(t, requires_grad=grad))
                     else:

@@ -113,6 +113,8 @@ FILES = {   # placeholders of shell commands -> files made in the temporary fold
     "my_plan.json": "the same plan file for digits-cnn (data/plans/digits-cnn-mixed.json)",
     "x.safetensors": "inputs for my_pkg.models:build",
     "my_pkg/models.py": "a package with build(): a small MLP",
+    "llama-w4.json": "int4 g32 weight-only on a Llama's decoder layers",
+    "tiny-llama-hf/": "a LlamaForCausalLM from a small config (random weights) saved with save_pretrained",
 }
 
 SHELL_SUBSTITUTIONS = [   # (regex, replacement, why), applied in order to every command before it runs
@@ -126,6 +128,7 @@ SHELL_SUBSTITUTIONS = [   # (regex, replacement, why), applied in order to every
     (r"^workbench goldens NAME \.\.\.$", "workbench goldens app", "NAME -> the app notebook, the quickest golden"),
     (r"^python -m workbench\.models\.train NAME$", "python -m workbench.models.train digits-mlp --out weights",
      "NAME -> digits-mlp, written to a temporary folder (never over the shipped weights)"),
+    (r"--model path/to/llama ", "--model tiny-llama-hf ", "the reader's Llama checkpoint -> a small random one"),
     (r"^python -m workbench\.benchmarks\.measure$",
      "python -m workbench.benchmarks.measure --model digits-mlp --repeats 1",
      "MiniLM -> digits-mlp, one repeat"),
@@ -197,6 +200,12 @@ def _make_files(tmp: Path) -> None:
         "import torch\n\ndef build():\n    torch.manual_seed(0)\n"
         "    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))\n")
     save_file({"x": torch.randn(64, 16, generator=torch.Generator().manual_seed(0))}, str(tmp / "x.safetensors"))
+    import transformers
+
+    wb.Plan({"model.layers.*": wb.quant.WeightOnly(bits=4, group_size=32)}).save(tmp / "llama-w4.json")
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=False)).save_pretrained(tmp / "tiny-llama-hf")
     shutil.copytree(ROOT / "notebooks", tmp / "notebooks",
                     ignore=lambda d, names: [n for n in names if not n.endswith(".ipynb")])
     (tmp / "data").symlink_to(ROOT / "data")   # the report template's default plan path, ../data/plans/...

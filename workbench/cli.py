@@ -6,6 +6,7 @@
     workbench app --model digits-cnn --task digits [--port 8866]    # the workbench as a Voila dashboard
     workbench app --model mypkg.models:build --task mypkg.tasks:build  # user model and task (entry points)
     workbench goldens [NOTEBOOK ...] [--update]                      # notebooks as a regression suite
+    workbench export --model path/to/hf-checkpoint --plan plan.json --out folder [--format compressed-tensors]
     workbench models | workbench tasks
 """
 from __future__ import annotations
@@ -61,6 +62,24 @@ def _measure(args: argparse.Namespace) -> int:
                for _, m in runs]
     with pd.option_context("display.max_columns", None, "display.width", 200):
         print(wb.compare(*results, labels=[label for label, _ in runs]).T.to_string())
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    """Apply a plan to a model and write the result in a deployable format (`wb.export`); the tokenizer files of a
+    checkpoint folder go with it."""
+    import workbench as wb
+    from workbench.analysis.sweep import apply_with_task
+
+    model = wb.models.load(args.model)
+    plan = wb.Plan.read(args.plan)
+    if args.task:   # a plan that calibrates (GPTQ, AWQ, static activations) draws its samples from the task
+        small = apply_with_task(model, _task_for(args, model), plan, args.calibration)
+    else:
+        small = wb.apply(model, plan)
+    base = Path(args.model) if Path(args.model).is_dir() else None
+    out = wb.export(small, args.out, format=args.format, base_folder=base)
+    print(f"wrote {out} ({args.format}): {len(wb.applied_report(small))} layer(s) in the applied report")
     return 0
 
 
@@ -234,6 +253,18 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--measure", action="store_true", help="store the values found under --cpu-class in the golden "
                    "files (\"measured\"), for tolerances that hold on every CPU")
     g.set_defaults(func=_goldens)
+
+    e = sub.add_parser("export", help="apply a plan and write the model in a deployable format (wb.export)")
+    e.add_argument("--model", required=True, help="a local Hugging Face checkpoint folder (its tokenizer files are "
+                   "copied), a zoo model name or package.module:factory")
+    e.add_argument("--plan", required=True, help="plan JSON file (wb.Plan.save)")
+    e.add_argument("--out", required=True, help="the folder to write (must not exist, or be empty)")
+    e.add_argument("--format", default="compressed-tensors", help="compressed-tensors (vLLM, transformers)")
+    e.add_argument("--task", help="task for plans that calibrate (GPTQ, AWQ, static activations): a task name, "
+                   "fidelity or package.module:factory")
+    e.add_argument("--inputs", help="model inputs for --task fidelity (.safetensors, .npz or .npy)")
+    e.add_argument("--calibration", type=int, default=128, help="calibration samples (default: 128)")
+    e.set_defaults(func=_export)
 
     sub.add_parser("models", help="list the zoo models").set_defaults(func=_list_models)
     sub.add_parser("tasks", help="list the tasks").set_defaults(func=_list_tasks)

@@ -1,0 +1,104 @@
+"""Deployable exports: write a compressed model in a format that serving tools read (`wb.export`).
+
+    small = wb.apply(model, wb.Plan({"model.layers.*": wb.quant.WeightOnly(bits=4, group_size=32)}))
+    wb.export(small, "llama-w4a16", format="compressed-tensors", base_folder="llama")   # vLLM, transformers
+
+A format is a class derived from `ExportFormat`, registered in `FORMATS` under the name users pass
+(``format="compressed-tensors"``); an instance may be passed instead of the name. Each has two steps:
+
+1. ``prepare(model, base_folder)`` checks the whole model and builds everything to be written in memory. Whatever the
+   format cannot hold raises ``ValueError`` here, naming the layer and what the format allows - before anything
+   touches the disk. The model is only read.
+2. ``write(prepared, folder)`` puts it into an empty folder.
+
+`export` writes into a temporary folder next to ``path`` and renames it into place only when it is complete, so a
+failed export leaves no folder behind (and never overwrites a non-empty one).
+
+| name | class | read by |
+|---|---|---|
+| ``"compressed-tensors"`` | `compressed_tensors.CompressedTensors` | vLLM, transformers' ``from_pretrained`` |
+"""
+from __future__ import annotations
+
+import abc
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, ClassVar
+
+from torch import nn
+
+__all__ = ["ExportFormat", "FORMATS", "register_export_format", "export", "CompressedTensors"]
+
+FORMATS: dict[str, type["ExportFormat"]] = {}   # user-facing name -> format class, filled by `register_export_format`
+
+
+def register_export_format(cls: type["ExportFormat"]) -> type["ExportFormat"]:
+    """Class decorator: add an `ExportFormat` subclass to `FORMATS` under its ``name``."""
+    if cls.name in FORMATS:
+        raise ValueError(f"export format name {cls.name!r} is taken by {FORMATS[cls.name].__name__}")
+    FORMATS[cls.name] = cls
+    return cls
+
+
+class ExportFormat(abc.ABC):
+    """One deployable format. Subclasses are frozen dataclasses (their fields are the format's options)."""
+
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    def prepare(self, model: nn.Module, base_folder: Path | None) -> Any:
+        """Everything to be written, built in memory; raises (ValueError naming the layer, or TypeError for a model
+        the format cannot describe) on anything the format cannot hold. Never modifies ``model``."""
+
+    @abc.abstractmethod
+    def write(self, prepared: Any, folder: Path) -> None:
+        """Write what `prepare` returned into the empty folder ``folder``."""
+
+
+def _format(format: str | ExportFormat) -> ExportFormat:
+    if isinstance(format, ExportFormat):
+        return format
+    if isinstance(format, str) and format in FORMATS:
+        return FORMATS[format]()
+    raise ValueError(f"unknown export format {format!r}; known: {sorted(FORMATS)} (or an ExportFormat instance)")
+
+
+def _target(path: str | os.PathLike) -> Path:
+    path = Path(path)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise FileExistsError(f"{path} exists and is not an empty folder; export writes a new folder")
+    return path
+
+
+def export(model: nn.Module, path: str | os.PathLike, format: str | ExportFormat = "compressed-tensors", *,
+           base_folder: str | os.PathLike | None = None) -> Path:
+    """Write ``model`` (e.g. the result of `wb.apply`) as a checkpoint folder ``path`` in ``format``; returns the path.
+
+    ``base_folder``: the folder the model was loaded from; its tokenizer (and generation) files are copied, so the
+    exported folder is complete. ``path`` must not exist or be an empty folder. Raises before writing anything
+    when the format cannot hold some layer (the error names it); a failure while writing removes what was written.
+    """
+    fmt = _format(format)
+    path = _target(path)
+    base = None
+    if base_folder is not None:
+        base = Path(base_folder)
+        if not base.is_dir():
+            raise ValueError(f"base_folder {base} is not a folder")
+    prepared = fmt.prepare(model, base)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}.partial"
+    partial.mkdir()   # (not tempfile.mkdtemp: its 0700 mode would stay on the renamed folder)
+    try:
+        fmt.write(prepared, partial)
+        _target(path)   # (still free: nothing appeared there meanwhile)
+        os.replace(partial, path)   # atomic on one file system; replaces an empty folder
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return path
+
+
+from workbench.export.compressed_tensors import CompressedTensors  # noqa: E402  (registers itself)

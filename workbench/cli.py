@@ -6,7 +6,7 @@
     workbench app --model digits-cnn --task digits [--port 8866]    # the workbench as a Voila dashboard
     workbench app --model mypkg.models:build --task mypkg.tasks:build  # user model and task (entry points)
     workbench goldens [NOTEBOOK ...] [--update]                      # notebooks as a regression suite
-    workbench export --model path/to/hf-checkpoint --plan plan.json --out folder [--format compressed-tensors]
+    workbench export --model path/to/hf-checkpoint --plan plan.json --out folder [--format compressed-tensors|gguf]
     workbench models | workbench tasks
 """
 from __future__ import annotations
@@ -259,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
                    "copied), a zoo model name or package.module:factory")
     e.add_argument("--plan", required=True, help="plan JSON file (wb.Plan.save)")
     e.add_argument("--out", required=True, help="the folder to write (must not exist, or be empty)")
-    e.add_argument("--format", default="compressed-tensors", help="compressed-tensors (vLLM, transformers)")
+    e.add_argument("--format", default="compressed-tensors", help="compressed-tensors (vLLM, transformers) or gguf "
+                   "(llama.cpp, Ollama)")
     e.add_argument("--task", help="task for plans that calibrate (GPTQ, AWQ, static activations): a task name, "
                    "fidelity or package.module:factory")
     e.add_argument("--inputs", help="model inputs for --task fidelity (.safetensors, .npz or .npy)")

@@ -17,6 +17,7 @@ failed export leaves no folder behind (and never overwrites a non-empty one).
 | name | class | read by |
 |---|---|---|
 | ``"compressed-tensors"`` | `compressed_tensors.CompressedTensors` | vLLM, transformers' ``from_pretrained`` |
+| ``"gguf"`` | `gguf.GGUF` | llama.cpp (and what embeds it: llama-cpp-python, Ollama, LM Studio) |
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-__all__ = ["ExportFormat", "FORMATS", "register_export_format", "export", "CompressedTensors"]
+__all__ = ["ExportFormat", "FORMATS", "register_export_format", "export", "CompressedTensors", "GGUF"]
 
 FORMATS: dict[str, type["ExportFormat"]] = {}   # user-facing name -> format class, filled by `register_export_format`
 
@@ -102,3 +103,4 @@ def export(model: nn.Module, path: str | os.PathLike, format: str | ExportFormat
 
 
 from workbench.export.compressed_tensors import CompressedTensors  # noqa: E402  (registers itself)
+from workbench.export.gguf import GGUF  # noqa: E402  (registers itself)

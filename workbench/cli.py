@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--plan", required=True, help="plan JSON file (wb.Plan.save)")
     e.add_argument("--out", required=True, help="the folder to write (must not exist, or be empty)")
     e.add_argument("--format", default="compressed-tensors", help="compressed-tensors (vLLM, transformers) or gguf "
-                   "(llama.cpp, Ollama)")
+                   "(llama.cpp, Ollama); onnx needs example inputs, so it is exported from Python (wb.export)")
     e.add_argument("--task", help="task for plans that calibrate (GPTQ, AWQ, static activations): a task name, "
                    "fidelity or package.module:factory")
     e.add_argument("--inputs", help="model inputs for --task fidelity (.safetensors, .npz or .npy)")

@@ -18,6 +18,7 @@ failed export leaves no folder behind (and never overwrites a non-empty one).
 |---|---|---|
 | ``"compressed-tensors"`` | `compressed_tensors.CompressedTensors` | vLLM, transformers' ``from_pretrained`` |
 | ``"gguf"`` | `gguf.GGUF` | llama.cpp (and what embeds it: llama-cpp-python, Ollama, LM Studio) |
+| ``"onnx"`` | `onnx.ONNX` (``ONNX(example_inputs=...)``) | ONNX Runtime (``com.microsoft.MatMulNBits``) |
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-__all__ = ["ExportFormat", "FORMATS", "register_export_format", "export", "CompressedTensors", "GGUF"]
+__all__ = ["ExportFormat", "FORMATS", "register_export_format", "export", "CompressedTensors", "GGUF", "ONNX"]
 
 FORMATS: dict[str, type["ExportFormat"]] = {}   # user-facing name -> format class, filled by `register_export_format`
 
@@ -104,3 +105,4 @@ def export(model: nn.Module, path: str | os.PathLike, format: str | ExportFormat
 
 from workbench.export.compressed_tensors import CompressedTensors  # noqa: E402  (registers itself)
 from workbench.export.gguf import GGUF  # noqa: E402  (registers itself)
+from workbench.export.onnx import ONNX  # noqa: E402  (registers itself)

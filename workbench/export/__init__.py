@@ -31,7 +31,8 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-__all__ = ["ExportFormat", "FORMATS", "register_export_format", "export", "CompressedTensors", "GGUF", "ONNX"]
+__all__ = ["ExportFormat", "FORMATS", "register_export_format", "export", "integer_weight_problem",
+           "CompressedTensors", "GGUF", "ONNX"]
 
 FORMATS: dict[str, type["ExportFormat"]] = {}   # user-facing name -> format class, filled by `register_export_format`
 
@@ -57,6 +58,25 @@ class ExportFormat(abc.ABC):
     @abc.abstractmethod
     def write(self, prepared: Any, folder: Path) -> None:
         """Write what `prepare` returned into the empty folder ``folder``."""
+
+
+def integer_weight_problem(m: nn.Module) -> str | None:
+    """Why a weight-only layer is not what every export format starts from - integer codes with integer zero points,
+    the input as it comes - or None. Each format adds its own limits (bits, group sizes) and names the layer."""
+    from workbench.quantization.formats import IntFormat
+
+    fmt = m.fmt
+    if not isinstance(fmt, IntFormat):
+        return f"stores {type(fmt).__name__} weights ({fmt}), not integer codes"
+    if fmt.float_zero:
+        return "has real-valued (HQQ) zero points, not integer ones"
+    if "smooth" in m._buffers:
+        return ("divides its inputs by an AWQ smoothing vector, which would have to be folded into the layer "
+                "before")
+    if "perm" in m._buffers:
+        return ("stores GPTQ act-order groups with a column permutation: quantize with WeightOnly(method='gptq', "
+                "act_order=True, static_groups=True), whose groups are the original columns'")
+    return None
 
 
 def _format(format: str | ExportFormat) -> ExportFormat:

@@ -42,10 +42,9 @@ from typing import Callable, ClassVar
 import torch
 from torch import nn
 
-from workbench.export import ExportFormat, register_export_format
+from workbench.export import ExportFormat, integer_weight_problem, register_export_format
 from workbench.plans import applied_plans
 from workbench.quantization import packing
-from workbench.quantization.formats import IntFormat
 from workbench.quantization.modules import W8A8Linear, WeightOnlyLinear
 
 __all__ = ["CompressedTensors", "Activations", "Scheme", "LAYER_ENCODERS", "BASE_FILES"]
@@ -118,19 +117,10 @@ def _weight_only(name: str, m: WeightOnlyLinear) -> tuple[Scheme, dict[str, torc
     """pack-quantized: the stored codes shifted to signed, packed by compressed-tensors; scales in fp32."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
+    why = integer_weight_problem(m)
+    if why:
+        raise _refuse(name, why)
     fmt = m.fmt
-    if not isinstance(fmt, IntFormat):
-        raise _refuse(name, f"stores {type(fmt).__name__} weights ({fmt}), which have no compressed-tensors form")
-    if fmt.float_zero:
-        raise _refuse(name, "has real-valued (HQQ) zero points; compressed-tensors zero points are integers")
-    if hasattr(m, "smooth"):
-        raise _refuse(name, "divides its inputs by an AWQ smoothing vector, which compressed-tensors cannot store "
-                            "(it would have to be folded into the layer before)")
-    if hasattr(m, "perm"):
-        raise _refuse(name, "stores GPTQ act-order groups with a column permutation; compressed-tensors 0.20 removed "
-                            "activation-ordered groups (actorder='group', weight_g_idx): quantize with "
-                            "WeightOnly(method='gptq', act_order=True, static_groups=True), whose groups are the "
-                            "original columns'")
     rows, K = m.out_features, m.in_features
     g, G = fmt.groups(K)
     if G > 1 and K % g:

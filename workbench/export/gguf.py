@@ -59,11 +59,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from workbench.export import ExportFormat, register_export_format
+from workbench.export import ExportFormat, integer_weight_problem, register_export_format
 from workbench.export.gguf_vocab import chat_template, read_vocabulary, tokenizer_file
 from workbench.plans import applied_plans
 from workbench.quantization import packing
-from workbench.quantization.formats import IntFormat
 from workbench.quantization.modules import W8A8Linear, WeightOnlyEmbedding, WeightOnlyLinear
 
 __all__ = ["GGUF", "FloatType", "BlockType", "Architecture", "FILE_NAME", "block_types", "architectures", "rope_rows"]
@@ -160,18 +159,10 @@ def _encodes(*classes: type[nn.Module]) -> Callable[[LayerEncoder], LayerEncoder
 @_encodes(WeightOnlyLinear, WeightOnlyEmbedding)
 def _weight_only(name: str, m: nn.Module) -> tuple[np.ndarray, BlockType]:
     """The stored codes and fp16 scales as ggml blocks ``(rows, G * bytes per block)`` uint8, nothing re-quantized."""
+    why = integer_weight_problem(m)
+    if why:
+        raise _refuse(name, why)
     fmt = m.fmt
-    if not isinstance(fmt, IntFormat):
-        raise _refuse(name, f"stores {type(fmt).__name__} weights ({fmt}); no ggml block type has that grid")
-    if fmt.float_zero:
-        raise _refuse(name, "has real-valued (HQQ) zero points; Q4_1's minimum is checked exact only for integer "
-                            "zero points")
-    if "smooth" in m._buffers:
-        raise _refuse(name, "divides its inputs by an AWQ smoothing vector, which GGUF cannot store (it would have to "
-                            "be folded into the layer before)")
-    if "perm" in m._buffers:
-        raise _refuse(name, "stores GPTQ act-order groups with a column permutation, which GGUF cannot store: quantize "
-                            "with WeightOnly(method='gptq', act_order=True, static_groups=True)")
     block = block_types().get((fmt.bits, fmt.symmetric))
     if block is None:
         kind = "symmetric" if fmt.symmetric else "asymmetric (zero-point)"

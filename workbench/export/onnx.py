@@ -42,9 +42,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from workbench.export import ExportFormat, register_export_format
+from workbench.export import ExportFormat, integer_weight_problem, register_export_format
 from workbench.quantization import packing
-from workbench.quantization.formats import IntFormat
 from workbench.quantization.modules import W8A8Linear, WeightOnlyEmbedding, WeightOnlyLinear
 
 __all__ = ["ONNX", "FILE_NAME", "OPSET", "NBitsWeight", "nbits_weight"]
@@ -77,17 +76,10 @@ class NBitsWeight:
 
 def nbits_weight(name: str, m: WeightOnlyLinear) -> NBitsWeight:
     """The layer's stored codes, scales and zero points as MatMulNBits holds them; refuses what it cannot hold."""
+    why = integer_weight_problem(m)
+    if why:
+        raise _refuse(name, why)
     fmt = m.fmt
-    if not isinstance(fmt, IntFormat):
-        raise _refuse(name, f"stores {type(fmt).__name__} weights ({fmt}); MatMulNBits holds integer codes only")
-    if fmt.float_zero:
-        raise _refuse(name, "has real-valued (HQQ) zero points; MatMulNBits' uint8 zero points are integer codes")
-    if "smooth" in m._buffers:
-        raise _refuse(name, "divides its inputs by an AWQ smoothing vector, which MatMulNBits cannot apply (it would "
-                            "have to be folded into the layer before)")
-    if "perm" in m._buffers:
-        raise _refuse(name, "stores GPTQ act-order groups with a column permutation (MatMulNBits' g_idx is "
-                            "deprecated): quantize with WeightOnly(method='gptq', act_order=True, static_groups=True)")
     if fmt.bits not in BITS:
         raise _refuse(name, f"stores {fmt.bits}-bit codes; MatMulNBits packs {list(BITS)} bits")
     if m.weight_dtype not in (torch.float32, torch.float16):

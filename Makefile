@@ -8,6 +8,16 @@ export TRANSFORMERS_OFFLINE := 1
 
 .PHONY: install lab lint test test-fast test-isa report bench weights strip clean
 
+# llama-cpp-python (the `llama` extra: llama.cpp itself runs the GGUF files of wb.export in the tests and
+# benchmarks) is published as source only: pip compiles llama.cpp here, for this CPU (GGML_NATIVE), the library only
+# (no multimodal part, tools, examples or tests): about 3.5 minutes on 2 cores. Without llama.cpp's AMX kernels, whose
+# int8 path crashes on small Q8_0 / Q4_0 models (see workbench/export/llama_cpp.py).
+JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+NO_AMX := $(if $(filter x86_64,$(shell uname -m)),-mno-amx-tile -mno-amx-int8 -mno-amx-bf16)
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+  -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF $(if $(NO_AMX),'-DCMAKE_C_FLAGS=$(NO_AMX)' \
+  '-DCMAKE_CXX_FLAGS=$(NO_AMX)')
+
 # torch first: keep an existing torch (GPU machines: the venv sees the system site-packages), otherwise
 # the local CPU wheel torch==2.13.0, so a CPU-only machine never downloads CUDA packages. Then triton
 # (only if absent, so a GPU torch keeps its matching triton), then the package with pinned dependencies.
@@ -17,7 +27,8 @@ $(STAMP): pyproject.toml constraints.txt
 	  else $(PYTHON) -m venv $(VENV); fi; fi
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install torch==2.13.0
 	$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/pip install triton==3.9.0
-	$(BIN)/pip install -c constraints.txt -e ".[dev,ray]"
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(BIN)/pip install -c constraints.txt \
+	  -e ".[dev,ray,llama]"
 	touch $(STAMP)
 
 install: $(STAMP)

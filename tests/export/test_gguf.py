@@ -319,6 +319,97 @@ def test_qwen2_round_trip(tmp_path, tokenizer_folder):
     _check_logits(small, fields, tensors, rope_pairs=False)
 
 
+def _gpt2(**kw):
+    """A small random GPT-2 (Conv1D layers, fused q/k/v, learned positions, tied head) on tiny-llama's vocabulary."""
+    cfg = dict(vocab_size=4096, n_positions=64, n_embd=64, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**cfg, **kw})).eval()
+
+
+GPT2_HF = {"token_embd": "transformer.wte", "position_embd": "transformer.wpe", "output_norm": "transformer.ln_f",
+           "attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj", "ffn_norm": "ln_2",
+           "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}
+
+
+def _check_gpt2_tensors(small, tensors) -> dict[str, str]:
+    """Every GGUF tensor equals the module's weight in (out, in) layout: a Conv1D's (in, out) weight transposed."""
+    types = {}
+    for name, t in tensors.items():
+        stem, leaf = name.rsplit(".", 1)
+        parts = stem.split(".")
+        owner = f"transformer.h.{parts[1]}.{GPT2_HF[parts[2]]}" if parts[0] == "blk" else GPT2_HF[stem]
+        module = small.get_submodule(owner)
+        if isinstance(module, (WeightOnlyLinear, WeightOnlyEmbedding)) and leaf == "weight":
+            want = module.dequantized_weight().numpy()
+        else:
+            want = getattr(module, leaf).detach().float().numpy()
+            if type(module).__name__ == "Conv1D" and leaf == "weight":
+                want = want.T
+        got = _dequantized(t)
+        assert got.dtype == np.float32 and np.array_equal(got, want), name
+        types[name] = t.tensor_type.name
+    return types
+
+
+def _gpt2_forward(fields, tensors, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits (T, vocab) from the GGUF file alone, as llama.cpp's gpt2 graph computes them: LayerNorm with bias,
+    learned positions, the fused q/k/v split in thirds, tanh GELU, the head tied to the token embedding."""
+    p = {n: torch.from_numpy(_dequantized(t).copy()) for n, t in tensors.items()}
+    heads, eps = fields["gpt2.attention.head_count"], fields["gpt2.attention.layer_norm_epsilon"]
+    T, C = tokens.shape[-1], fields["gpt2.embedding_length"]
+    dim = C // heads
+
+    def norm(x, name):
+        return nn.functional.layer_norm(x, (C,), p[f"{name}.weight"], p[f"{name}.bias"], eps)
+
+    def linear(x, name):
+        return x @ p[f"{name}.weight"].T + p[f"{name}.bias"]
+
+    x = p["token_embd.weight"][tokens.reshape(-1)] + p["position_embd.weight"][:T]     # (T, C)
+    mask = torch.full((T, T), float("-inf")).triu(1)
+    for i in range(fields["gpt2.block_count"]):
+        b = f"blk.{i}"
+        q, k, v = linear(norm(x, f"{b}.attn_norm"), f"{b}.attn_qkv").reshape(T, 3, heads, dim).unbind(1)
+        att = torch.einsum("thd,shd->hts", q, k) / dim ** 0.5 + mask                  # (H, T, T)
+        x = x + linear(torch.einsum("hts,shd->thd", att.softmax(-1), v).reshape(T, C), f"{b}.attn_output")
+        up = nn.functional.gelu(linear(norm(x, f"{b}.ffn_norm"), f"{b}.ffn_up"), approximate="tanh")
+        x = x + linear(up, f"{b}.ffn_down")
+    head = p.get("output.weight", p["token_embd.weight"])
+    return norm(x, "output_norm") @ head.T                                             # (T, vocab)
+
+
+@pytest.mark.parametrize("kind", [*TYPES, "float"])
+def test_gpt2_round_trip(tmp_path, tokenizer_folder, kind):
+    """GPT-2: quantized layers were Conv1D (rewritten to Linears by the plan), float ones stay Conv1D and are written
+    transposed; the fused q/k/v is one tensor (no reordering: llama.cpp's gpt2 has no rope); tied head not written."""
+    model = _gpt2()
+    small = wb.apply(model, {"transformer.h.*": TYPES[kind][0]}, progress=False) if kind != "float" else model
+    fields, tensors = _read(wb.export(small, tmp_path / "gpt2", format="gguf", base_folder=tokenizer_folder))
+    assert fields["general.architecture"] == "gpt2"
+    types = _check_gpt2_tensors(small, tensors)
+    assert "output.weight" not in types and types["position_embd.weight"] == "F32"
+    want = "F32" if kind == "float" else TYPES[kind][1]
+    assert {n: t for n, t in types.items() if n.endswith(".weight") and "norm" not in n and "blk" in n} == {
+        f"blk.{i}.{k}.weight": want for i in range(2) for k in ("attn_qkv", "attn_output", "ffn_up", "ffn_down")}
+    cfg = small.config
+    assert {k.partition(".")[2]: v for k, v in fields.items() if k.startswith("gpt2.")} == {
+        "context_length": 64, "embedding_length": 64, "block_count": 2, "feed_forward_length": 256,
+        "attention.head_count": 4, "attention.layer_norm_epsilon": pytest.approx(cfg.layer_norm_epsilon, rel=1e-6),
+        "vocab_size": 4096}
+    x = _tokens()
+    with torch.no_grad():
+        ours, theirs = small(x).logits[0], _gpt2_forward(fields, tensors, x)
+    assert (ours - theirs).abs().max().item() <= LOGIT_ATOL
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"activation_function": "relu"}, "activation_function='relu'"),
+    ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx=True"),
+], ids=["activation", "layer-idx-scaling"])
+def test_gpt2_configs_llama_cpp_runs_differently_are_refused(tmp_path, tokenizer_folder, change, match):
+    _refused(tmp_path, _gpt2(**change), ValueError, match, base_folder=tokenizer_folder)
+
+
 def test_asymmetric_int4_is_q4_1_when_exact(tmp_path, tiny_llama):
     """Asymmetric int4 g32 becomes Q4_1 when every group's -scale*zero is an fp16 value (here: the scales set to powers
     of two, the codes kept); with ordinary scales it is refused, naming the layer."""
@@ -425,10 +516,11 @@ def test_configs_llama_cpp_runs_differently_are_refused(tmp_path, tokenizer_fold
 
 
 def test_other_architectures_and_non_hugging_face_models_are_refused(tmp_path):
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=128, n_positions=64, n_embd=64, n_layer=1,
-                                                                n_head=4))
-    _refused(tmp_path, gpt2, TypeError, r"gguf export writes \['LlamaForCausalLM', 'Qwen2ForCausalLM'\]; got a "
-                                        r"GPT2LMHeadModel")
+    opt = transformers.OPTForCausalLM(transformers.OPTConfig(vocab_size=128, hidden_size=64, num_hidden_layers=1,
+                                                             ffn_dim=128, num_attention_heads=4,
+                                                             max_position_embeddings=64, word_embed_proj_dim=64))
+    _refused(tmp_path, opt, TypeError, r"gguf export writes \['GPT2LMHeadModel', 'LlamaForCausalLM', "
+                                       r"'Qwen2ForCausalLM'\]; got a OPTForCausalLM")
     _refused(tmp_path, nn.Sequential(nn.Linear(64, 64)), TypeError, "needs a Hugging Face model.*got a Sequential")
 
 

@@ -5,7 +5,8 @@
 
 The file holds the hyper-parameters llama.cpp reads (``{arch}.context_length``, ``embedding_length``,
 ``block_count``, ``feed_forward_length``, ``attention.head_count`` / ``head_count_kv`` / ``key_length`` /
-``value_length`` / ``layer_norm_rms_epsilon``, ``rope.dimension_count`` / ``freq_base``, ``vocab_size``), the
+``value_length`` / ``layer_norm_rms_epsilon``, ``rope.dimension_count`` / ``freq_base``, ``vocab_size``; per
+architecture, `architectures`), the
 vocabulary (``tokenizer.ggml.*``, `gguf_vocab`: a byte-level BPE as ``model = "gpt2"``, ``pre = "gpt-2"``: tokens in
 id order, token types, merges, bos / eos / padding ids, whether to add bos / eos), ``general.architecture``,
 ``general.file_type``, and the producer (``general.producer``: workbench version, gguf-py version, applied plans).
@@ -36,7 +37,10 @@ llama.cpp's own converter does; whole rows move, so the groups along the input a
 
 Architectures: ``LlamaForCausalLM`` (``llama``; GQA, optional attention / MLP biases) and ``Qwen2ForCausalLM``
 (``qwen2``; q/k/v biases, no reordering: llama.cpp's qwen2 uses the halves rotation too), with plain rotary
-embeddings (no rope scaling, no sliding window), SiLU MLPs.
+embeddings (no rope scaling, no sliding window), SiLU MLPs; ``GPT2LMHeadModel`` (``gpt2``: ``position_embd``, the
+fused ``attn_qkv`` as one tensor, LayerNorms and Linears with biases, ``{arch}.attention.layer_norm_epsilon``; a
+float ``Conv1D`` weight, stored (in, out) by transformers, is written transposed; a quantized one was rewritten to a
+Linear by the plan and is written as its blocks), with the tanh GELU llama.cpp computes.
 
 Refused before anything is written, naming the layer: other group sizes, a short last group, 2/3-bit codes, 8-bit
 codes with a zero point, asymmetric 4-bit codes whose ``-scale * zero`` is not an fp16 value (Q4_1's minimum is
@@ -200,12 +204,92 @@ def _made_by_workbench(module: nn.Module) -> bool:
 # --- architectures ---------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
+class _Shape:
+    """The model's dimensions as llama.cpp reads them from the config."""
+
+    vocab: int
+    layers: int
+    heads: int
+    kv_heads: int
+    weights: dict[Any, tuple[int, ...]]   # gguf.MODEL_TENSOR -> the weight's shape in Hugging Face's (out, in) layout
+    hyper: tuple[tuple[str, Any], ...]    # (gguf.GGUFWriter method without ``add_``, value), in writing order
+
+
+def _refuse_config(what: str) -> ValueError:
+    return ValueError(f"gguf export: the model's config has {what}, which this exporter does not write (llama.cpp "
+                      f"would run a different model)")
+
+
+def _llama_shape(config) -> _Shape:
+    """Llama / Qwen2: RMSNorm, rotary embeddings, SiLU-gated MLP, grouped-query attention."""
+    from gguf import MODEL_TENSOR as T
+
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise _refuse_config(f"hidden_act={config.hidden_act!r} (the llama / qwen2 graphs use SiLU)")
+    if getattr(config, "pretraining_tp", 1) != 1:
+        raise _refuse_config(f"pretraining_tp={config.pretraining_tp}")
+    if getattr(config, "use_sliding_window", False):
+        raise _refuse_config("use_sliding_window=True")
+    rope = getattr(config, "rope_parameters", None)    # transformers 5; 4.x: rope_theta + rope_scaling
+    if rope is None:
+        rope = {"rope_theta": getattr(config, "rope_theta", 10000.0), **(getattr(config, "rope_scaling", None) or {})}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise _refuse_config(f"rope scaling {rope!r}")
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    if head_dim % 2:
+        raise _refuse_config(f"an odd head_dim {head_dim}")
+    h, ff, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    q, kv = heads * head_dim, kv_heads * head_dim
+    weights = {T.TOKEN_EMBD: (vocab, h), T.OUTPUT: (vocab, h), T.OUTPUT_NORM: (h,), T.ATTN_NORM: (h,),
+               T.FFN_NORM: (h,), T.ATTN_Q: (q, h), T.ATTN_K: (kv, h), T.ATTN_V: (kv, h), T.ATTN_OUT: (h, q),
+               T.FFN_GATE: (ff, h), T.FFN_UP: (ff, h), T.FFN_DOWN: (h, ff)}
+    hyper = (("context_length", config.max_position_embeddings), ("embedding_length", h),
+             ("block_count", config.num_hidden_layers), ("feed_forward_length", ff), ("head_count", heads),
+             ("head_count_kv", kv_heads), ("key_length", head_dim), ("value_length", head_dim),
+             ("rope_dimension_count", head_dim), ("rope_freq_base", float(rope["rope_theta"])),
+             ("layer_norm_rms_eps", float(config.rms_norm_eps)), ("vocab_size", vocab))
+    return _Shape(vocab, config.num_hidden_layers, heads, kv_heads, weights, hyper)
+
+
+# the activations llama.cpp's gpt2 graph computes (ggml_gelu: the tanh approximation)
+GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+
+
+def _gpt2_shape(config) -> _Shape:
+    """GPT-2: LayerNorm with bias, learned positions, one fused q/k/v projection, GELU (tanh) MLP."""
+    from gguf import MODEL_TENSOR as T
+
+    if config.activation_function not in GPT2_ACTIVATIONS:
+        raise _refuse_config(f"activation_function={config.activation_function!r} (llama.cpp's gpt2 graph computes "
+                             f"the tanh GELU: {list(GPT2_ACTIVATIONS)})")
+    for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+        if getattr(config, flag, False):
+            raise _refuse_config(f"{flag}=True")
+    if not getattr(config, "scale_attn_weights", True):
+        raise _refuse_config("scale_attn_weights=False")
+    h, heads, vocab = config.n_embd, config.n_head, config.vocab_size
+    ff = config.n_inner or 4 * h
+    weights = {T.TOKEN_EMBD: (vocab, h), T.POS_EMBD: (config.n_positions, h), T.OUTPUT: (vocab, h),
+               T.OUTPUT_NORM: (h,), T.ATTN_NORM: (h,), T.ATTN_QKV: (3 * h, h), T.ATTN_OUT: (h, h),
+               T.FFN_NORM: (h,), T.FFN_UP: (ff, h), T.FFN_DOWN: (h, ff)}
+    hyper = (("context_length", config.n_positions), ("embedding_length", h), ("block_count", config.n_layer),
+             ("feed_forward_length", ff), ("head_count", heads), ("layer_norm_eps", float(config.layer_norm_epsilon)),
+             ("vocab_size", vocab))
+    return _Shape(vocab, config.n_layer, heads, heads, weights, hyper)
+
+
+@dataclass(frozen=True)
 class Architecture:
     """How one Hugging Face decoder maps onto a llama.cpp architecture."""
 
     arch: Any                 # gguf.MODEL_ARCH
     rope_rows: bool           # llama.cpp rotates adjacent pairs: q/k rows reordered per head (`rope_rows`)
     biases: frozenset         # the gguf.MODEL_TENSOR kinds that may carry a bias
+    required: tuple           # the gguf.MODEL_TENSOR kinds the graph needs: whole-model ones, then per block
+    per_block: frozenset      # which of them are per block
+    shape: Callable[[Any], _Shape] = _llama_shape   # config -> dimensions (refusing what llama.cpp runs otherwise)
 
     @property
     def name(self) -> str:
@@ -220,9 +304,18 @@ def architectures() -> dict[str, Architecture]:
     from gguf import MODEL_ARCH
     from gguf import MODEL_TENSOR as T
 
+    llama_block = (T.ATTN_NORM, T.ATTN_Q, T.ATTN_K, T.ATTN_V, T.ATTN_OUT, T.FFN_NORM, T.FFN_GATE, T.FFN_UP,
+                   T.FFN_DOWN)
+    llama = (T.TOKEN_EMBD, T.OUTPUT_NORM) + llama_block
+    gpt2_block = (T.ATTN_NORM, T.ATTN_QKV, T.ATTN_OUT, T.FFN_NORM, T.FFN_UP, T.FFN_DOWN)
     return {"LlamaForCausalLM": Architecture(MODEL_ARCH.LLAMA, True, frozenset(
-                {T.ATTN_Q, T.ATTN_K, T.ATTN_V, T.ATTN_OUT, T.FFN_GATE, T.FFN_UP, T.FFN_DOWN})),
-            "Qwen2ForCausalLM": Architecture(MODEL_ARCH.QWEN2, False, frozenset({T.ATTN_Q, T.ATTN_K, T.ATTN_V}))}
+                {T.ATTN_Q, T.ATTN_K, T.ATTN_V, T.ATTN_OUT, T.FFN_GATE, T.FFN_UP, T.FFN_DOWN}), llama,
+                frozenset(llama_block)),
+            "Qwen2ForCausalLM": Architecture(MODEL_ARCH.QWEN2, False, frozenset({T.ATTN_Q, T.ATTN_K, T.ATTN_V}),
+                                             llama, frozenset(llama_block)),
+            "GPT2LMHeadModel": Architecture(MODEL_ARCH.GPT2, False, frozenset(
+                {T.OUTPUT_NORM, T.ATTN_NORM, T.ATTN_QKV, T.ATTN_OUT, T.FFN_NORM, T.FFN_UP, T.FFN_DOWN}),
+                (T.TOKEN_EMBD, T.POS_EMBD, T.OUTPUT_NORM) + gpt2_block, frozenset(gpt2_block), _gpt2_shape)}
 
 
 def rope_rows(rows: int, heads: int) -> torch.Tensor:
@@ -232,57 +325,9 @@ def rope_rows(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).reshape(heads, 2, half).transpose(1, 2).reshape(-1)   # (rows,)
 
 
-@dataclass(frozen=True)
-class _Shape:
-    """The model's dimensions as llama.cpp reads them from the config."""
-
-    vocab: int
-    hidden: int
-    ff: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    layers: int
-    context: int
-    rope_theta: float
-    rms_eps: float
-
-    def weights(self) -> dict[Any, tuple[int, ...]]:
-        """gguf.MODEL_TENSOR -> the weight's shape in Hugging Face's layout (rows = output)."""
-        from gguf import MODEL_TENSOR as T
-
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        h = self.hidden
-        return {T.TOKEN_EMBD: (self.vocab, h), T.OUTPUT: (self.vocab, h), T.OUTPUT_NORM: (h,), T.ATTN_NORM: (h,),
-                T.FFN_NORM: (h,), T.ATTN_Q: (q, h), T.ATTN_K: (kv, h), T.ATTN_V: (kv, h), T.ATTN_OUT: (h, q),
-                T.FFN_GATE: (self.ff, h), T.FFN_UP: (self.ff, h), T.FFN_DOWN: (h, self.ff)}
-
-
-def _config_shape(config) -> _Shape:
-    """The dimensions, refusing what llama.cpp would run differently (ValueError naming the config field)."""
-    def refuse(what: str) -> ValueError:
-        return ValueError(f"gguf export: the model's config has {what}, which this exporter does not write (llama.cpp "
-                          f"would run a different model)")
-
-    if getattr(config, "hidden_act", "silu") != "silu":
-        raise refuse(f"hidden_act={config.hidden_act!r} (the llama / qwen2 graphs use SiLU)")
-    if getattr(config, "pretraining_tp", 1) != 1:
-        raise refuse(f"pretraining_tp={config.pretraining_tp}")
-    if getattr(config, "use_sliding_window", False):
-        raise refuse("use_sliding_window=True")
-    rope = getattr(config, "rope_parameters", None)    # transformers 5; 4.x: rope_theta + rope_scaling
-    if rope is None:
-        rope = {"rope_theta": getattr(config, "rope_theta", 10000.0), **(getattr(config, "rope_scaling", None) or {})}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise refuse(f"rope scaling {rope!r}")
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    if head_dim % 2:
-        raise refuse(f"an odd head_dim {head_dim}")
-    return _Shape(vocab=config.vocab_size, hidden=config.hidden_size, ff=config.intermediate_size, heads=heads,
-                  kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
-                  layers=config.num_hidden_layers, context=config.max_position_embeddings,
-                  rope_theta=float(rope["rope_theta"]), rms_eps=float(config.rms_norm_eps))
+def _conv1d_weight(module: nn.Module, leaf: str, t: torch.Tensor) -> bool:
+    """Hugging Face's ``Conv1D`` (GPT-2's Linear) stores its weight (in, out): written transposed."""
+    return leaf == "weight" and type(module).__name__ == "Conv1D" and t.ndim == 2
 
 
 # --- the whole model -------------------------------------------------------------------------------------------------
@@ -328,7 +373,7 @@ class GGUF(ExportFormat):
         import gguf
 
         arch = self._architecture(model)
-        shape = _config_shape(model.config)
+        shape = arch.shape(model.config)
         if base_folder is not None and (base_folder / "config.json").is_file():
             base_type = json.loads((base_folder / "config.json").read_text()).get("model_type")
             if base_type is not None and base_type != model.config.model_type:
@@ -391,6 +436,8 @@ class GGUF(ExportFormat):
             for leaf, t in floats.items():
                 key = f"{name}.{leaf}" if name else leaf
                 if t is not None and once(key, t):
+                    if _conv1d_weight(module, leaf, t):
+                        t = t.t()
                     out.append(_Tensor(key, name, tuple(t.shape), self._float(t)))
         return out, tied
 
@@ -407,7 +454,7 @@ class GGUF(ExportFormat):
         from gguf import MODEL_TENSOR as T
 
         names = gguf.TensorNameMap(arch.arch, shape.layers)
-        expected = shape.weights()
+        expected = shape.weights
         heads = {T.ATTN_Q: shape.heads, T.ATTN_K: shape.kv_heads}
         placed: dict[str, _Tensor] = {}
         for t in tensors:
@@ -428,10 +475,9 @@ class GGUF(ExportFormat):
             if kinds != [T.OUTPUT, T.TOKEN_EMBD]:
                 raise _refuse(key.rpartition(".")[0], f"holds {key!r} tied to {source!r}; llama.cpp shares only the "
                                                       f"output head with the token embedding")
-        layer_names = [gguf.TENSOR_NAMES[k] for k in (T.ATTN_NORM, T.ATTN_Q, T.ATTN_K, T.ATTN_V, T.ATTN_OUT,
-                                                      T.FFN_NORM, T.FFN_GATE, T.FFN_UP, T.FFN_DOWN)]
-        required = [gguf.TENSOR_NAMES[T.TOKEN_EMBD], gguf.TENSOR_NAMES[T.OUTPUT_NORM]] + [
-            n.format(bid=i) for i in range(shape.layers) for n in layer_names]
+        required = [gguf.TENSOR_NAMES[k] for k in arch.required if k not in arch.per_block] + [
+            gguf.TENSOR_NAMES[k].format(bid=i) for i in range(shape.layers) for k in arch.required
+            if k in arch.per_block]
         if not tied:
             required.append(gguf.TENSOR_NAMES[T.OUTPUT])
         missing = [n + ".weight" for n in required if n + ".weight" not in placed]
@@ -451,18 +497,8 @@ class GGUF(ExportFormat):
         writer.add_type(gguf.GGUFType.MODEL)
         writer.add_name(source_of(model) or Path(getattr(model.config, "_name_or_path", "") or "").name
                         or type(model).__name__)
-        writer.add_context_length(shape.context)
-        writer.add_embedding_length(shape.hidden)
-        writer.add_block_count(shape.layers)
-        writer.add_feed_forward_length(shape.ff)
-        writer.add_head_count(shape.heads)
-        writer.add_head_count_kv(shape.kv_heads)
-        writer.add_key_length(shape.head_dim)
-        writer.add_value_length(shape.head_dim)
-        writer.add_rope_dimension_count(shape.head_dim)
-        writer.add_rope_freq_base(shape.rope_theta)
-        writer.add_layer_norm_rms_eps(shape.rms_eps)
-        writer.add_vocab_size(shape.vocab)
+        for key, value in shape.hyper:
+            getattr(writer, f"add_{key}")(value)
         writer.add_file_type(self._file_type(placed))
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         writer.add_string("general.producer", f"workbench {workbench.__version__}")

@@ -4,7 +4,10 @@ The folder must hold ``config.json`` and ``*.safetensors`` weights (what ``save_
 Auto class comes from the config's ``architectures`` (e.g. ``BertForSequenceClassification`` ->
 ``AutoModelForSequenceClassification``); a config without one loads as the bare ``AutoModel``. Nothing is
 downloaded (``local_files_only``), and a folder holding only a pickle checkpoint (``pytorch_model.bin``, ``.pt``,
-``.pth``, ``.ckpt``) is refused, since unpickling can run arbitrary code.
+``.pth``, ``.ckpt``) is refused, since unpickling can run arbitrary code. A checkpoint whose config has a
+compressed-tensors ``quantization_config`` (llm-compressor's format, or ``wb.export``'s) loads with its quantized
+layers as the workbench's own modules holding the checkpoint's codes and scales
+(`workbench.models.compressed_tensors_checkpoint`).
 """
 from __future__ import annotations
 
@@ -44,7 +47,8 @@ def auto_class_name(architecture: str | None) -> str:
 
 
 def load_checkpoint(path: str | Path) -> nn.Module:
-    """The model saved in the folder ``path`` (see the module docstring), fp32 weights as saved, in eval mode."""
+    """The model saved in the folder ``path`` (see the module docstring), fp32 weights as saved, in eval mode; a
+    compressed-tensors checkpoint's quantized layers as workbench modules (recorded as an applied plan)."""
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder} is not a folder (expected a Hugging Face checkpoint: config.json + "
@@ -68,5 +72,9 @@ def load_checkpoint(path: str | Path) -> nn.Module:
     import transformers
 
     auto = getattr(transformers, auto_class_name(archs[0]))
+    from workbench.models.compressed_tensors_checkpoint import is_compressed_tensors, load_compressed_tensors
+
+    if is_compressed_tensors(config):
+        return load_compressed_tensors(folder, auto)
     model = auto.from_pretrained(str(folder), local_files_only=True, use_safetensors=True)
     return model.eval()

@@ -115,10 +115,16 @@ def spec(name: str) -> ModelSpec:
 
 def load(name: str | os.PathLike) -> nn.Module:
     """A fresh fp32 copy of zoo model ``name`` in eval mode; the model of a local Hugging Face checkpoint
-    folder (config.json + *.safetensors; see `workbench.models.checkpoint`); or, for a
-    ``package.module:factory`` entry point, what the factory returns."""
+    folder (config.json + *.safetensors; see `workbench.models.checkpoint`); the model of a llama.cpp GGUF
+    file (a path ending in ``.gguf``; its Q8_0 / Q4_0 / Q4_1 tensors as the workbench's own packed layers, see
+    `workbench.models.gguf_checkpoint`); or, for a ``package.module:factory`` entry point, what the factory
+    returns."""
     from workbench.entry_points import is_entry_point, resolve
 
+    if isinstance(name, (str, os.PathLike)) and str(os.fspath(name)).lower().endswith(".gguf"):
+        from workbench.models.gguf_checkpoint import load_gguf
+
+        return load_gguf(name)
     if is_entry_point(name):
         model = resolve(name, "model")
         if not isinstance(model, nn.Module):

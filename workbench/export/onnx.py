@@ -1,4 +1,5 @@
-"""Export to ONNX for ONNX Runtime: one ``model.onnx`` in which each weight-only Linear is a ``MatMulNBits`` node.
+"""Export to ONNX for ONNX Runtime: one ``model.onnx`` in which each weight-only Linear is a ``MatMulNBits`` node and
+each static W8A8 layer a QDQ group (``QuantizeLinear`` -> ``DequantizeLinear`` around a float Conv / Gemm / MatMul).
 
     x = torch.randn(1, 64)
     wb.export(small, "mlp-int4", format=ONNX(example_inputs=(x,)))
@@ -19,16 +20,38 @@ holding the workbench's own codes, scales and zero points - exact, nothing quant
 
 A short last group (K not a multiple of the group size) is a last block padded with zero codes, which MatMulNBits
 ignores (it reads K values). The bias is a separate ``Add``. ``accuracy_level=0`` keeps A in its own precision
-(level 4 would quantize activations to int8 inside the kernel). Layers the plan left in floating point, and
-everything else, are exported as PyTorch's exporter writes them.
+(level 4 would quantize activations to int8 inside the kernel).
+
+Each static W8A8 layer (`wb.quant.Static`: `W8A8Linear` with ``static=True``, `W8A8Conv1d`, `W8A8Conv2d`,
+`W8A8ConvTranspose2d`) becomes the QDQ form ONNX Runtime's graph optimizer recognises, holding the workbench's own
+int8 codes and fp32 scales - stored, never quantized again:
+
+| QDQ group | from the workbench layer (int8 weights per output channel, one calibrated activation scale) |
+|---|---|
+| ``QuantizeLinear(x, act_scale, 0)`` -> int8 -> ``DequantizeLinear`` | ``act_scale`` (fp32 scalar), zero point int8 0: symmetric signed, ``clamp(round_half_even(x / s), -128, 127)`` |
+| ``DequantizeLinear(qweight, scale, 0, axis=0)`` | ``qweight`` int8 in the float layer's weight layout (Linear ``(out, in)``, conv ``(out, in/groups, *k)``, transposed ``(in, out/groups, *k)``), ``scale`` ``(rows,)`` fp32, zero points int8 0 |
+| ``Conv`` / ``ConvTranspose`` / ``Gemm`` (``transB=1``) | the float op on the two dequantized tensors and the float bias, as PyTorch's exporter writes ``F.conv*`` / ``F.linear`` (a Linear on inputs of more than 2 dimensions: ``MatMul`` on the transposed weight, ``Add``) |
+| ``Pad`` before the ``QuantizeLinear`` | a convolution's own input padding ("same" padding, ``padding_mode``): padded zeros and copied values quantize to the codes the workbench pads with |
+| ``Div(x, smooth)`` before the ``QuantizeLinear`` | SmoothQuant (``Static(smooth_alpha=...)``, Linear): the inputs divided by the fp32 smoothing vector |
+
+The layer's output stays float, as in the workbench (where BatchNorm, activations and pooling follow in float), so
+ONNX Runtime fuses a group into ``QLinearConv`` only where the output goes straight into the next layer's
+``QuantizeLinear`` (rounding the float bias to int32 at ``s_x s_w`` itself); elsewhere, e.g. before a BatchNorm, it
+runs ``DequantizeLinear`` and the float op as written. Outputs differ from the workbench's reference path only by
+rounding: ``QuantizeLinear`` divides by the scale where the workbench multiplies by its fp32 reciprocal and sums run
+in another order, so an activation at a rounding tie can take the neighbouring code
+(``tests/export/test_onnx_qdq.py`` checks this code by code).
+
+Layers the plan left in floating point, and everything else, are exported as PyTorch's exporter writes them.
 
 Refused before anything is written, naming the layer: NF4 and FP8 weights, HQQ's real-valued zero points, AWQ
 smoothing, GPTQ act-order permutations, 3-bit codes, group sizes that are not a power of two >= 16 (per channel: an
-input that is not), bf16 layers (their fp16 scales are not bf16 values), W8A8 layers (a QDQ graph is not written
-yet), quantized embeddings, pruned, low-rank, cast and every other layer the workbench made; a model without
-``example_inputs``, or one the tracer cannot export (the exporter's error is re-raised as a TypeError). The
-graph is checked by loading it in ONNX Runtime before anything is written. Models over 2 GB (protobuf's limit) are
-not supported.
+input that is not), bf16 layers (their fp16 scales are not bf16 values), dynamic W8A8 layers (activations quantized
+per token at run time: ``QuantizeLinear`` takes a stored scale), W8A8 layers whose scales were cast from fp32 (e.g.
+by ``model.half()``), quantized embeddings and convolutions with weight-only formats, pruned, low-rank, cast and
+every other layer the workbench made; a model without ``example_inputs``, or one the tracer cannot export (the
+exporter's error is re-raised as a TypeError). The graph is checked by loading it in ONNX Runtime before anything
+is written. Models over 2 GB (protobuf's limit) are not supported.
 """
 from __future__ import annotations
 
@@ -36,7 +59,7 @@ import copy
 import io
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import numpy as np
 import torch
@@ -44,17 +67,26 @@ from torch import nn
 
 from workbench.export import ExportFormat, integer_weight_problem, register_export_format
 from workbench.quantization import packing
-from workbench.quantization.modules import W8A8Linear, WeightOnlyEmbedding, WeightOnlyLinear
+from workbench.quantization.modules import (
+    W8A8Conv1d,
+    W8A8Conv2d,
+    W8A8ConvTranspose2d,
+    W8A8Linear,
+    WeightOnlyEmbedding,
+    WeightOnlyLinear,
+)
 
-__all__ = ["ONNX", "FILE_NAME", "OPSET", "NBitsWeight", "nbits_weight"]
+__all__ = ["ONNX", "FILE_NAME", "OPSET", "NBitsWeight", "nbits_weight", "QDQWeight", "qdq_weight"]
 
 FILE_NAME = "model.onnx"
 OPSET = 17
 MS_DOMAIN = "com.microsoft"
 BITS = (2, 4, 8)   # what MatMulNBits' ``bits`` accepts
 ALLOWED = ("integer weight-only nn.Linear layers (WeightOnly, 2/4/8 bits, symmetric or with integer zero points, "
-           "group size a power of two >= 16, or per channel over such an input) as MatMulNBits, and floating-point "
-           "layers")
+           "group size a power of two >= 16, or per channel over such an input) as MatMulNBits, static W8A8 "
+           "Linear and convolution layers (wb.quant.Static: int8 per-channel weights, one calibrated fp32 "
+           "activation scale) as QuantizeLinear / DequantizeLinear groups, and floating-point layers")
+W8A8_CONVS = (W8A8Conv1d, W8A8Conv2d, W8A8ConvTranspose2d)
 
 
 def _refuse(name: str, what: str) -> ValueError:
@@ -142,11 +174,137 @@ class _NBitsLinear(nn.Module):
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
+def _nbits_layer(name: str, m: WeightOnlyLinear) -> tuple[NBitsWeight, nn.Module]:
+    w = nbits_weight(name, m)
+    return w, _NBitsLinear(w, m.dequantized_weight(m.weight_dtype).detach().cpu(), m._parameters.get("bias"))
+
+
+# --- static W8A8: QuantizeLinear / DequantizeLinear around the float op ----------------------------------------------
+
+@dataclass(frozen=True)
+class QDQWeight:
+    """One static W8A8 layer's QDQ initializers (numpy, as they go into the graph); zero points are int8 zeros."""
+
+    qweight: np.ndarray          # int8 in the float layer's weight layout; rows (axis 0) are the scale's channels
+    scale: np.ndarray            # (rows,) float32: DequantizeLinear's per-channel scale, axis=0
+    act_scale: np.ndarray        # () float32: the calibrated activation scale of QuantizeLinear / DequantizeLinear
+    smooth: np.ndarray | None    # (in,) float32: SmoothQuant, the inputs are divided by it first; None: absent
+
+
+def qdq_weight(name: str, m: nn.Module) -> QDQWeight:
+    """A static `W8A8Linear` or W8A8 convolution's stored codes and scales as the QDQ graph holds them; refuses
+    what it cannot hold (dynamic activations, scales cast from fp32)."""
+    if isinstance(m, W8A8Linear):
+        if not m.static:
+            raise _refuse(name, "is a W8A8 layer with dynamic activations (int8 per token, scales computed at run "
+                                "time): a QDQ graph holds one stored activation scale, so it is not written "
+                                "(DynamicQuantizeLinear is per-tensor uint8); quantize it with wb.quant.Static")
+        qweight, smooth = m.qweight_t.t(), getattr(m, "smooth", None)                   # (out, in) int8
+    else:
+        qweight, smooth = m.qweight, None                                              # (rows, *) int8
+    tensors = {"qweight": qweight, "scale": m.scale, "act_scale": m.act_scale, "smooth": smooth}
+    for what, t in tensors.items():
+        wanted = torch.int8 if what == "qweight" else torch.float32
+        if t is not None and t.dtype != wanted:
+            raise _refuse(name, f"holds {what} in {t.dtype}, not {wanted} as a static W8A8 layer is built (was the "
+                                f"model cast after quantization?); QDQ stores the workbench's own {wanted} values")
+    scale = m.scale.detach().cpu().reshape(-1)                                         # (rows,)
+    act = m.act_scale.detach().cpu().reshape(())
+    if scale.numel() != qweight.shape[0]:
+        raise _refuse(name, f"has {scale.numel()} weight scales for {qweight.shape[0]} weight rows; QDQ holds one "
+                            f"per row (axis 0)")
+    for what, t in (("weight scales", scale), ("an activation scale", act)):
+        if not (torch.isfinite(t) & (t > 0)).all():
+            raise _refuse(name, f"has {what} that are not finite and positive")
+    return QDQWeight(qweight.detach().cpu().contiguous().numpy(), scale.numpy(), act.numpy(),
+                     None if smooth is None else smooth.detach().cpu().numpy())
+
+
+def _int8_zeros(g, shape: tuple[int, ...]):
+    """The zero points, a constant of the node (not a shared initializer: the exporter would merge equal ones
+    across layers behind ``Identity`` nodes)."""
+    return g.op("Constant", value_t=torch.zeros(shape, dtype=torch.int8))
+
+
+class _QuantizeDequantize(torch.autograd.Function):
+    """The workbench's static int8 activation grid, ``clamp(round(x / s), -128, 127) * s``; exported as
+    ``QuantizeLinear`` -> ``DequantizeLinear`` with scale ``s`` and the int8 zero point 0."""
+
+    @staticmethod
+    def forward(ctx, x, scale):  # x: (...) float32, scale () float32
+        # (as `quantize_per_tensor` / W8A8 conv compute it: times the fp32 reciprocal)
+        return torch.clamp(torch.round(x * (1.0 / scale)), -128, 127) * scale
+
+    @staticmethod
+    def symbolic(g, x, scale):
+        q = g.op("QuantizeLinear", x, scale, _int8_zeros(g, ()))
+        return g.op("DequantizeLinear", q, scale, _int8_zeros(g, ()))
+
+
+class _Dequantize(torch.autograd.Function):
+    """``codes * scale`` per row (axis 0) in fp32; exported as one ``DequantizeLinear(axis=0)``, zero points 0."""
+
+    @staticmethod
+    def forward(ctx, codes, scale):  # codes: (rows, *) int8, scale (rows,) float32
+        return codes.float() * scale.reshape(-1, *(1,) * (codes.dim() - 1))
+
+    @staticmethod
+    def symbolic(g, codes, scale):
+        rows = codes.type().sizes()[0]
+        return g.op("DequantizeLinear", codes, scale, _int8_zeros(g, (rows,)), axis_i=0)
+
+
+class _QDQLayer(nn.Module):
+    """What a static W8A8 layer becomes in the copy that is traced: its buffers become the QDQ initializers
+    (``{name}.qweight``, ``{name}.scale``, ``{name}.act_scale``, ...), ``op`` the float Linear / convolution and
+    ``pad`` a convolution's input padding, applied before quantizing (zeros and copied values quantize to the same
+    codes either way) so that the ``DequantizeLinear`` feeds the op directly, the form ONNX Runtime fuses."""
+
+    def __init__(self, w: QDQWeight, bias: torch.Tensor | None,
+                 op: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor],
+                 pad: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        super().__init__()
+        self.op, self.pad = op, pad
+        self.register_buffer("qweight", torch.from_numpy(w.qweight))
+        self.register_buffer("scale", torch.from_numpy(w.scale))
+        self.register_buffer("act_scale", torch.from_numpy(w.act_scale))
+        self.register_buffer("smooth", None if w.smooth is None else torch.from_numpy(w.smooth))
+        self.bias = None if bias is None else nn.Parameter(bias.detach().cpu().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., in) or (B, C, *spatial), float32
+        if self.smooth is not None:
+            x = x / self.smooth
+        if self.pad is not None:
+            x = self.pad(x)
+        xq = _QuantizeDequantize.apply(x, self.act_scale)
+        w = _Dequantize.apply(self.qweight, self.scale)
+        return self.op(xq, w, self.bias)
+
+
+def _qdq_linear(name: str, m: W8A8Linear) -> tuple[QDQWeight, nn.Module]:
+    w = qdq_weight(name, m)
+    return w, _QDQLayer(w, m.bias, nn.functional.linear)
+
+
+def _qdq_conv(name: str, m: nn.Module) -> tuple[QDQWeight, nn.Module]:
+    w = qdq_weight(name, m)
+    a = dict(m.conv_args, input_padding=None)   # the module's `ConvOp`, as the workbench runs it
+    padding = m.conv_args["input_padding"]
+    pad = None if padding is None else (lambda x: padding(x, a))
+    return w, _QDQLayer(w, m.bias, lambda x, weight, bias: a["op"](x, weight, bias, a), pad)
+
+
+# What each quantized layer the export writes becomes: (what is recorded, the module traced in its place).
+_LAYERS: dict[type, Callable[[str, nn.Module], tuple[NBitsWeight | QDQWeight, nn.Module]]] = {
+    WeightOnlyLinear: _nbits_layer, W8A8Linear: _qdq_linear, **{t: _qdq_conv for t in W8A8_CONVS}}
+
+
+def _writer(module: nn.Module) -> Callable[[str, nn.Module], tuple[NBitsWeight | QDQWeight, nn.Module]] | None:
+    return next((_LAYERS[t] for t in type(module).__mro__ if t in _LAYERS), None)
+
+
 def _check_layer(name: str, module: nn.Module) -> None:
-    """Refuse the compressed layers that are not weight-only Linears (named, with what they are)."""
-    if isinstance(module, W8A8Linear):
-        raise _refuse(name, "is a W8A8 layer (int8 activations); a QDQ graph (QuantizeLinear / DequantizeLinear "
-                            "around an integer MatMul) is not written by this exporter yet")
+    """Refuse the compressed layers the export does not write (named, with what they are)."""
     if isinstance(module, WeightOnlyEmbedding):
         raise _refuse(name, "is a quantized embedding; MatMulNBits is a matrix product (GatherBlockQuantized is not "
                             "written by this exporter yet)")
@@ -161,7 +319,7 @@ class Prepared:
     """What `ONNX.write` writes: the serialized model, what each quantized layer became, ONNX Runtime's check."""
 
     model: bytes
-    layers: dict[str, NBitsWeight] = field(default_factory=dict)   # workbench layer -> its MatMulNBits weight
+    layers: dict[str, NBitsWeight | QDQWeight] = field(default_factory=dict)   # workbench layer -> what it became
     max_abs_diff: float = 0.0   # ONNX Runtime vs the workbench model on the example inputs (informational)
 
 
@@ -192,17 +350,15 @@ class ONNX(ExportFormat):
             raise ValueError("onnx export traces the model and needs example inputs: pass "
                              "format=ONNX(example_inputs=(x,)) with positional arguments of model.forward")
         traced = copy.deepcopy(model).eval()
-        layers: dict[str, NBitsWeight] = {}
+        layers: dict[str, NBitsWeight | QDQWeight] = {}
         for name, module in model.named_modules():
-            if isinstance(module, WeightOnlyLinear):
-                w = nbits_weight(name, module)
-                bias = module._parameters.get("bias")
-                new = _NBitsLinear(w, module.dequantized_weight(module.weight_dtype).detach().cpu(), bias)
-                parent, _, leaf = name.rpartition(".")
-                setattr(traced.get_submodule(parent), leaf, new)
-                layers[name] = w
-            else:
+            writer = _writer(module)
+            if writer is None:
                 _check_layer(name, module)
+                continue
+            layers[name], new = writer(name, module)
+            parent, _, leaf = name.rpartition(".")
+            setattr(traced.get_submodule(parent), leaf, new)
         data = self._trace(traced)
         return Prepared(data, layers, self._check(model, data))
 

@@ -193,3 +193,37 @@ def test_cancel_button_stops_an_apply_and_changes_nothing(app):
     assert "cancelled" in app.status.value and app.progress_label.value == "cancelled"
     assert app.session.work.fc1 is before and len(app.session.history) == 1
     assert app.session.changed == ["fc1"] and not app.apply_button.disabled
+
+
+def test_export_model_button_writes_the_measured_model(app, tmp_path, monkeypatch):
+    """Plan & export tab: the model as last applied goes to wb.export; unapplied changes and formats that cannot hold
+    the model are refused in the status line, nothing written."""
+    import numpy as np
+    import onnxruntime as ort
+    import torch
+
+    monkeypatch.setenv("WORKBENCH_REPORTS", str(tmp_path / "reports"))
+    assert app.tabs.get_title(4) == "Plan & export" and set(app.export_format.options) >= {"gguf", "onnx"}
+    app.session.set("fc*", wb.quant.WeightOnly(bits=4, group_size=32))
+    app.export_format.value = "onnx"
+    app.export_model_button.click()
+    assert "changes not yet applied (fc1, fc2, fc3)" in app.status.value, app.status.value
+    assert not (tmp_path / "reports").exists()
+    app.apply_button.click()
+    app.export_model_button.click()
+    folder = tmp_path / "reports" / "exports" / "digits-mlp-onnx"
+    assert f"exported the model (onnx) to {folder}" in app.status.value, app.status.value
+    assert "model.onnx" in app.export_link.value
+    x = app.session.task.example_inputs(batch_size=4)[0]
+    session = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
+    with torch.no_grad():
+        ours = app.session.work(x).numpy()
+    assert [i.name for i in session.get_inputs()] == ["input0"]
+    theirs = session.run(None, {"input0": x.numpy()})[0]
+    assert np.abs(theirs - ours).max() <= 1e-4 * max(1.0, np.abs(ours).max())
+    app.export_model_button.click()   # the default folder is taken: a new one beside it
+    assert (tmp_path / "reports" / "exports" / "digits-mlp-onnx-2" / "model.onnx").is_file()
+    app.export_format.value = "gguf"
+    app.export_model_button.click()
+    assert "TypeError: gguf export needs a Hugging Face model" in app.status.value, app.status.value
+    assert not (tmp_path / "reports" / "exports" / "digits-mlp-gguf").exists()

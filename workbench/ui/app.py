@@ -92,6 +92,16 @@ class Workbench:
         self.report_button = W.Button(description="Report", tooltip="run notebooks/90_report.ipynb with "
                                       "the current plan (papermill) and link the HTML")
         self.report_link = W.HTML()
+        from workbench.export import FORMATS
+
+        self.export_format = W.Dropdown(options=sorted(FORMATS), value="compressed-tensors", description="format",
+                                        layout=W.Layout(width="260px"))
+        self.export_folder = W.Text(placeholder="new folder (default: reports/exports/<model>-<format>)",
+                                    description="to", layout=W.Layout(width="420px"))
+        self.export_model_button = W.Button(description="Export model", icon="download", tooltip=(
+            "write the model as last applied with wb.export: compressed-tensors (vLLM, transformers), gguf "
+            "(llama.cpp, Ollama) or onnx (ONNX Runtime)"))
+        self.export_link = W.HTML()
 
         if reference:  # the first point, measured before the charts are built (see _tradeoff_figure)
             self.session.apply_and_measure()
@@ -111,6 +121,7 @@ class Workbench:
                                                                   self.session.plan.to_json(indent=2))))
         self.import_button.on_click(self._guard(self._on_import))
         self.report_button.on_click(self._guard(self._on_report))
+        self.export_model_button.on_click(self._guard(self._on_export_model))
         self.samples.observe(self._guard(self._on_samples), names="value")
         self.technique.observe(lambda _: self._show_controls(), names="value")
 
@@ -126,8 +137,12 @@ class Workbench:
                                            layout=W.Layout(flex_flow="row wrap", width="100%")),
                                     W.VBox([self.sens_button, self.heatmap]), self.roofline_chart, self.size_figure,
                                     W.VBox([W.HBox([self.export_button, self.import_button, self.report_button]),
-                                            self.report_link, self.plan_text])])
-        for i, title in enumerate(["Trade-offs", "Sensitivity", "Roofline", "Size", "Plan JSON"]):
+                                            self.report_link, self.plan_text,
+                                            W.HTML("<b>Export the model</b> <span class='wb-help'>(the plan as last "
+                                                   "applied, for the runtime you deploy with)</span>"),
+                                            W.HBox([self.export_format, self.export_folder,
+                                                    self.export_model_button]), self.export_link])])
+        for i, title in enumerate(["Trade-offs", "Sensitivity", "Roofline", "Size", "Plan & export"]):
             self.tabs.set_title(i, title)
         self.widget = W.VBox([W.HTML(_STYLE), W.HTML(self._title()), self.layers.widget, controls, calibration_box, run,
                               self.status, self.tabs])
@@ -378,6 +393,34 @@ class Workbench:
             threading.Thread(target=self._guard(run), daemon=True).start()
         else:
             run()
+
+    def export_model(self, folder: str | None = None, format: str | None = None):
+        """Write the current model with `wb.export` (see `Session.export`) into ``folder`` (default: a new folder
+        ``<model>-<format>`` under ``reports/exports``); returns its path."""
+        from pathlib import Path
+
+        from workbench import models
+        from workbench.reports import reports_dir
+
+        format = format or self.export_format.value
+        if not folder:
+            stem = models.source_of(self.session.original) or type(self.session.original).__name__
+            base = reports_dir() / "exports" / f"{stem}-{format}"
+            target, i = base, 1
+            while target.exists() and (not target.is_dir() or any(target.iterdir())):
+                i += 1
+                target = base.with_name(f"{base.name}-{i}")
+            folder = str(target)
+        return self.session.export(Path(folder).expanduser(), format)
+
+    def _on_export_model(self, _=None) -> None:
+        self._say(f"exporting as {self.export_format.value} ...")
+        path = self.export_model(self.export_folder.value.strip() or None)
+        files = sorted(p.name for p in path.iterdir())
+        self.export_link.value = (f"<span>written: <code>{html.escape(str(path))}</code> "
+                                  f"<span style='color:#666'>({html.escape(', '.join(files[:6]))}"
+                                  f"{' ...' if len(files) > 6 else ''})</span></span>")
+        self._say(f"exported the model ({self.export_format.value}) to {path}")
 
     def _on_point_click(self, trace, points, state) -> None:
         if not points.point_inds:

@@ -327,6 +327,40 @@ class Session:
         report("done", 1.0)
         return entry
 
+    # --- exporting -----------------------------------------------------------------------------------
+    def export(self, path, format: str = "compressed-tensors", base_folder=None):
+        """Write the model as last applied and measured (`wb.export`) to the new folder ``path``; returns it.
+
+        ``format``: a name of `wb.export.FORMATS` or an `ExportFormat`; ``"onnx"`` traces with one example batch of
+        the session's task, its first dimension left free (inputs ``input0``, ``input1``, ...). ``base_folder``:
+        where the model's tokenizer files are (default: the checkpoint folder the model was loaded from, when there
+        is one). Refused while the plan has changes not yet applied - the file must hold the model whose numbers the
+        charts show."""
+        from pathlib import Path
+
+        from workbench.export import ONNX, export
+
+        if self.changed:
+            raise ValueError(f"the plan has changes not yet applied ({', '.join(self.changed[:3])}"
+                             f"{' ...' if len(self.changed) > 3 else ''}): Apply & measure first, so the exported "
+                             f"model is the one measured")
+        if format == "onnx":
+            batch = self.task.example_inputs(batch_size=1)
+            if isinstance(batch, torch.Tensor):
+                batch = (batch,)
+            if not isinstance(batch, (tuple, list)):
+                raise ValueError(f"onnx export traces the model with positional inputs; the task {self.task.name!r} "
+                                 f"gives a {type(batch).__name__}: call wb.export(model, path, "
+                                 f"format=ONNX(example_inputs=...)) instead")
+            names = tuple(f"input{i}" for i in range(len(batch)))   # any batch size, as the task measures
+            format = ONNX(example_inputs=tuple(batch), input_names=names,
+                          dynamic_axes={n: {0: "batch"} for n in names})
+        if base_folder is None:
+            source = getattr(getattr(self.original, "config", None), "_name_or_path", None)
+            if source and Path(source).is_dir():
+                base_folder = source
+        return export(self.work, path, format=format, base_folder=base_folder)
+
     def _canonical_swaps(self) -> dict[str, nn.Module]:
         """Modules of the working copy to rewrite (newly reached by the plan) or restore (no longer reached)."""
         wanted = set(canonical_targets(self.original, self.plan))

@@ -1,7 +1,8 @@
 """`wb.models.load("model.gguf")`: a llama.cpp GGUF file read back as a transformers model whose Q8_0 / Q4_0 / Q4_1
 tensors are the workbench's own packed layers.
 
-Two sources of files: the workbench's exporter (a model with a plan applied, exported, loaded back: the same codes,
+Two sources of files: the workbench's exporter (a Llama, Qwen2 or GPT-2 with a plan applied, exported, loaded back:
+the same codes,
 fp16 scales and zero points bit for bit, the same logits, the plan recorded, and exporting again writes a byte-identical
 tensor data section), and files written here with gguf-py alone the way llama.cpp's converter writes them (F32 / F16 /
 BF16 floats, Q8_0 / Q4_0 blocks from gguf-py's reference quantizers, q/k rows in llama.cpp's order by the converter's
@@ -68,6 +69,17 @@ def _qwen2():
     return _perturbed(transformers.Qwen2ForCausalLM(cfg))
 
 
+def _gpt2(**kw):
+    """A small random GPT-2 (Conv1D layers, fused q/k/v, learned positions, tied head by default)."""
+    cfg = dict(vocab_size=4096, n_positions=64, n_embd=64, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    return _perturbed(transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**cfg, **kw})))
+
+
+GPT2_LAYERS = [f"transformer.h.{i}.{k}" for i in range(2) for k in ("attn.c_attn", "attn.c_proj", "mlp.c_fc",
+                                                                     "mlp.c_proj")]
+
+
 def _apply(model, config, plan):
     small = wb.apply(model, {pattern: config for pattern in plan}, progress=False)
     if not config.symmetric:   # Q4_1 holds -scale*zero as fp16: scales set to powers of two, the codes kept
@@ -105,13 +117,27 @@ def _same_model(small, back):
         assert type(back.get_submodule(name)) is type(m), name
         if isinstance(m, (WeightOnlyLinear, WeightOnlyEmbedding)):
             assert back.get_submodule(name).fmt == m.fmt, name
+    SAME_CONFIG[small.config.model_type](small.config, back.config)
+    assert torch.equal(_logits(back), _logits(small))
+
+
+def _same_llama_config(cfg, back):
     for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                   "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings"):
-        assert getattr(back.config, field) == getattr(small.config, field), field
-    cfg = small.config   # (Qwen2's config has no head_dim unless given)
-    assert back.config.head_dim == (getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-    assert back.config.rope_parameters["rope_theta"] == small.config.rope_parameters["rope_theta"]
-    assert torch.equal(_logits(back), _logits(small))
+        assert getattr(back, field) == getattr(cfg, field), field
+    # (Qwen2's config has no head_dim unless given)
+    assert back.head_dim == (getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    assert back.rope_parameters["rope_theta"] == cfg.rope_parameters["rope_theta"]
+
+
+def _same_gpt2_config(cfg, back):
+    for field in ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions", "layer_norm_epsilon",
+                  "activation_function", "tie_word_embeddings", "bos_token_id", "eos_token_id"):
+        assert getattr(back, field) == getattr(cfg, field), field
+    assert back.n_inner == (cfg.n_inner or 4 * cfg.n_embd)   # (the file always says; the default is 4 * n_embd)
+
+
+SAME_CONFIG = {"llama": _same_llama_config, "qwen2": _same_llama_config, "gpt2": _same_gpt2_config}
 
 
 def _tensor_data(path):
@@ -186,6 +212,44 @@ def test_tiny_llama_round_trip_keeps_the_tied_embedding(tmp_path):
     shutil.copy(data_dir() / TOKENIZER_FILE, tokenizer / "tokenizer.json")
     again = wb.export(back, tmp_path / "again", format="gguf", base_folder=tokenizer) / "model.gguf"
     assert _tensor_data(again) == _tensor_data(first)
+
+
+@pytest.mark.parametrize("kind", [*GRIDS, "float"])
+def test_gpt2_round_trip(tmp_path, tokenizer_folder, kind):
+    """GPT-2 with its blocks quantized: the quantized attn_qkv / attn_output / ffn_up / ffn_down come back as the
+    packed layers `wb.apply` made of the Conv1D layers (through a Linear), float ones as Conv1D layers holding the
+    (in, out) weight again; the head tied to the embedding (no output tensor)."""
+    model = _gpt2()
+    small = model if kind == "float" else _apply(model, GRIDS[kind][0], ["transformer.h.*"])
+    back = _round_trip(tmp_path, small, base_folder=tokenizer_folder)
+    assert isinstance(back, transformers.GPT2LMHeadModel) and back.config.tie_word_embeddings
+    assert back.lm_head.weight is back.transformer.wte.weight
+    tensors = {t.name: t.tensor_type.name for t in gguf.GGUFReader(tmp_path / "first" / "model.gguf").tensors}
+    assert "output.weight" not in tensors
+    if kind == "float":
+        assert wb.applied_plans(back) == ()
+        for name in GPT2_LAYERS:
+            layer = back.get_submodule(name)
+            assert type(layer) is transformers.pytorch_utils.Conv1D and layer.weight.is_contiguous(), name
+        return
+    config, ggml = GRIDS[kind]
+    assert _plan_of(back) == {n: (config.bits, 32, config.symmetric) for n in GPT2_LAYERS}
+    assert all(isinstance(back.get_submodule(n), WeightOnlyLinear) for n in GPT2_LAYERS)
+    assert {n for n, t in tensors.items() if t == ggml} == {
+        f"blk.{i}.{k}.weight" for i in range(2) for k in ("attn_qkv", "attn_output", "ffn_up", "ffn_down")}
+
+
+def test_gpt2_untied_head_and_embeddings_quantized(tmp_path, tokenizer_folder):
+    """An untied GPT-2 (an output tensor in the file) with its token and position embeddings and its head Q8_0, the
+    blocks Q4_0 and one block's MLP left in floating point."""
+    small = _apply(_gpt2(tie_word_embeddings=False), Q8, ["transformer.wte", "transformer.wpe", "lm_head"])
+    small = wb.apply(small, {"transformer.h.1.mlp.*": None, "transformer.h.*": Q4}, progress=False)
+    back = _round_trip(tmp_path, small, base_folder=tokenizer_folder)
+    assert not back.config.tie_word_embeddings and isinstance(back.lm_head, WeightOnlyLinear)
+    assert isinstance(back.transformer.wte, WeightOnlyEmbedding) and isinstance(back.transformer.wpe,
+                                                                                 WeightOnlyEmbedding)
+    assert type(back.transformer.h[1].mlp.c_fc) is transformers.pytorch_utils.Conv1D
+    assert sorted({c for _, c in _plan_of(back).items()}) == [(4, 32, True), (8, 32, True)]
 
 
 def test_float_model_loads_as_floats_with_no_plan(tmp_path, tokenizer_folder):
@@ -323,7 +387,7 @@ def test_q4_1_blocks_without_an_integer_zero_point_are_refused(tmp_path):
 def test_other_architectures_and_unknown_tensors_are_refused(tmp_path):
     model = _llama()
     _refused(_write(tmp_path / "falcon.gguf", model, arch="falcon"),
-             r"is a 'falcon' model; this reader builds \['llama', 'qwen2'\]")
+             r"is a 'falcon' model; this reader builds \['gpt2', 'llama', 'qwen2'\]")
     _refused(_write(tmp_path / "extra.gguf", model, extra={"blk.0.attn_qkv.weight": (np.zeros((8, 34), np.uint8),
                                                                                    T.Q8_0)}),
              r"tensor 'blk\.0\.attn_qkv\.weight' has no place in transformers' LlamaForCausalLM")
@@ -334,6 +398,17 @@ def test_other_architectures_and_unknown_tensors_are_refused(tmp_path):
     _refused(_write(tmp_path / "shape.gguf", model, hyper={"feed_forward_length": 128}),
              r"tensor 'blk\.0\.ffn_gate\.weight' \(F32\) holds 'model\.layers\.0\.mlp\.gate_proj\.weight' of shape "
              r"\(96, 64\); the hyper-parameters give \(128, 64\)")
+
+
+def test_gpt2_with_grouped_key_value_heads_is_refused(tmp_path, tokenizer_folder):
+    """A gpt2 file saying it has fewer key / value heads than query heads (the exporter's file, one key added)."""
+    from workbench.export import GGUF
+
+    fmt = GGUF()
+    prepared = fmt.prepare(_gpt2(), tokenizer_folder)
+    prepared.writer.add_head_count_kv(2)
+    fmt.write(prepared, tmp_path)
+    _refused(tmp_path / "model.gguf", r"has 2 key / value heads for 4 query heads; transformers' gpt2")
 
 
 def test_a_missing_or_foreign_file_is_a_clear_error(tmp_path):

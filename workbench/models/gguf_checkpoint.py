@@ -2,11 +2,13 @@
 
 The other way of `workbench.export.gguf`. The file is read with gguf-py's `GGUFReader` (a memory-mapped parse of
 the header and tensor table: nothing is unpickled or executed); its ``general.architecture`` picks the transformers
-class (``llama`` -> ``LlamaForCausalLM``, ``qwen2`` -> ``Qwen2ForCausalLM``), whose config comes from the
-hyper-parameters (``{arch}.embedding_length``, ``block_count``, ``feed_forward_length``, ``attention.head_count`` /
-``head_count_kv`` / ``key_length`` / ``layer_norm_rms_epsilon``, ``rope.freq_base``, ``context_length``; the vocabulary
-size from ``token_embd``'s rows; tied embeddings when there is no ``output`` tensor; Llama's attention / MLP biases when
-the file has them; bos / eos / padding ids from ``tokenizer.ggml.*``). The tokenizer itself is not read.
+class (``llama`` -> ``LlamaForCausalLM``, ``qwen2`` -> ``Qwen2ForCausalLM``, ``gpt2`` -> ``GPT2LMHeadModel``),
+whose config comes from the hyper-parameters (``{arch}.embedding_length``, ``block_count``, ``feed_forward_length``,
+``attention.head_count``, ``context_length``; for llama / qwen2 ``attention.head_count_kv`` / ``key_length`` /
+``layer_norm_rms_epsilon`` and ``rope.freq_base``; for gpt2 ``attention.layer_norm_epsilon`` and the tanh GELU
+(``gelu_new``) llama.cpp's gpt2 graph computes; the vocabulary size from ``token_embd``'s rows; tied embeddings when
+there is no ``output`` tensor; Llama's attention / MLP biases when the file has them; bos / eos / padding ids from
+``tokenizer.ggml.*``). The tokenizer itself is not read.
 
 Each quantized tensor becomes the workbench's own packed layer holding the file's codes and fp16 scales exactly - the
 inverse of the exporter's table, nothing dequantized and quantized again:
@@ -24,14 +26,19 @@ products agree). The layers are built through the workbench's own path: a `Plan`
 `WeightOnly` config, `build_skeleton` on the float model built under `empty_weights` (no float copy of a quantized
 weight is ever made), then the file's values loaded into it - so `applied_plans` records the plan, and exporting the
 model to GGUF again writes the same tensor data. For ``llama``, the q/k rows (codes with their scales, float rows,
-biases) are put back in Hugging Face's order (`rope_rows` undone). The model is on the CPU; its quantized layers choose
+biases) are put back in Hugging Face's order (`rope_rows` undone). For ``gpt2``, transformers' ``Conv1D`` stores its
+weight (in, out): a float ``attn_qkv`` / ``attn_output`` / ``ffn_up`` / ``ffn_down`` goes back transposed into the
+``Conv1D``; a quantized one names its ``Conv1D`` in the plan, which `build_skeleton` rewrites to a Linear
+(`workbench.plans.layers.canonicalize_for`) before making it the packed layer - the structure `wb.apply` builds - and
+the file's (out, in) blocks are that layer's rows as they are. The model is on the CPU; its quantized layers choose
 their kernel there (``"auto"``).
 
 Refused, naming the tensor and its ggml type (ValueError): k-quants (``Q4_K`` ...), ``Q5_0`` / ``Q5_1``, i-quants and
 every other type the workbench's grids cannot hold; ``Q4_1`` blocks whose minimum is not ``-d * z`` for an integer
 ``z`` in 0..15; non-finite scales. Refused (ValueError): architectures other than the ones above, naming the file's,
 hyper-parameters transformers' class would run differently (rope scaling, a partial rotary dimension, key and value
-heads of different sizes), tensors the class has no place for and tensors it needs that the file lacks.
+heads of different sizes, a gpt2 with fewer key / value heads than query heads), tensors the class has no place for
+and tensors it needs that the file lacks.
 """
 from __future__ import annotations
 
@@ -195,6 +202,26 @@ def _decimal(x: float) -> float:
     return float(str(np.float32(x)))
 
 
+def _vocabulary_size(fields: _Fields, arch: str, tensors: dict[str, Any]) -> int:
+    """The vocabulary size: ``token_embd``'s rows (checked against ``{arch}.vocab_size`` when the file has it)."""
+    embedding = tensors.get("token_embd.weight")
+    if embedding is None:
+        raise _refuse(f"{fields.path} has no tensor 'token_embd.weight'")
+    vocab = int(embedding.shape[1])   # ggml's dims: (K, rows)
+    if fields.get(f"{arch}.vocab_size", vocab) != vocab:
+        raise _refuse(f"{fields.path}: {arch}.vocab_size is {fields.get(f'{arch}.vocab_size')}, token_embd has "
+                      f"{vocab} rows")
+    return vocab
+
+
+def _shared_fields(fields: _Fields, tensors: dict[str, Any]) -> dict[str, Any]:
+    """The config fields every architecture reads the same way: the head's tying and the special token ids."""
+    return dict(tie_word_embeddings="output.weight" not in tensors,
+                bos_token_id=fields.get("tokenizer.ggml.bos_token_id", None),
+                eos_token_id=fields.get("tokenizer.ggml.eos_token_id", None),
+                pad_token_id=fields.get("tokenizer.ggml.padding_token_id", None))
+
+
 def _llama_family(fields: _Fields, arch: str, tensors: dict[str, Any], heads: int) -> dict[str, Any]:
     """The config fields Llama and Qwen2 share: RMSNorm, rotary embeddings, SiLU-gated MLP, grouped-query attention."""
     hidden = fields.integer(f"{arch}.embedding_length")
@@ -208,23 +235,13 @@ def _llama_family(fields: _Fields, arch: str, tensors: dict[str, Any], heads: in
     if value_dim != head_dim or rotary != head_dim:
         raise _refuse(f"{fields.path} has key_length {head_dim}, value_length {value_dim} and rope.dimension_count "
                       f"{rotary}; transformers' {arch} computes with one head_dim, rotated whole")
-    embedding = tensors.get("token_embd.weight")
-    if embedding is None:
-        raise _refuse(f"{fields.path} has no tensor 'token_embd.weight'")
-    vocab = int(embedding.shape[1])   # ggml's dims: (K, rows)
-    if fields.get(f"{arch}.vocab_size", vocab) != vocab:
-        raise _refuse(f"{fields.path}: {arch}.vocab_size is {fields.get(f'{arch}.vocab_size')}, token_embd has "
-                      f"{vocab} rows")
-    return dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=fields.integer(f"{arch}.feed_forward_length"),
+    return dict(vocab_size=_vocabulary_size(fields, arch, tensors), hidden_size=hidden,
+                intermediate_size=fields.integer(f"{arch}.feed_forward_length"),
                 num_hidden_layers=fields.integer(f"{arch}.block_count"), num_attention_heads=heads,
                 num_key_value_heads=fields.integer(f"{arch}.attention.head_count_kv", heads), head_dim=head_dim,
                 max_position_embeddings=fields.integer(f"{arch}.context_length"),
                 rms_norm_eps=_decimal(fields.get(f"{arch}.attention.layer_norm_rms_epsilon")),
-                rope_theta=_decimal(fields.get(f"{arch}.rope.freq_base", 10000.0)),
-                tie_word_embeddings="output.weight" not in tensors,
-                bos_token_id=fields.get("tokenizer.ggml.bos_token_id", None),
-                eos_token_id=fields.get("tokenizer.ggml.eos_token_id", None),
-                pad_token_id=fields.get("tokenizer.ggml.padding_token_id", None))
+                rope_theta=_decimal(fields.get(f"{arch}.rope.freq_base", 10000.0)), **_shared_fields(fields, tensors))
 
 
 def _llama(fields: _Fields, tensors: dict[str, Any]) -> dict[str, Any]:
@@ -245,13 +262,29 @@ def _qwen2(fields: _Fields, tensors: dict[str, Any]) -> dict[str, Any]:
             "use_sliding_window": False}
 
 
+def _gpt2(fields: _Fields, tensors: dict[str, Any]) -> dict[str, Any]:
+    """GPT-2: LayerNorm with bias, learned positions, one fused q/k/v projection, the tanh GELU (llama.cpp's ggml_gelu;
+    transformers' ``gelu_new``), every head the same size."""
+    heads = fields.integer("gpt2.attention.head_count")
+    kv_heads = fields.integer("gpt2.attention.head_count_kv", heads)
+    if kv_heads != heads:
+        raise _refuse(f"{fields.path} has {kv_heads} key / value heads for {heads} query heads; transformers' gpt2 "
+                      f"attention has one of each per head")
+    return dict(vocab_size=_vocabulary_size(fields, "gpt2", tensors), n_embd=fields.integer("gpt2.embedding_length"),
+                n_layer=fields.integer("gpt2.block_count"), n_head=heads,
+                n_positions=fields.integer("gpt2.context_length"),
+                n_inner=fields.integer("gpt2.feed_forward_length"), activation_function="gelu_new",
+                layer_norm_epsilon=_decimal(fields.get("gpt2.attention.layer_norm_epsilon")),
+                **_shared_fields(fields, tensors))
+
+
 ConfigBuilder = Callable[[_Fields, dict[str, Any]], dict[str, Any]]
 
 
 def config_builders() -> dict[str, ConfigBuilder]:
     """Hugging Face architecture -> the config fields read from a GGUF file of it (the architectures this reader
-    builds; a subset of what the exporter writes, `workbench.export.gguf.architectures`)."""
-    return {"LlamaForCausalLM": _llama, "Qwen2ForCausalLM": _qwen2}
+    builds, each written by the exporter, `workbench.export.gguf.architectures`)."""
+    return {"LlamaForCausalLM": _llama, "Qwen2ForCausalLM": _qwen2, "GPT2LMHeadModel": _gpt2}
 
 
 def _architecture(fields: _Fields) -> tuple[str, Any]:
@@ -273,12 +306,16 @@ class _Source:
     tensor: Any               # gguf.ReaderTensor
     kind: Any                 # gguf.MODEL_TENSOR
     heads: int | None         # llama.cpp's q/k row order to undo (`rope_rows`), per this many heads; None: as stored
+    # the weight of a Conv1D, which stores it (in, out): float data goes back transposed; quantized blocks are the
+    # rows of the Linear the plan rewrites the Conv1D to, as they are
+    in_out: bool = False
 
 
 def _sources(base: nn.Module, arch, config, tensors: dict[str, Any], cls_name: str) -> dict[str, _Source]:
     """Float model key -> its tensor in the file (tied keys -> the one tensor), every file tensor used once."""
     import gguf
     from gguf import MODEL_TENSOR as T
+    from transformers.pytorch_utils import Conv1D
 
     names = gguf.TensorNameMap(arch.arch, config.num_hidden_layers)
     heads = {T.ATTN_Q: config.num_attention_heads, T.ATTN_K: config.num_key_value_heads} if arch.rope_rows else {}
@@ -298,7 +335,9 @@ def _sources(base: nn.Module, arch, config, tensors: dict[str, Any], cls_name: s
         kind, name = present[0][1]
         used.add(name)
         for k in keys:
-            out[k] = _Source(tensors[name], kind, heads.get(kind))
+            owner, _, leaf = k.rpartition(".")
+            in_out = leaf == "weight" and type(base.get_submodule(owner)) is Conv1D   # exact class, as canonicalize
+            out[k] = _Source(tensors[name], kind, heads.get(kind), in_out)
     extra = sorted(set(tensors) - used)
     if extra:
         raise _refuse(f"tensor {extra[0]!r} has no place in transformers' {cls_name} built from the file's "
@@ -307,7 +346,8 @@ def _sources(base: nn.Module, arch, config, tensors: dict[str, Any], cls_name: s
 
 
 def _plan(base: nn.Module, sources: dict[str, _Source]):
-    """The `Plan` naming every layer whose weight is a quantized tensor of the file, with the grid's config."""
+    """The `Plan` naming every layer whose weight is a quantized tensor of the file, with the grid's config (a Conv1D
+    too: `build_skeleton` rewrites what the plan reaches to a Linear first, as `wb.apply` does)."""
     from workbench.plans import Plan
 
     entries = {}
@@ -317,9 +357,10 @@ def _plan(base: nn.Module, sources: dict[str, _Source]):
             continue
         owner, _, leaf = key.rpartition(".")
         module = base.get_submodule(owner)
-        if leaf != "weight" or not isinstance(module, (nn.Linear, nn.Embedding)):
+        if leaf != "weight" or not (isinstance(module, (nn.Linear, nn.Embedding)) or s.in_out):
             raise _refuse(f"tensor {s.tensor.name!r} is {s.tensor.tensor_type.name}, but it is {key!r} of a "
-                          f"{type(module).__name__}; the workbench quantizes Linear and Embedding weights only")
+                          f"{type(module).__name__}; the workbench quantizes Linear (Conv1D) and Embedding weights "
+                          f"only")
         entries[owner] = grid.config
     return Plan(entries)
 
@@ -339,7 +380,8 @@ def _values(sources: dict[str, _Source], expected: dict[str, torch.Tensor]) -> d
         if grid is not None:
             value: Any = grid.tensors(t.name, t.data, dims[0], dims[1])
         else:
-            value = {"": float_types()[t.tensor_type](t.data).reshape(dims)}
+            w = float_types()[t.tensor_type](t.data).reshape(dims)                  # (rows, K) or (n,)
+            value = {"": w.t().contiguous() if s.in_out else w}                     # Conv1D: (in, out)
         if s.heads is not None:                                            # llama.cpp's q/k rows -> Hugging Face's
             back = torch.argsort(rope_rows(dims[0], s.heads))
             value = {k: v[back] for k, v in value.items()}

@@ -35,15 +35,67 @@ from torch import nn
 from workbench.plans.apply import applied_plans, build_skeleton
 from workbench.plans.plan import Plan
 
-__all__ = ["save", "load", "empty_weights", "aligned", "ALIGNMENT", "FILE_FORMAT", "FILE_FORMAT_VERSION"]
+__all__ = ["save", "load", "empty_weights", "aligned", "save_aligned", "ALIGNMENT", "PAD_SUFFIX", "FILE_FORMAT",
+           "FILE_FORMAT_VERSION"]
 
 FILE_FORMAT = "workbench.model"
-FILE_FORMAT_VERSION = 2
-_READS = ("1", "2")
+FILE_FORMAT_VERSION = 3   # 3: tensors start on ALIGNMENT boundaries (PAD_SUFFIX tensors fill the gaps)
+_READS = ("1", "2", "3")
 
 
 # bytes: where PyTorch's CPU allocator starts every tensor, and what oneDNN's and our kernels' fastest paths expect
 ALIGNMENT = 64
+
+
+PAD_SUFFIX = "\x00pad"   # a tensor named NAME + PAD_SUFFIX holds zeros that keep the next tensor aligned
+_PAD_KEY = "alignment_padding"   # a metadata value of spaces that puts the first tensor on a boundary
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    return (t.device.type, t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, tuple(t.shape),
+            t.stride())
+
+
+def _header(path: Path) -> tuple[int, dict]:
+    """The safetensors header of ``path``: its length in bytes and the JSON (read as JSON, nothing executed)."""
+    import struct
+
+    with open(path, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        return n, json.loads(fh.read(n))
+
+
+def save_aligned(tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str]) -> Path:
+    """Write ``tensors`` with safetensors so that every tensor's data starts on an `ALIGNMENT` boundary of the
+    file (hence of its memory map): a tensor mapped by `load` is used where it lies, never copied.
+
+    safetensors writes the tensors by dtype, then name, with no gaps, after a JSON header padded to 8 bytes. So
+    each tensor whose bytes are not a multiple of `ALIGNMENT` is followed by a zero tensor of its dtype named
+    ``NAME + PAD_SUFFIX`` (the next name in that order), and the metadata gets a value of spaces that makes the
+    header end on a boundary. The layout is checked on the written file (its header read back); should a future
+    safetensors order the tensors differently, the file is written once more with what the header says."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if name.endswith(PAD_SUFFIX):
+            raise ValueError(f"tensor name {name!r} ends with the padding suffix {PAD_SUFFIX!r}")
+        out[name] = t
+        extra = -t.numel() * t.element_size() % ALIGNMENT
+        if extra:
+            out[name + PAD_SUFFIX] = torch.zeros(extra // t.element_size(), dtype=t.dtype)
+    meta = {**metadata, _PAD_KEY: ""}
+    for _ in range(2):
+        save_file(out, str(path), metadata=meta)
+        n, header = _header(path)
+        starts = [v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"]
+        if (8 + n) % ALIGNMENT == 0 and all(o % ALIGNMENT == 0 for o in starts):
+            return path
+        # the JSON without safetensors' trailing spaces, and the padding that ends it at 8 bytes before a boundary
+        raw = len(json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode())
+        meta[_PAD_KEY] += " " * ((ALIGNMENT - 8 - raw) % ALIGNMENT)
+    return path   # (a layout safetensors will not give: still a valid file, `load` copies what is off a boundary)
 
 
 def aligned(t: torch.Tensor) -> torch.Tensor:
@@ -78,8 +130,8 @@ def empty_weights():
 
 
 def save(model: nn.Module, path: str | os.PathLike) -> Path:
-    """Write ``model``'s tensors and its applied plans to ``path`` (a .safetensors file)."""
-    from safetensors.torch import save_model
+    """Write ``model``'s tensors and its applied plans to ``path`` (a .safetensors file, every tensor on an
+    `ALIGNMENT` boundary: `save_aligned`)."""
 
     from workbench.models import source_of
 
@@ -95,8 +147,14 @@ def save(model: nn.Module, path: str | os.PathLike) -> Path:
         "torch_version": torch.__version__,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_model(model, str(path), metadata=meta, force_contiguous=True)   # K-major W8A8 codes are views
-    return path
+    tensors: dict[str, torch.Tensor] = {}
+    seen: dict[tuple, str] = {}
+    for name, t in model.state_dict().items():   # one copy of a shared tensor (tied weights), as safetensors wants
+        key = _storage_key(t)
+        if key not in seen:
+            seen[key] = name
+            tensors[name] = t.contiguous()   # K-major W8A8 codes are views
+    return save_aligned(tensors, path, meta)
 
 
 def _read_metadata(path: Path) -> dict[str, str]:
@@ -167,7 +225,8 @@ def load(path: str | os.PathLike, base: nn.Module | str | None = None) -> nn.Mod
 
     expected = model.state_dict(keep_vars=True)
     with safe_open(str(path), "pt", device=str(device)) as f:
-        stored = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+        stored = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()
+                  if not k.endswith(PAD_SUFFIX)}
         by_object: dict[int, list[str]] = {}
         for key, t in expected.items():
             by_object.setdefault(id(t), []).append(key)

@@ -161,3 +161,29 @@ def test_composing_plans_records_both(digits_mlp):
     # an already-cast layer is not a plain Linear any more: a pattern selecting only it is an error
     with pytest.raises(ValueError, match="cannot handle"):
         wb.apply(b, {"fc1": Cast(torch.bfloat16)})
+
+
+def test_large_modules_passed_over_are_named_with_their_share_whatever_their_parameters_are_called():
+    """A small Mixtral (transformers 5: each layer's experts one module of fused 3-D tensors, no `.weight`): "*"
+    with a weight-only config takes attention and the head and passes over the experts - the warning names both
+    expert blocks first, with their share of the model's bytes (measured here, not assumed), and the total."""
+    import re
+    import warnings
+
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(cfg).eval()
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    experts = sum(p.numel() * p.element_size() for p in model.model.layers[0].mlp.experts.parameters())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wb.apply(model, {"*": wb.quant.WeightOnly(bits=4, group_size=32)}, progress=False)
+    [message] = [str(w.message) for w in caught if "passed over" in str(w.message)]
+    share = f"{experts / total:.1%}"
+    assert re.search(rf"passed over 4 matched layer\(s\) holding [\d.]+% of the model's parameter bytes: "
+                     rf"model\.layers\.0\.mlp\.experts \(MixtralExperts, {re.escape(share)} of the model's parameter "
+                     rf"bytes\): WeightOnly does not handle MixtralExperts; model\.layers\.1\.mlp\.experts", message)
+    assert experts / total > 0.3

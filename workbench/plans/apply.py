@@ -361,15 +361,22 @@ def _share_tied_groups(groups, modules: dict[str, nn.Module], configs: dict[str,
                 raise ApplyError(group[-1], configs[group[-1]], e) from None
 
 
+PASSED_OVER_SHARE = 0.01   # a passed-over module holding this share of the model's parameter bytes is warned about
+
+
 def _warn_passed_over(passed) -> None:
-    """A layer that computes with a weight matrix (a parameter of 2+ dimensions) and was matched but not
-    compressed is worth a warning: it is what a user expected "*" to take."""
-    heavy = [p for p in passed if p.holds_matrix]
+    """A matched module that was not compressed is worth a warning when it computes with a weight matrix (a
+    ``weight`` of 2+ dimensions: what a user expected "*" to take) or holds at least `PASSED_OVER_SHARE` of the
+    model's parameter bytes, whatever its parameters are called (a mixture-of-experts block's fused 3-D expert
+    tensors); the largest first, each with its share."""
+    heavy = sorted((p for p in passed if p.holds_matrix or p.share >= PASSED_OVER_SHARE), key=lambda p: -p.share)
     if heavy:
-        shown = "; ".join(f"{p.name} ({p.module_type}): {p.reason}" for p in heavy[:3])
+        shown = "; ".join(f"{p.name} ({p.module_type}, {p.share:.1%} of the model's parameter bytes): {p.reason}"
+                          for p in heavy[:3])
         more = f"; and {len(heavy) - 3} more" if len(heavy) > 3 else ""
-        warnings.warn(f"wb.apply passed over {len(heavy)} matched layer(s): {shown}{more} "
-                      f"(wb.applied_report(model) lists every layer)", stacklevel=3)
+        total = sum(p.share for p in heavy)
+        warnings.warn(f"wb.apply passed over {len(heavy)} matched layer(s) holding {total:.1%} of the model's "
+                      f"parameter bytes: {shown}{more} (wb.applied_report(model) lists every layer)", stacklevel=3)
 
 
 def build_skeleton(model: nn.Module, plans: Sequence[Plan], values: bool = True) -> nn.Module:

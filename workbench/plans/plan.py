@@ -63,6 +63,7 @@ class PassedOver:
     config: Config
     reason: str
     holds_matrix: bool = False   # it owns a parameter of 2+ dimensions (a weight matrix, not a norm's vector)
+    share: float = 0.0           # its own parameters' bytes / all the model's parameter bytes
 
 
 class Plan(Mapping[str, Config | None]):
@@ -151,6 +152,7 @@ class Plan(Mapping[str, Config | None]):
         if not isinstance(model, nn.Module):
             raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}")
         model = canonical_view(model, self)
+        total = sum(p.numel() * p.element_size() for p in model.parameters()) or 1   # (shared ones once)
         seen_types: dict[str, set[str]] = {p: set() for p in self._entries}
         kept: dict[str, int] = {p: 0 for p in self._entries}
         out: list[Assignment] = []
@@ -176,7 +178,8 @@ class Plan(Mapping[str, Config | None]):
                         f"{type(config).__name__} does not handle {type(module).__name__}"
                     own = dict(module.named_parameters(recurse=False))   # a layer's weight matrix, not a
                     matrix = any(p.dim() >= 2 for n, p in own.items() if "weight" in n)   # token or table
-                    passed.append(PassedOver(name, type(module).__name__, pattern, config, reason, matrix))
+                    share = sum(p.numel() * p.element_size() for p in own.values()) / total
+                    passed.append(PassedOver(name, type(module).__name__, pattern, config, reason, matrix, share))
                 continue
             taken.append(name)
             out.append(Assignment(name, type(module).__name__, pattern, config))
@@ -193,7 +196,9 @@ class Plan(Mapping[str, Config | None]):
                     raise ValueError(f"layer {a.name!r}: {reason}; give {', '.join(map(repr, group))} the same "
                                      f"config, or leave them all unchanged")
                 del by_name[a.name]
-                passed.append(PassedOver(a.name, a.module_type, a.pattern, a.config, reason, True))
+                module = model.get_submodule(a.name)
+                share = sum(p.numel() * p.element_size() for p in module.parameters(recurse=False)) / total
+                passed.append(PassedOver(a.name, a.module_type, a.pattern, a.config, reason, True, share))
         out = [a for a in out if a.name in by_name]
         used = {p: kept[p] + sum(a.pattern == p for a in out) for p in self._entries}
         for pattern, count in used.items():

@@ -70,15 +70,20 @@ def _export(args: argparse.Namespace) -> int:
     checkpoint folder go with it."""
     import workbench as wb
     from workbench.analysis.sweep import apply_with_task
+    from workbench.export import ONNX
 
+    if args.format == "onnx" and not args.task:
+        raise ValueError("--format onnx traces the model with an example batch: give --task")
     model = wb.models.load(args.model)
     plan = wb.Plan.read(args.plan)
-    if args.task:   # a plan that calibrates (GPTQ, AWQ, static activations) draws its samples from the task
-        small = apply_with_task(model, _task_for(args, model), plan, args.calibration)
+    task = _task_for(args, model) if args.task else None
+    if task is not None:   # a plan that calibrates (GPTQ, AWQ, static activations) draws its samples from the task
+        small = apply_with_task(model, task, plan, args.calibration)
     else:
         small = wb.apply(model, plan)
     base = Path(args.model) if Path(args.model).is_dir() else None
-    out = wb.export(small, args.out, format=args.format, base_folder=base)
+    fmt = ONNX.for_task(task) if args.format == "onnx" else args.format
+    out = wb.export(small, args.out, format=fmt, base_folder=base, overwrite=args.overwrite)
     print(f"wrote {out} ({args.format}): {len(wb.applied_report(small))} layer(s) in the applied report")
     return 0
 
@@ -259,10 +264,12 @@ def main(argv: list[str] | None = None) -> int:
                    "copied), a zoo model name or package.module:factory")
     e.add_argument("--plan", required=True, help="plan JSON file (wb.Plan.save)")
     e.add_argument("--out", required=True, help="the folder to write (must not exist, or be empty)")
-    e.add_argument("--format", default="compressed-tensors", help="compressed-tensors (vLLM, transformers) or gguf "
-                   "(llama.cpp, Ollama); onnx needs example inputs, so it is exported from Python (wb.export)")
-    e.add_argument("--task", help="task for plans that calibrate (GPTQ, AWQ, static activations): a task name, "
-                   "fidelity or package.module:factory")
+    e.add_argument("--overwrite", action="store_true", help="replace an existing --out folder (once the new one is "
+                   "complete)")
+    e.add_argument("--format", default="compressed-tensors", help="compressed-tensors (vLLM, transformers), gguf "
+                   "(llama.cpp, Ollama) or onnx (ONNX Runtime: traced with the --task's example batch)")
+    e.add_argument("--task", help="task for plans that calibrate (GPTQ, AWQ, static activations) and for onnx's "
+                   "example batch: a task name, fidelity or package.module:factory")
     e.add_argument("--inputs", help="model inputs for --task fidelity (.safetensors, .npz or .npy)")
     e.add_argument("--calibration", type=int, default=128, help="calibration samples (default: 128)")
     e.set_defaults(func=_export)

@@ -332,13 +332,6 @@ def test_dynamic_w8a8_is_refused(tmp_path):
     _refused(tmp_path, small, torch.randn(2, 3, 8, 8), r"'3' is a W8A8 layer with dynamic activations")
 
 
-def test_weight_only_convolution_is_refused(tmp_path):
-    """Per-group (or any weight-only) convolution weights are not a W8A8 QDQ group."""
-    small = wb.apply(_convnet(), {"0": wb.quant.WeightOnly(bits=4, group_size=9, kernel="reference")},
-                     progress=False)
-    _refused(tmp_path, small, torch.randn(2, 3, 8, 8), r"'0' is a WeightOnlyConv2d")
-
-
 def test_scales_cast_from_fp32_are_refused(tmp_path):
     small = wb.apply(_convnet(), {"*": Static(kernel="reference")}, calibration=[(torch.randn(8, 3, 8, 8),)],
                      pipeline="original", progress=False).half()

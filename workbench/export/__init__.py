@@ -14,11 +14,14 @@ A format is a class derived from `ExportFormat`, registered in `FORMATS` under t
 `export` writes into a temporary folder next to ``path`` and renames it into place only when it is complete, so a
 failed export leaves no folder behind (and never overwrites a non-empty one).
 
-| name | class | read by |
-|---|---|---|
-| ``"compressed-tensors"`` | `compressed_tensors.CompressedTensors` | vLLM, transformers' ``from_pretrained`` |
-| ``"gguf"`` | `gguf.GGUF` | llama.cpp (and what embeds it: llama-cpp-python, Ollama, LM Studio) |
-| ``"onnx"`` | `onnx.ONNX` (``ONNX(example_inputs=...)``) | ONNX Runtime (``com.microsoft.MatMulNBits``) |
+| name | class | read by | timed with (`runtimes`) |
+|---|---|---|---|
+| ``"compressed-tensors"`` | `compressed_tensors.CompressedTensors` | vLLM, transformers' ``from_pretrained`` | - |
+| ``"gguf"`` | `gguf.GGUF` | llama.cpp (llama-cpp-python, Ollama, LM Studio) | `LlamaCppModel` |
+| ``"onnx"`` | `onnx.ONNX` (``ONNX(example_inputs=...)``) | ONNX Runtime (``MatMulNBits``, QDQ) | `OnnxRuntimeModel` |
+
+`OnnxRuntimeModel(folder)` and `LlamaCppModel(folder)` (`workbench.export.runtimes`) run an exported folder in that
+runtime as an ``nn.Module``, so ``wb.measure`` / ``wb.speedup`` score and time it beside the workbench's own model.
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ from typing import Any, ClassVar
 from torch import nn
 
 __all__ = ["ExportFormat", "FORMATS", "register_export_format", "export", "integer_weight_problem",
-           "CompressedTensors", "GGUF", "ONNX"]
+           "CompressedTensors", "GGUF", "ONNX", "OnnxRuntimeModel", "LlamaCppModel"]
 
 FORMATS: dict[str, type["ExportFormat"]] = {}   # user-facing name -> format class, filled by `register_export_format`
 
@@ -95,15 +98,22 @@ def _target(path: str | os.PathLike) -> Path:
 
 
 def export(model: nn.Module, path: str | os.PathLike, format: str | ExportFormat = "compressed-tensors", *,
-           base_folder: str | os.PathLike | None = None) -> Path:
+           base_folder: str | os.PathLike | None = None, overwrite: bool = False) -> Path:
     """Write ``model`` (e.g. the result of `wb.apply`) as a checkpoint folder ``path`` in ``format``; returns the path.
 
     ``base_folder``: the folder the model was loaded from; its tokenizer (and generation) files are copied, so the
-    exported folder is complete. ``path`` must not exist or be an empty folder. Raises before writing anything
-    when the format cannot hold some layer (the error names it); a failure while writing removes what was written.
+    exported folder is complete. ``path`` must not exist or be an empty folder, unless ``overwrite=True``: then an
+    existing folder there is replaced, once the new one is completely written (a report re-run exports again).
+    Raises before writing anything when the format cannot hold some layer (the error names it); a failure while
+    writing removes what was written and leaves an existing folder as it was.
     """
     fmt = _format(format)
-    path = _target(path)
+    path = Path(path)
+    if overwrite:
+        if path.exists() and not path.is_dir():
+            raise FileExistsError(f"{path} exists and is not a folder; export writes (or replaces) a folder")
+    else:
+        _target(path)
     base = None
     if base_folder is not None:
         base = Path(base_folder)
@@ -115,8 +125,18 @@ def export(model: nn.Module, path: str | os.PathLike, format: str | ExportFormat
     partial.mkdir()   # (not tempfile.mkdtemp: its 0700 mode would stay on the renamed folder)
     try:
         fmt.write(prepared, partial)
-        _target(path)   # (still free: nothing appeared there meanwhile)
-        os.replace(partial, path)   # atomic on one file system; replaces an empty folder
+        if overwrite and path.is_dir() and any(path.iterdir()):
+            old = path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}.replaced"
+            os.replace(path, old)
+            try:
+                os.replace(partial, path)
+            except BaseException:
+                os.replace(old, path)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            _target(path)   # (still free: nothing appeared there meanwhile)
+            os.replace(partial, path)   # atomic on one file system; replaces an empty folder
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
@@ -126,3 +146,4 @@ def export(model: nn.Module, path: str | os.PathLike, format: str | ExportFormat
 from workbench.export.compressed_tensors import CompressedTensors  # noqa: E402  (registers itself)
 from workbench.export.gguf import GGUF  # noqa: E402  (registers itself)
 from workbench.export.onnx import ONNX  # noqa: E402  (registers itself)
+from workbench.export.runtimes import LlamaCppModel, OnnxRuntimeModel  # noqa: E402

@@ -5,6 +5,7 @@
     runtime = LlamaCpp(folder, threads=2)
     runtime.logits([1, 2, 3])            # (3, vocab) float32: llama.cpp's logits for every position
     runtime.greedy([1, 2, 3], 16)        # 16 new token ids, argmax decoding with llama.cpp's KV cache
+    runtime.threads = 1                  # from the next call on (llama_set_n_threads: no reload)
 
 `decode_table` times greedy decoding of the same weights in llama.cpp and in the workbench's own CPU kernels side by
 side (interleaved rounds, one thread count at a time): ``python -m workbench.export.llama_cpp``.
@@ -43,9 +44,10 @@ class LlamaCpp:
     """A GGUF file (or an exported folder holding ``model.gguf``) loaded by llama.cpp, on the CPU.
 
     ``threads``: llama.cpp's threads for decoding and prompt processing (default: torch's thread count, the
-    workbench's setting); ``context``: the KV cache's length in tokens (default: the file's context length);
-    ``kv_type``: the KV cache's element type, ``"f16"`` (llama.cpp's default) or ``"f32"``; ``flash_attention``:
-    llama.cpp's fused attention (off by default, as llama-cpp-python has it; on, it rounds through fp16).
+    workbench's setting), also settable afterwards (``runtime.threads = n``, read back from llama.cpp); ``context``:
+    the KV cache's length in tokens (default: the file's context length); ``kv_type``: the KV cache's element type,
+    ``"f16"`` (llama.cpp's default) or ``"f32"``; ``flash_attention``: llama.cpp's fused attention (off by default,
+    as llama-cpp-python has it; on, it rounds through fp16).
     """
 
     def __init__(self, path: str | os.PathLike, *, threads: int | None = None, context: int | None = None,
@@ -60,9 +62,9 @@ class LlamaCpp:
         if kv_type not in KV_TYPES:
             raise ValueError(f"kv_type must be one of {sorted(KV_TYPES)}, got {kv_type!r}")
         self.path = path
-        self.threads = int(threads or torch.get_num_threads())
-        self._llm = llama_cpp.Llama(str(path), n_ctx=int(context or 0), n_threads=self.threads,
-                                    n_threads_batch=self.threads, logits_all=True, verbose=False,
+        n = int(threads or torch.get_num_threads())
+        self._llm = llama_cpp.Llama(str(path), n_ctx=int(context or 0), n_threads=n,
+                                    n_threads_batch=n, logits_all=True, verbose=False,
                                     type_k=KV_TYPES[kv_type], type_v=KV_TYPES[kv_type],
                                     flash_attn=bool(flash_attention))
         self._lib = llama_cpp
@@ -70,6 +72,24 @@ class LlamaCpp:
         # llama.cpp rounds its cache up (to 256 tokens); the positions the model has embeddings / was made for are
         # the file's context length: what `greedy` and `logits` allow
         self.context = int(context or self._llm._model.n_ctx_train())
+
+    @property
+    def threads(self) -> int:
+        """llama.cpp's threads for decoding (prompt processing uses as many), as its context reports them."""
+        return int(self._lib.llama_n_threads(self._llm._ctx.ctx))
+
+    @threads.setter
+    def threads(self, n: int) -> None:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"threads must be a positive int, got {n!r}")
+        if n != self.threads:   # llama.cpp hands the count to its CPU backend on every decode: no reload
+            self._lib.llama_set_n_threads(self._llm._ctx.ctx, n, n)
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        """The file's scalar GGUF metadata as llama.cpp reads it (key -> value as text), e.g.
+        ``general.architecture``, ``tokenizer.ggml.eos_token_id``."""
+        return dict(self._llm.metadata)
 
     def close(self) -> None:
         self._llm.close()
@@ -99,19 +119,28 @@ class LlamaCpp:
         self._llm.eval(tokens)
         return torch.from_numpy(np.array(self._llm.scores[:len(tokens)], dtype=np.float32))
 
-    def greedy(self, prompt: Sequence[int], new_tokens: int) -> list[int]:
-        """``new_tokens`` token ids by argmax decoding after ``prompt`` (no stop at an end-of-text token): the prompt
-        in one batch, then one token per step through llama.cpp's KV cache."""
+    def greedy(self, prompt: Sequence[int], new_tokens: int, *, stop_tokens: Sequence[int] = (),
+               min_new_tokens: int = 0) -> list[int]:
+        """``new_tokens`` token ids by argmax decoding after ``prompt``: the prompt in one batch, then one token per
+        step through llama.cpp's KV cache. By default there is no stop at an end-of-text token; ``stop_tokens`` end
+        the sequence (the stop token is the last id returned), and are not chosen before ``min_new_tokens`` new
+        tokens (their logits masked, as Hugging Face's ``min_new_tokens`` does)."""
         prompt = self._check(prompt, new_tokens)
+        stops = [int(t) for t in stop_tokens]
         llm, lib = self._llm, self._lib
         llm.reset()
         llm._ctx.kv_cache_seq_rm(-1, 0, -1)
         out: list[int] = []
         batch = prompt
-        for _ in range(new_tokens):
+        for step in range(new_tokens):
             llm.eval(batch)
             row = np.ctypeslib.as_array(lib.llama_get_logits_ith(llm._ctx.ctx, len(batch) - 1), shape=(self.vocab,))
+            if stops and step < min_new_tokens:
+                row = row.copy()
+                row[stops] = -np.inf
             out.append(int(row.argmax()))
+            if out[-1] in stops:
+                break
             batch = out[-1:]
         return out
 

@@ -1,14 +1,17 @@
-"""Export to ONNX for ONNX Runtime: one ``model.onnx`` in which each weight-only Linear is a ``MatMulNBits`` node and
-each static W8A8 layer a QDQ group (``QuantizeLinear`` -> ``DequantizeLinear`` around a float Conv / Gemm / MatMul).
+"""Export to ONNX for ONNX Runtime: one ``model.onnx`` in which each weight-only Linear is a ``MatMulNBits`` node, each
+weight-only convolution a ``DequantizeLinear`` feeding the float Conv / ConvTranspose's weight and each static W8A8
+layer a QDQ group (``QuantizeLinear`` -> ``DequantizeLinear`` around a float Conv / Gemm / MatMul).
 
     x = torch.randn(1, 64)
     wb.export(small, "mlp-int4", format=ONNX(example_inputs=(x,)))
     session = onnxruntime.InferenceSession("mlp-int4/model.onnx", providers=["CPUExecutionProvider"])
 
-The graph is traced with PyTorch's TorchScript exporter (``torch.onnx.export(dynamo=False)``, opset 17), so the
-``example_inputs`` (positional arguments of ``model.forward``) are required: tracing needs one call. Each
-`WeightOnlyLinear` is swapped, in a copy of the model, for a module whose forward is one autograd function with an
-ONNX ``symbolic``: ONNX Runtime's contrib op ``com.microsoft.MatMulNBits`` (domain ``com.microsoft``, version 1),
+The graph is traced with PyTorch's TorchScript exporter (``torch.onnx.export(dynamo=False)``, opset 17; a graph
+holding a blocked or 4-bit ``DequantizeLinear`` - opset 21 - is traced at the tracer's newest, 20, and converted by
+``onnx.version_converter``; `Prepared.opset` says which), so the ``example_inputs`` (positional arguments of
+``model.forward``) are required: tracing needs one call. Each quantized layer is swapped, in a copy of the model,
+for a module whose forward is one autograd function with an ONNX ``symbolic`` (a writer per layer type). Each
+`WeightOnlyLinear` becomes ONNX Runtime's contrib op ``com.microsoft.MatMulNBits`` (domain ``com.microsoft``, version 1),
 holding the workbench's own codes, scales and zero points - exact, nothing quantized again:
 
 | MatMulNBits | from the workbench layer (`IntFormat`, codes ``u`` unsigned, weight ``(N, K)``) |
@@ -21,6 +24,22 @@ holding the workbench's own codes, scales and zero points - exact, nothing quant
 A short last group (K not a multiple of the group size) is a last block padded with zero codes, which MatMulNBits
 ignores (it reads K values). The bias is a separate ``Add``. ``accuracy_level=0`` keeps A in its own precision
 (level 4 would quantize activations to int8 inside the kernel).
+
+Each weight-only convolution (`WeightOnlyConv1d`, `WeightOnlyConv2d`, `WeightOnlyConvTranspose2d`: `IntFormat`
+rows of ``K = weight[0].numel()`` values, grouped along that flattened input) becomes a ``DequantizeLinear`` whose
+output is the float ``Conv`` / ``ConvTranspose`` weight, holding the workbench's own codes and scales:
+
+| DequantizeLinear | from the workbench layer (codes ``u`` unsigned, weight ``(rows, *)``: Conv ``(out, in/groups, *k)``, transposed ``(in, out/groups, *k)``) |
+|---|---|
+| ``x``: ``{name}.qweight`` | the codes, unpacked: 8-bit as uint8, 2-, 3- and 4-bit as uint4 (opset 21; IR version 10) |
+| ``x_scale``: ``{name}.scale`` float32 | the fp16 scales cast to fp32 (exact; an fp16 scale would make the output fp16, rounding the weight) |
+| ``x_zero_point``: ``{name}.zero_point``, x's type | asymmetric: the stored integer zero points; symmetric: ``2^(bits-1)``, the workbench's implicit zero |
+| per channel (``group_size=None``, or one group per row): ``axis=0`` | codes in the weight's layout ``(rows, *)``, scale and zero point ``(rows,)`` (opset 17 for 8-bit codes) |
+| groups of ``g``: ``axis=1``, ``block_size=g`` (opset 21), then ``Reshape`` | codes ``(rows, K)``, scale and zero point ``(rows, ceil(K / g))``; a short last group is DequantizeLinear's short last block |
+
+It computes ``(u - z) * s`` in fp32, as the workbench decodes (bit for bit), then the float convolution with the
+float bias (an fp16 model: a ``Cast`` of the weight to fp16 first, as the workbench casts); only the convolution's
+summation order differs. A convolution's own input padding is a ``Pad`` before it, as for W8A8.
 
 Each static W8A8 layer (`wb.quant.Static`: `W8A8Linear` with ``static=True``, `W8A8Conv1d`, `W8A8Conv2d`,
 `W8A8ConvTranspose2d`) becomes the QDQ form ONNX Runtime's graph optimizer recognises, holding the workbench's own
@@ -44,13 +63,13 @@ in another order, so an activation at a rounding tie can take the neighbouring c
 
 Layers the plan left in floating point, and everything else, are exported as PyTorch's exporter writes them.
 
-Refused before anything is written, naming the layer: NF4 and FP8 weights, HQQ's real-valued zero points, AWQ
-smoothing, GPTQ act-order permutations, 3-bit codes, group sizes that are not a power of two >= 16 (per channel: an
-input that is not), bf16 layers (their fp16 scales are not bf16 values), dynamic W8A8 layers (activations quantized
-per token at run time: ``QuantizeLinear`` takes a stored scale), W8A8 layers whose scales were cast from fp32 (e.g.
-by ``model.half()``), quantized embeddings and convolutions with weight-only formats, pruned, low-rank, cast and
-every other layer the workbench made; a model without ``example_inputs``, or one the tracer cannot export (the
-exporter's error is re-raised as a TypeError). The graph is checked by loading it in ONNX Runtime before anything
+Refused before anything is written, naming the layer: weight-only Linears and convolutions with NF4 and FP8 weights,
+HQQ's real-valued zero points, AWQ smoothing, GPTQ act-order permutations or bf16 layers (their fp16 scales are not
+bf16 values; a bf16 Conv is not what ONNX Runtime's CPU runs); Linears with 3-bit codes or group sizes that are not a
+power of two >= 16 (per channel: an input that is not); dynamic W8A8 layers (activations quantized per token at run
+time: ``QuantizeLinear`` takes a stored scale), W8A8 layers whose scales were cast from fp32 (e.g. by
+``model.half()``), quantized embeddings, pruned, low-rank, cast and every other layer the workbench made; a model
+without ``example_inputs``, or one the tracer cannot export (the exporter's error is re-raised as a TypeError). The graph is checked by loading it in ONNX Runtime before anything
 is written. Models over 2 GB (protobuf's limit) are not supported.
 """
 from __future__ import annotations
@@ -72,21 +91,30 @@ from workbench.quantization.modules import (
     W8A8Conv2d,
     W8A8ConvTranspose2d,
     W8A8Linear,
+    WeightOnlyConv1d,
+    WeightOnlyConv2d,
+    WeightOnlyConvTranspose2d,
     WeightOnlyEmbedding,
     WeightOnlyLinear,
 )
 
-__all__ = ["ONNX", "FILE_NAME", "OPSET", "NBitsWeight", "nbits_weight", "QDQWeight", "qdq_weight"]
+__all__ = ["ONNX", "FILE_NAME", "OPSET", "BLOCKED_OPSET", "NBitsWeight", "nbits_weight", "QDQWeight", "qdq_weight",
+           "DQWeight", "dq_weight"]
 
 FILE_NAME = "model.onnx"
-OPSET = 17
+OPSET = 17           # the default: MatMulNBits, QDQ groups, per-channel uint8 DequantizeLinear
+BLOCKED_OPSET = 21   # DequantizeLinear's ``block_size`` and uint4 codes (only graphs that hold them)
+TRACER_OPSET = 20    # the TorchScript exporter's newest; a graph that needs more is traced at it and converted
 MS_DOMAIN = "com.microsoft"
 BITS = (2, 4, 8)   # what MatMulNBits' ``bits`` accepts
 ALLOWED = ("integer weight-only nn.Linear layers (WeightOnly, 2/4/8 bits, symmetric or with integer zero points, "
-           "group size a power of two >= 16, or per channel over such an input) as MatMulNBits, static W8A8 "
-           "Linear and convolution layers (wb.quant.Static: int8 per-channel weights, one calibrated fp32 "
-           "activation scale) as QuantizeLinear / DequantizeLinear groups, and floating-point layers")
+           "group size a power of two >= 16, or per channel over such an input) as MatMulNBits, integer weight-only "
+           "convolutions (WeightOnly, 2/3/4/8 bits, symmetric or with integer zero points, per channel or any group "
+           "size) as DequantizeLinear feeding the float Conv / ConvTranspose, static W8A8 Linear and convolution "
+           "layers (wb.quant.Static: int8 per-channel weights, one calibrated fp32 activation scale) as "
+           "QuantizeLinear / DequantizeLinear groups, and floating-point layers")
 W8A8_CONVS = (W8A8Conv1d, W8A8Conv2d, W8A8ConvTranspose2d)
+WEIGHT_ONLY_CONVS = (WeightOnlyConv1d, WeightOnlyConv2d, WeightOnlyConvTranspose2d)
 
 
 def _refuse(name: str, what: str) -> ValueError:
@@ -294,12 +322,153 @@ def _qdq_conv(name: str, m: nn.Module) -> tuple[QDQWeight, nn.Module]:
     return w, _QDQLayer(w, m.bias, lambda x, weight, bias: a["op"](x, weight, bias, a), pad)
 
 
+# --- weight-only convolutions: DequantizeLinear -> the float Conv / ConvTranspose ------------------------------------
+
+@dataclass(frozen=True)
+class DQWeight:
+    """One weight-only convolution's ``DequantizeLinear`` initializers (numpy, the workbench's own values)."""
+
+    codes: np.ndarray              # uint8 unsigned codes: per channel in the weight's layout (rows, *); groups (rows, K)
+    scale: np.ndarray              # float32, (rows,) per channel / (rows, G) groups: the fp16 scales, cast exactly
+    zero_point: np.ndarray         # uint8, the scale's shape: the stored zero points, or 2^(bits-1) (symmetric)
+    element_bits: int              # the codes' ONNX element type: 8 -> uint8, 4 -> uint4 (2-, 3- and 4-bit codes)
+    block_size: int | None         # None: per channel (axis 0); else groups along the flattened input (axis 1)
+    weight_shape: tuple[int, ...]  # the float weight's: Conv (out, in/groups, *k), ConvTranspose (in, out/groups, *k)
+
+    @property
+    def opset(self) -> int:
+        """The opset the node needs: ``block_size`` and uint4 came with opset 21."""
+        return OPSET if self.block_size is None and self.element_bits == 8 else BLOCKED_OPSET
+
+
+def dq_weight(name: str, m: nn.Module) -> DQWeight:
+    """A weight-only convolution's stored codes, scales and zero points as ``DequantizeLinear`` holds them; refuses
+    what it cannot hold."""
+    why = integer_weight_problem(m)
+    if why:
+        raise _refuse(name, why)
+    fmt = m.fmt
+    if m.weight_dtype not in (torch.float32, torch.float16):
+        raise _refuse(name, f"computes in {m.weight_dtype}; the exported Conv runs in float32 or float16")
+    rows, K = m.weight_shape[0], m.K
+    g, G = fmt.groups(K)
+    codes = packing.unpack(m.qweight.detach().cpu(), fmt.slot_bits, K)                 # (rows, K) uint8
+    if int(codes.max()) >= 1 << fmt.bits:
+        raise _refuse(name, f"holds codes above the {fmt.bits}-bit range (up to {int(codes.max())})")
+    scale = m.scale.detach().cpu()                                                     # (rows, G) fp16
+    if not torch.isfinite(scale).all():
+        raise _refuse(name, "has scales that are not finite")
+    zero = (m.zero.detach().cpu() if not fmt.symmetric
+            else torch.full_like(scale, 1 << (fmt.bits - 1), dtype=torch.uint8))       # (rows, G) uint8
+    # fp16 -> fp32 is exact; an fp16 scale would make DequantizeLinear's output fp16 (opset 21), rounding w
+    scale = scale.float()
+    if G == 1:   # per channel (or one group per row): axis 0 on the codes in the weight's own layout
+        codes, scale, zero, block = codes.reshape(m.weight_shape), scale.reshape(rows), zero.reshape(rows), None
+    else:
+        block = g   # a short last group is a short last block: DequantizeLinear's blocks are ceil(K / block_size)
+    return DQWeight(codes.contiguous().numpy(), scale.numpy(), zero.contiguous().numpy(), 8 if fmt.bits == 8 else 4,
+                    block, tuple(m.weight_shape))
+
+
+class _DequantizeCodes(torch.autograd.Function):
+    """``(codes - zero) * scale`` in fp32, per row or per block of ``block_size`` along the row, as the workbench
+    decodes; exported as one ``DequantizeLinear`` (axis 0, or axis 1 with ``block_size``)."""
+
+    @staticmethod
+    def forward(ctx, codes, scale, zero, block_size):  # codes: (rows, *) or (rows, K) uint8; scale, zero: (rows, [G])
+        if block_size is None:
+            per_row = (-1, *(1,) * (codes.dim() - 1))
+            return (codes.float() - zero.float().reshape(per_row)) * scale.reshape(per_row)
+        K = codes.shape[1]
+        return ((codes.float() - zero.float().repeat_interleave(block_size, 1)[:, :K])
+                * scale.repeat_interleave(block_size, 1)[:, :K])                        # (rows, K)
+
+    @staticmethod
+    def symbolic(g, codes, scale, zero, block_size):
+        if block_size is None:
+            return g.op("DequantizeLinear", codes, scale, zero, axis_i=0)
+        return g.op("DequantizeLinear", codes, scale, zero, axis_i=1, block_size_i=block_size)
+
+
+class _DQConv(nn.Module):
+    """What a weight-only convolution becomes in the copy that is traced: its buffers become the
+    ``DequantizeLinear`` initializers (``{name}.qweight``, ``{name}.scale``, ``{name}.zero_point``), whose output is
+    the weight of the float convolution the module's `ConvOp` runs (with its own input padding)."""
+
+    def __init__(self, w: DQWeight, conv_args: dict, bias: torch.Tensor | None):
+        super().__init__()
+        self.w, self.conv_args = w, conv_args
+        self.register_buffer("qweight", torch.from_numpy(w.codes))
+        self.register_buffer("scale", torch.from_numpy(w.scale))
+        self.register_buffer("zero_point", torch.from_numpy(w.zero_point))
+        self.bias = None if bias is None else nn.Parameter(bias.detach().cpu().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, C, *spatial)
+        w = _DequantizeCodes.apply(self.qweight, self.scale, self.zero_point, self.w.block_size)   # float32
+        if self.w.block_size is not None:
+            w = w.reshape(self.w.weight_shape)        # (rows, K) -> the float weight's layout
+        bias = self.bias
+        if x.dtype != w.dtype:                        # an fp16 model: the workbench decodes in fp32, then casts
+            w, bias = w.to(x.dtype), None if bias is None else bias.to(x.dtype)
+        a = self.conv_args
+        return a["op"](x, w, bias, a)
+
+
+def _dq_conv(name: str, m: nn.Module) -> tuple[DQWeight, nn.Module]:
+    w = dq_weight(name, m)
+    return w, _DQConv(w, m.conv_args, m.bias)
+
+
+def _uint4_codes(model, layers: dict) -> None:
+    """Store the 2-, 3- and 4-bit layers' codes and zero points as uint4 (opset 21): the traced graph holds them as
+    uint8 (PyTorch has no 4-bit dtype). Their ``DequantizeLinear`` is found by its ``{name}.qweight`` input."""
+    import onnx
+
+    graph = model.graph
+    wanted = {f"{name}.qweight": (name, w) for name, w in layers.items()
+              if isinstance(w, DQWeight) and w.element_bits == 4}
+    fresh: list = []
+    for node in graph.node:
+        if node.op_type == "DequantizeLinear" and node.input[0] in wanted:
+            name, w = wanted.pop(node.input[0])
+            for i, (what, array) in ((0, ("qweight", w.codes)), (2, ("zero_point", w.zero_point))):
+                node.input[i] = f"{name}.{what}"
+                fresh.append(onnx.helper.make_tensor(node.input[i], onnx.TensorProto.UINT4, array.shape,
+                                                     array.reshape(-1).tolist()))
+    if wanted:
+        raise RuntimeError(f"onnx export: no DequantizeLinear reads {sorted(wanted)} in the traced graph")
+    _drop_unused(graph, {t.name for t in fresh})
+    graph.initializer.extend(fresh)
+    model.ir_version = max(model.ir_version, 10)   # (4-bit element types came with IR version 10)
+
+
+def _drop_unused(graph, replaced: set[str]) -> None:
+    """Remove the initializers or nodes that define the names ``replaced`` (the exporter's uint8 tensors, or an
+    ``Identity`` of an equal tensor it merged them with) and what that leaves unread."""
+    for t in [t for t in graph.initializer if t.name in replaced]:
+        graph.initializer.remove(t)
+    for n in [n for n in graph.node if set(n.output) & replaced]:
+        graph.node.remove(n)
+    while True:
+        read = {i for node in graph.node for i in node.input} | {o.name for o in graph.output}
+        dead = [n for n in graph.node if n.op_type in ("Identity", "Constant") and not set(n.output) & read]
+        unread = [t for t in graph.initializer if t.name not in read]
+        if not dead and not unread:
+            break
+        for n in dead:
+            graph.node.remove(n)
+        for t in unread:
+            graph.initializer.remove(t)
+
+
 # What each quantized layer the export writes becomes: (what is recorded, the module traced in its place).
-_LAYERS: dict[type, Callable[[str, nn.Module], tuple[NBitsWeight | QDQWeight, nn.Module]]] = {
-    WeightOnlyLinear: _nbits_layer, W8A8Linear: _qdq_linear, **{t: _qdq_conv for t in W8A8_CONVS}}
+Layer = NBitsWeight | QDQWeight | DQWeight
+_LAYERS: dict[type, Callable[[str, nn.Module], tuple[Layer, nn.Module]]] = {
+    WeightOnlyLinear: _nbits_layer, W8A8Linear: _qdq_linear, **{t: _qdq_conv for t in W8A8_CONVS},
+    **{t: _dq_conv for t in WEIGHT_ONLY_CONVS}}
 
 
-def _writer(module: nn.Module) -> Callable[[str, nn.Module], tuple[NBitsWeight | QDQWeight, nn.Module]] | None:
+def _writer(module: nn.Module) -> Callable[[str, nn.Module], tuple[Layer, nn.Module]] | None:
     return next((_LAYERS[t] for t in type(module).__mro__ if t in _LAYERS), None)
 
 
@@ -319,8 +488,9 @@ class Prepared:
     """What `ONNX.write` writes: the serialized model, what each quantized layer became, ONNX Runtime's check."""
 
     model: bytes
-    layers: dict[str, NBitsWeight | QDQWeight] = field(default_factory=dict)   # workbench layer -> what it became
+    layers: dict[str, Layer] = field(default_factory=dict)   # workbench layer -> what it became
     max_abs_diff: float = 0.0   # ONNX Runtime vs the workbench model on the example inputs (informational)
+    opset: int = OPSET          # the graph's default-domain opset: ``ONNX.opset``, or more where a layer needs it
 
 
 @register_export_format
@@ -339,6 +509,21 @@ class ONNX(ExportFormat):
     dynamic_axes: dict | None = field(default=None, compare=False)
     opset: int = OPSET
 
+    @classmethod
+    def for_task(cls, task, batch_size: int = 1) -> ONNX:
+        """The format for a model of ``task`` (a `wb.tasks.Task`): traced with the task's example batch, inputs
+        named ``input0``, ``input1``, ... with their first (batch) dimension left free."""
+        import torch
+
+        batch = task.example_inputs(batch_size)
+        if isinstance(batch, torch.Tensor):
+            batch = (batch,)
+        if not isinstance(batch, (tuple, list)):
+            raise ValueError(f"onnx export traces the model with positional inputs; the task {task.name!r} gives a "
+                             f"{type(batch).__name__}: pass format=ONNX(example_inputs=...) yourself")
+        names = tuple(f"input{i}" for i in range(len(batch)))
+        return cls(example_inputs=tuple(batch), input_names=names, dynamic_axes={n: {0: "batch"} for n in names})
+
     def __post_init__(self):
         if not isinstance(self.example_inputs, tuple):
             object.__setattr__(self, "example_inputs", (self.example_inputs,))
@@ -350,7 +535,7 @@ class ONNX(ExportFormat):
             raise ValueError("onnx export traces the model and needs example inputs: pass "
                              "format=ONNX(example_inputs=(x,)) with positional arguments of model.forward")
         traced = copy.deepcopy(model).eval()
-        layers: dict[str, NBitsWeight | QDQWeight] = {}
+        layers: dict[str, Layer] = {}
         for name, module in model.named_modules():
             writer = _writer(module)
             if writer is None:
@@ -359,14 +544,28 @@ class ONNX(ExportFormat):
             layers[name], new = writer(name, module)
             parent, _, leaf = name.rpartition(".")
             setattr(traced.get_submodule(parent), leaf, new)
-        data = self._trace(traced)
-        return Prepared(data, layers, self._check(model, data))
+        opset = max([self.opset, *(w.opset for w in layers.values() if isinstance(w, DQWeight))])
+        data = self._trace(traced, opset, layers)
+        return Prepared(data, layers, self._check(model, data), opset)
 
-    def _trace(self, traced: nn.Module) -> bytes:
+    def _trace(self, traced: nn.Module, opset: int, layers: dict[str, Layer]) -> bytes:
+        """The traced graph at ``opset``: beyond the tracer's newest, traced at that and converted by ONNX's version
+        converter (every node adapted or refused by it), then the 4-bit codes retyped to uint4."""
+        data = self._export(traced, min(opset, TRACER_OPSET))
+        if opset <= TRACER_OPSET:
+            return data
+        import onnx
+        from onnx import version_converter
+
+        model = version_converter.convert_version(onnx.load_from_string(data), opset)
+        _uint4_codes(model, layers)
+        return model.SerializeToString()
+
+    def _export(self, traced: nn.Module, opset: int) -> bytes:
         buffer = io.BytesIO()
         try:
             with torch.no_grad():
-                torch.onnx.export(traced, self.example_inputs, buffer, dynamo=False, opset_version=self.opset,
+                torch.onnx.export(traced, self.example_inputs, buffer, dynamo=False, opset_version=opset,
                                   custom_opsets={MS_DOMAIN: 1}, do_constant_folding=True,
                                   input_names=list(self.input_names) if self.input_names else None,
                                   output_names=list(self.output_names) if self.output_names else None,

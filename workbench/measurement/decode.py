@@ -153,7 +153,9 @@ def tokens_per_s(model: nn.Module, new_tokens: int = 16, prompt_tokens: int = 8,
     from a random prompt of ``prompt_tokens`` tokens."""
     if not isinstance(new_tokens, int) or isinstance(new_tokens, bool) or new_tokens < 1:
         raise ValueError(f"new_tokens must be a positive int, got {new_tokens!r}")
-    device = next(model.parameters()).device
+    from workbench.tasks.base import model_device
+
+    device = model_device(model)   # (CPU for a model without parameters, e.g. llama.cpp behind LlamaCppModel)
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(1, vocab_size(model), (1, prompt_tokens), generator=gen).to(device)
     times = []

@@ -2,10 +2,13 @@
 
 - `size_bytes`: bytes of every parameter and buffer *as stored*: each distinct storage counted once
   (tied or shared weights are not double-counted), with its own element size, so a packed int4
-  tensor (two values per uint8) costs half a byte per value plus its scales.
+  tensor (two values per uint8) costs half a byte per value plus its scales. A `FileModel` (a module that runs a
+  file in another runtime: `workbench.export.runtimes`) holds no tensors; it counts its file's bytes on disk.
 - `peak_memory`: CUDA: ``torch.cuda.max_memory_allocated`` around one forward pass (weights included).
   CPU: the resident parameter/buffer bytes plus the peak of the tensor allocations made during one
-  forward pass, replayed from the PyTorch profiler's allocator events (``profile_memory=True``).
+  forward pass, replayed from the PyTorch profiler's allocator events (``profile_memory=True``). What another
+  runtime allocates (ONNX Runtime's arena, llama.cpp's KV cache) is outside PyTorch's allocator: for a model holding
+  a `FileModel` the method says so.
 """
 from __future__ import annotations
 
@@ -14,13 +17,32 @@ import os
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from workbench.tasks.inputs import call  # model(*inputs), or model(**inputs) for keyword inputs
 
-__all__ = ["size_bytes", "bytes_by_dtype", "layer_table", "peak_memory", "peak_allocated_during", "PeakMemory"]
+__all__ = ["FileModel", "size_bytes", "bytes_by_dtype", "layer_table", "peak_memory", "peak_allocated_during",
+           "PeakMemory"]
+
+
+class FileModel(nn.Module):
+    """Base of modules whose forward runs a file in another runtime (`workbench.export.runtimes`): no PyTorch tensor
+    holds their weights, so their size is the file's (``path``) bytes on disk, listed by `bytes_by_dtype` under
+    ``"<file_format> file"``."""
+
+    file_format: ClassVar[str]
+    path: Path
+
+    def file_bytes(self) -> int:
+        return self.path.stat().st_size
+
+
+def _files(model: nn.Module) -> list[FileModel]:
+    return [m for m in model.modules() if isinstance(m, FileModel)]
 
 
 def _storages(model: nn.Module):
@@ -37,14 +59,16 @@ def _storages(model: nn.Module):
 
 
 def size_bytes(model: nn.Module) -> int:
-    """Bytes of all parameters and buffers as stored (each storage once)."""
-    return sum(n for _, n in _storages(model))
+    """Bytes of all parameters and buffers as stored (each storage once), plus the files of `FileModel` modules."""
+    return sum(n for _, n in _storages(model)) + sum(f.file_bytes() for f in _files(model))
 
 
 def bytes_by_dtype(model: nn.Module) -> dict[str, int]:
     out: dict[str, int] = defaultdict(int)
     for t, n in _storages(model):
         out[str(t.dtype).removeprefix("torch.")] += n
+    for f in _files(model):
+        out[f"{f.file_format} file"] += f.file_bytes()
     return dict(out)
 
 
@@ -137,5 +161,8 @@ def peak_memory(model: nn.Module, inputs: tuple) -> PeakMemory:
             call(model, inputs)
         torch.cuda.synchronize(device)
         return PeakMemory(torch.cuda.max_memory_allocated(device), "cuda max_memory_allocated")
-    return PeakMemory(size_bytes(model) + _cpu_transient_peak(model, inputs),
-                      "weights + peak live CPU tensor bytes of one forward (torch profiler allocator events)")
+    method = "weights + peak live CPU tensor bytes of one forward (torch profiler allocator events)"
+    runtimes = sorted({f.file_format for f in _files(model)})
+    if runtimes:
+        method += f"; the {' / '.join(runtimes)} file's bytes as weights, its runtime's own allocations not seen"
+    return PeakMemory(size_bytes(model) + _cpu_transient_peak(model, inputs), method)

@@ -345,16 +345,7 @@ class Session:
                              f"{' ...' if len(self.changed) > 3 else ''}): Apply & measure first, so the exported "
                              f"model is the one measured")
         if format == "onnx":
-            batch = self.task.example_inputs(batch_size=1)
-            if isinstance(batch, torch.Tensor):
-                batch = (batch,)
-            if not isinstance(batch, (tuple, list)):
-                raise ValueError(f"onnx export traces the model with positional inputs; the task {self.task.name!r} "
-                                 f"gives a {type(batch).__name__}: call wb.export(model, path, "
-                                 f"format=ONNX(example_inputs=...)) instead")
-            names = tuple(f"input{i}" for i in range(len(batch)))   # any batch size, as the task measures
-            format = ONNX(example_inputs=tuple(batch), input_names=names,
-                          dynamic_axes={n: {0: "batch"} for n in names})
+            format = ONNX.for_task(self.task)
         if base_folder is None:
             source = getattr(getattr(self.original, "config", None), "_name_or_path", None)
             if source and Path(source).is_dir():

@@ -90,3 +90,36 @@ def test_export_command_onnx_needs_a_task_and_overwrites_on_request(tmp_path, ca
     assert graph.input[0].type.tensor_type.shape.dim[0].dim_param == "batch"
     assert main(args + ["--task", "digits"]) == 2 and "is not an empty folder" in capsys.readouterr().err
     assert main(args + ["--task", "digits", "--overwrite"]) == 0
+
+
+def test_runtime_model_picks_the_runtime_of_each_format(tmp_path):
+    """`runtime_model(folder, format)`: ONNX Runtime, llama.cpp, transformers' loader - each giving the exported
+    model's outputs (within the fp32 rounding / activation rounding the format tests state)."""
+    transformers = pytest.importorskip("transformers")
+    from workbench.export.runtimes import LlamaCppModel, OnnxRuntimeModel, runtime_model
+
+    mlp = wb.apply(wb.models.load("digits-mlp"), {"fc*": wb.quant.WeightOnly(bits=4, group_size=32)}, progress=False)
+    task = wb.tasks.load("digits")
+    onnx_model = runtime_model(wb.export(mlp, tmp_path / "onnx", format=ONNX.for_task(task)), "onnx")
+    x = task.example_inputs(3)[0]
+    with torch.no_grad():
+        assert isinstance(onnx_model, OnnxRuntimeModel)
+        assert (onnx_model(x) - mlp(x)).abs().max().item() <= 1e-4 * max(1.0, mlp(x).abs().max().item())
+
+    llama = wb.models.load("tiny-llama")
+    gguf_model = runtime_model(wb.export(llama, tmp_path / "gguf", format="gguf"), "gguf", config=llama.config)
+    assert isinstance(gguf_model, LlamaCppModel) and gguf_model.config is llama.config
+    gguf_model.close()
+
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                   num_attention_heads=4, max_position_embeddings=32, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    small = wb.apply(transformers.LlamaForCausalLM(cfg).eval(),
+                     {"model.layers.*": wb.quant.WeightOnly(bits=4, group_size=32)}, progress=False)
+    hf = runtime_model(wb.export(small, tmp_path / "ct"), "compressed-tensors")
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert type(hf).__name__ == "LlamaForCausalLM"
+        assert (hf(ids).logits - small(ids).logits).abs().max().item() <= 1e-5
+    with pytest.raises(ValueError, match="unknown export format 'tflite'"):
+        runtime_model(tmp_path / "onnx", "tflite")

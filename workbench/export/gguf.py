@@ -6,9 +6,9 @@
 The file holds the hyper-parameters llama.cpp reads (``{arch}.context_length``, ``embedding_length``,
 ``block_count``, ``feed_forward_length``, ``attention.head_count`` / ``head_count_kv`` / ``key_length`` /
 ``value_length`` / ``layer_norm_rms_epsilon``, ``rope.dimension_count`` / ``freq_base``, ``vocab_size``; per
-architecture, `architectures`), the
-vocabulary (``tokenizer.ggml.*``, `gguf_vocab`: a byte-level BPE as ``model = "gpt2"``, ``pre = "gpt-2"``: tokens in
-id order, token types, merges, bos / eos / padding ids, whether to add bos / eos), ``general.architecture``,
+architecture, `architectures`), the vocabulary (``tokenizer.ggml.*``, `gguf_vocab`: a byte-level BPE as
+``model = "gpt2"`` with ``pre = "gpt-2"`` / ``"llama-bpe"`` / ``"qwen2"`` (`gguf_vocab.PRE_TOKENIZERS`): tokens in id
+order, token types, merges, bos / eos / padding ids, whether to add bos / eos), ``general.architecture``,
 ``general.file_type``, and the producer (``general.producer``: workbench version, gguf-py version, applied plans).
 
 Quantized layers are written as the ggml block that holds the workbench's grid exactly - the codes and fp16 scales

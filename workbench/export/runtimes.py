@@ -54,7 +54,7 @@ from workbench.export.llama_cpp import LlamaCpp
 from workbench.export.onnx import FILE_NAME as ONNX_FILE
 from workbench.measurement.footprint import FileModel
 
-__all__ = ["OnnxRuntimeModel", "LlamaCppModel", "gguf_config"]
+__all__ = ["OnnxRuntimeModel", "LlamaCppModel", "gguf_config", "runtime_model"]
 
 # ONNX Runtime's input type -> the numpy dtype it takes (other types are left to ONNX Runtime to check)
 ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
@@ -257,3 +257,32 @@ class LlamaCppModel(FileModel):
 
     def extra_repr(self) -> str:
         return f"{self.path}, threads={self.threads or 'torch'}"
+
+
+# --- by format -------------------------------------------------------------------------------------------------------
+
+def runtime_model(folder: str | os.PathLike, format: str, *, config: Any = None):
+    """The exported ``folder`` (written by ``wb.export(..., format=format)``) as the runtime that deploys it runs it,
+    as an `nn.Module` for `wb.measure` / `wb.speedup`: ``"onnx"`` -> `OnnxRuntimeModel`, ``"gguf"`` ->
+    `LlamaCppModel` (``config``: the exported model's config), ``"compressed-tensors"`` -> transformers'
+    ``from_pretrained`` of the folder (compressed-tensors' own loader: the model a transformers user gets, its
+    Linears decompressed on load; vLLM's kernels are not run here)."""
+    from workbench.export import ExportFormat
+
+    name = format.name if isinstance(format, ExportFormat) else format
+    folder = Path(folder)
+    if name == "onnx":
+        return OnnxRuntimeModel(folder)
+    if name == "gguf":
+        return LlamaCppModel(folder, config=config)
+    if name == "compressed-tensors":
+        import json
+
+        import transformers
+
+        from workbench.models.checkpoint import auto_class_name
+
+        archs = json.loads((folder / "config.json").read_text()).get("architectures") or [None]
+        auto = getattr(transformers, auto_class_name(archs[0]))
+        return auto.from_pretrained(str(folder), local_files_only=True, use_safetensors=True).eval()
+    raise ValueError(f"runtime_model: unknown export format {name!r} (onnx, gguf or compressed-tensors)")

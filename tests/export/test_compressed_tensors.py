@@ -43,6 +43,8 @@ SCHEMES = {   # name -> (config, the `weights` args compressed-tensors must reco
     "int8-channel": (wb.quant.WeightOnly(bits=8, kernel="reference"),
                      {"num_bits": 8, "strategy": "channel", "group_size": None, "symmetric": True}, "pack-quantized",
                      None),
+    "fp8-e4m3-channel": (wb.quant.FP8(), {"num_bits": 8, "type": "float", "strategy": "channel", "group_size": None,
+                                          "symmetric": True}, "naive-quantized", None),
     "w8a8-dynamic": (wb.quant.Dynamic(kernel="reference"),
                      {"num_bits": 8, "strategy": "channel", "group_size": None, "symmetric": True}, "int-quantized",
                      {"num_bits": 8, "strategy": "token", "dynamic": True, "symmetric": True}),
@@ -146,7 +148,8 @@ def _check_round_trip(small, folder, scheme: str, ignore: list[str]):
     assert qc["quantization_status"] == "compressed" and qc["version"] == "0.20.0"
     (group,) = qc["config_groups"].values()
     assert group["targets"] == ["Linear"] and group["format"] == fmt
-    assert {k: group["weights"][k] for k in weights} == weights and group["weights"]["type"] == "int"
+    assert {k: group["weights"][k] for k in weights} == weights
+    assert group["weights"]["type"] == weights.get("type", "int")
     assert (group["input_activations"] is None) == (inputs is None)
     if inputs is not None:
         assert {k: group["input_activations"][k] for k in inputs} == inputs
@@ -224,7 +227,7 @@ def test_tensors_are_those_compressed_tensors_writes_itself(tmp_path, scheme):
                 layer.weight_scale.copy_(m.scale.t())
                 continue
             layer.weight_scale.copy_(m.scale.float())
-            if not m.fmt.symmetric:
+            if not getattr(m.fmt, "symmetric", True):   # (FP8: no zero point)
                 layer.weight_zero_point.copy_(m.zero.to(torch.int16) - (1 << (m.fmt.bits - 1)))
     ModelCompressor(quantization_config=qconfig).compress_model(own)
     theirs = {k: v for k, v in own.state_dict().items()}

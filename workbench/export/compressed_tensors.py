@@ -13,6 +13,7 @@ scales and fp32 W8A8 scales exactly).
 |---|---|---|---|
 | `WeightOnlyLinear`, `IntFormat` 2-8 bits, per channel or group, symmetric | ``weights`` int, ``symmetric: true``, strategy channel / group | ``pack-quantized`` | ``weight_packed`` int32 (N, K*bits/32), ``weight_scale`` (N, G), ``weight_shape`` |
 | the same, asymmetric (integer zero point) | ``symmetric: false`` | ``pack-quantized`` | + ``weight_zero_point`` int32, packed along N |
+| `WeightOnlyLinear`, `FP8Format` e4m3 (``wb.quant.FP8()``: fp32 scale per row) | ``weights`` float 8 bits, strategy channel | ``naive-quantized`` | ``weight`` float8_e4m3fn (N, K), ``weight_scale`` (N, 1) |
 | `W8A8Linear`, dynamic | int8 channel weights + ``input_activations`` int8 per token, dynamic | ``int-quantized`` | ``weight`` int8 (N, K), ``weight_scale`` (N, 1) |
 | `W8A8Linear`, static | + ``input_activations`` int8 per tensor, static | ``int-quantized`` | + ``input_scale`` (1,) |
 | any layer the plan left in floating point | listed in ``ignore`` | - | ``weight`` (and ``bias``) as they are |
@@ -21,7 +22,7 @@ Codes map one to one: the workbench stores unsigned codes ``u`` (a symmetric for
 ``2^(bits-1)``), compressed-tensors signed ones ``q = u - 2^(bits-1)`` (its zero points shifted the same way), and
 both dequantize as ``(q - z) * s`` in the scale's dtype.
 
-Refused before anything is written, naming the layer: NF4 and FP8 weights, HQQ's real-valued zero points, AWQ's and
+Refused before anything is written, naming the layer: NF4 and FP8 e5m2 weights, HQQ's real-valued zero points, AWQ's and
 SmoothQuant's per-input-channel smoothing (it would have to be folded into the previous layer), GPTQ act-order with
 a stored column permutation (compressed-tensors removed ``actorder="group"`` / ``g_idx``; ``static_groups=True``
 stores none), a last group shorter than ``group_size``, quantized embeddings and convolutions, pruned, low-rank or
@@ -45,6 +46,7 @@ from torch import nn
 from workbench.export import ExportFormat, integer_weight_problem, register_export_format
 from workbench.plans import applied_plans
 from workbench.quantization import packing
+from workbench.quantization.formats import FP8Format
 from workbench.quantization.modules import W8A8Linear, WeightOnlyLinear
 
 __all__ = ["CompressedTensors", "Activations", "Scheme", "LAYER_ENCODERS", "BASE_FILES"]
@@ -74,17 +76,20 @@ class Scheme:
     group_size: int | None        # None: per output channel
     symmetric: bool
     activations: Activations = Activations.NONE
+    kind: str = "int"             # the weights' QuantizationType: "int" codes, or "float" (FP8 e4m3 values)
 
     @property
     def format(self) -> str:
         """The compressed-tensors `CompressionFormat` value its layers are stored in."""
+        if self.kind == "float":
+            return "naive-quantized"   # float8 weights as they are (the float-quantized alias wants activations)
         return "pack-quantized" if self.activations is Activations.NONE else "int-quantized"
 
     def to_ct(self, targets: list[str]):
         """The `compressed_tensors.QuantizationScheme` of this group."""
         from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
-        weights = QuantizationArgs(num_bits=self.bits, type="int", symmetric=self.symmetric, dynamic=False,
+        weights = QuantizationArgs(num_bits=self.bits, type=self.kind, symmetric=self.symmetric, dynamic=False,
                                    strategy="channel" if self.group_size is None else "group",
                                    group_size=self.group_size)
         inputs = None
@@ -114,9 +119,12 @@ def _refuse(name: str, what: str) -> ValueError:
 
 @_encodes(WeightOnlyLinear)
 def _weight_only(name: str, m: WeightOnlyLinear) -> tuple[Scheme, dict[str, torch.Tensor]]:
-    """pack-quantized: the stored codes shifted to signed, packed by compressed-tensors; scales in fp32."""
+    """pack-quantized: the stored codes shifted to signed, packed by compressed-tensors; scales in fp32. FP8 (e4m3)
+    weights: naive-quantized, the float8 values as stored with their fp32 per-row scales."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
+    if isinstance(m.fmt, FP8Format):
+        return _fp8_weight_only(name, m)
     why = integer_weight_problem(m)
     if why:
         raise _refuse(name, why)
@@ -143,6 +151,18 @@ def _weight_only(name: str, m: WeightOnlyLinear) -> tuple[Scheme, dict[str, torc
         tensors["weight_zero_point"] = pack_to_int32((zero.to(torch.int16) - half).to(torch.int8), fmt.bits,
                                                      packed_dim=0)
     return Scheme(fmt.bits, group_size, fmt.symmetric), tensors
+
+
+def _fp8_weight_only(name: str, m: WeightOnlyLinear) -> tuple[Scheme, dict[str, torch.Tensor]]:
+    """W8A16 FP8: compressed-tensors' float type is e4m3 (its FP8 schemes); both dequantize as ``q * s`` in fp32."""
+    if m.fmt.dtype != torch.float8_e4m3fn:
+        raise _refuse(name, f"stores {m.fmt.dtype} weights; compressed-tensors' FP8 is float8_e4m3fn")
+    for leaf in ("smooth", "perm"):
+        if leaf in m._buffers:
+            raise _refuse(name, "divides its inputs by an AWQ smoothing vector" if leaf == "smooth" else
+                          "stores a column permutation")
+    return Scheme(8, None, True, kind="float"), {"weight": m.qweight.detach().cpu().contiguous(),       # (N, K)
+                                                "weight_scale": m.scale.detach().cpu().float().contiguous()}   # (N, 1)
 
 
 @_encodes(W8A8Linear)

@@ -317,7 +317,194 @@ def _edited(spec: dict, edit) -> dict:
      "is not a GPT-2-style byte-level BPE.*add_prefix_space=True"),
     ("llama-bpe", lambda s: s["pre_tokenizer"]["pretokenizers"][0].update(behavior="Removed"),
      "is not a GPT-2-style byte-level BPE.*behavior='Removed'"),
-    ("gpt-2", lambda s: s["model"].update(byte_fallback=True), "is not a GPT-2-style byte-level BPE"),
+    ("gpt-2", lambda s: s["model"].update(byte_fallback=True), "a BPE with byte fallback but not a SentencePiece"),
 ])
 def test_what_llama_cpp_would_tokenize_otherwise_is_refused(tmp_path, specs, name, edit, match):
     _refused(tmp_path, _edited(specs[name], edit), SCHEMES[name][1], match)
+
+
+# --- SentencePiece-style BPEs (Llama-2, Mistral, TinyLlama, Gemma): llama.cpp's SPM tokenizer, with scores ------------
+
+SPM_SPECIALS = ["<unk>", "<s>", "</s>"]
+SPM_TEXTS = TEXTS + [" one leading space", "  two leading spaces", "a    four-space run and ▁ itself",
+                     "unseen: ĳ ⅻ ж 👍🏽 ☃ — all bytes", "x\n\ny\r\n\tz"]
+
+
+def _spm_layouts() -> dict:
+    """name -> (normalizer, pre-tokenizer, decoder), as transformers' LlamaConverter (legacy, with and without the
+    prefix space) and GemmaConverter build them."""
+    from tokenizers import decoders, normalizers, pre_tokenizers
+
+    decode = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    return {"llama": (normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]), None,
+                      decoders.Sequence(decode + [decoders.Strip(" ", 1, 0)])),
+            "llama-no-prefix": (normalizers.Sequence([normalizers.Replace(" ", "▁")]), None,
+                                decoders.Sequence(decode)),
+            "gemma": (normalizers.Replace(" ", "▁"), pre_tokenizers.Split(" ", "merged_with_previous"),
+                      decoders.Sequence(decode))}
+
+
+def _spm_learned() -> list[str]:
+    """The pieces of a BPE trained on `_corpus` split at SentencePiece's "▁" (creation order), without newlines and
+    tabs (they are byte tokens in Llama-2's vocabulary), after Llama-2's own first pieces, runs of "▁"."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    trained = Tokenizer(models.BPE())
+    trained.pre_tokenizer = pre_tokenizers.Metaspace()
+    trained.train_from_iterator(_corpus(), trainers.BpeTrainer(vocab_size=420, show_progress=False))
+    learned = sorted(trained.get_vocab(), key=trained.get_vocab().get)
+    return ["▁▁", "▁▁▁", "▁▁▁▁"] + [t for t in learned if not set(t) & set("\n\r\t")]
+
+
+def _sentencepiece(layout: str = "llama", learned: list[str] | None = None, merges=None) -> dict:
+    """As a Llama-2 tokenizer.json (a SentencePiece BPE converted by transformers): <unk> <s> </s>, the 256 byte
+    tokens, the learned pieces; the merges transformers' converter derives from a SentencePiece vocabulary (every
+    split of a piece into two pieces, in the order of the pieces' scores, here minus their ids); byte fallback; the
+    ``layout``'s normalizer / pre-tokenizer / decoder; a post-processor adding <s>. ``merges``: these instead."""
+    from tokenizers import AddedToken, Tokenizer, models, processors
+    from transformers.tokenization_utils_base import generate_merges
+
+    tokens = SPM_SPECIALS + [f"<0x{b:02X}>" for b in range(256)] + (learned or _spm_learned())
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if merges is None:
+        merges = generate_merges(vocab, {t: -float(i) for t, i in vocab.items()}, skip_tokens=SPM_SPECIALS)
+    tokenizer = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tokenizer.normalizer, pre, tokenizer.decoder = _spm_layouts()[layout]
+    if pre is not None:
+        tokenizer.pre_tokenizer = pre
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPM_SPECIALS])
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B:1",
+                                                             special_tokens=[("<s>", 1)])
+    return json.loads(tokenizer.to_str())
+
+
+@pytest.fixture(scope="module")
+def spm():
+    return {layout: _sentencepiece(layout) for layout in _spm_layouts()}
+
+
+def _spm_export(tmp_path, spec: dict):
+    base = _folder(tmp_path, spec)
+    return base, wb.export(_model("LlamaForCausalLM", bos=1), tmp_path / "out", format="gguf", base_folder=base)
+
+
+def test_sentencepiece_fields(tmp_path, spm):
+    """tokenizer.ggml.*: model llama, no merges, tokens in id order then unused padding, a token's score minus the
+    rank of its first merge (0 for tokens no merge makes), types (unk UNKNOWN, <s> </s> CONTROL, <0xNN> BYTE),
+    the unk id, add_space_prefix and add_bos."""
+    spec = spm["llama"]
+    _, out = _spm_export(tmp_path, spec)
+    fields = {k: f.contents() for k, f in gguf.GGUFReader(out / "model.gguf").fields.items()
+              if k.startswith("tokenizer.")}
+    assert fields["tokenizer.ggml.model"] == "llama"
+    assert "tokenizer.ggml.merges" not in fields and "tokenizer.ggml.pre" not in fields
+    vocab = spec["model"]["vocab"]
+    n = len(vocab)
+    by_id = sorted(vocab, key=vocab.get)
+    assert fields["tokenizer.ggml.tokens"] == by_id + [f"[PAD{i}]" for i in range(n, VOCAB)]
+    first: dict[str, int] = {}
+    for rank, (left, right) in enumerate(spec["model"]["merges"]):
+        first.setdefault(left + right, rank)
+    assert len(first) > 200
+    assert fields["tokenizer.ggml.scores"] == [-float(first.get(t, 0)) for t in by_id] + [0.0] * (VOCAB - n)
+    T = gguf.TokenType
+    assert fields["tokenizer.ggml.token_type"] == ([T.UNKNOWN, T.CONTROL, T.CONTROL] + [T.BYTE] * 256
+                                                   + [T.NORMAL] * (n - 259) + [T.UNUSED] * (VOCAB - n))
+    assert fields["tokenizer.ggml.unknown_token_id"] == 0 and fields["tokenizer.ggml.bos_token_id"] == 1
+    assert fields["tokenizer.ggml.add_space_prefix"] is True
+    assert fields["tokenizer.ggml.add_bos_token"] is True and fields["tokenizer.ggml.add_eos_token"] is False
+
+
+@pytest.mark.parametrize("layout, prefix", [("llama", True), ("llama-no-prefix", False), ("gemma", False)])
+def test_llama_cpp_tokenizes_sentencepiece_as_tokenizer_json(tmp_path, spm, layout, prefix):
+    """llama.cpp's SPM tokenizer gives exactly the tokenizers library's ids: leading, trailing and runs of spaces (the
+    "▁▁" pieces), newlines and tabs (byte tokens here, as in Llama-2), digits, characters the vocabulary lacks (byte
+    fallback, emoji included), a literal "▁"."""
+    base, out = _spm_export(tmp_path, spm[layout])
+    fields = gguf.GGUFReader(out / "model.gguf").fields
+    assert fields["tokenizer.ggml.add_space_prefix"].contents() is prefix
+    want = _reference_ids(base, SPM_TEXTS)
+    vocab = spm[layout]["model"]["vocab"]
+    used = {i for ids in want for i in ids}
+    assert all(ids for ids in want)
+    assert {vocab["<0x0A>"], vocab["<0xF0>"], vocab["▁▁"], vocab["▁▁▁"]} <= used   # byte fallback, space runs
+    assert _llama_cpp_ids(out, SPM_TEXTS) == want
+
+
+def test_sentencepiece_scores_decide(tmp_path, spm, monkeypatch):
+    """The check above can fail: one score for every token (as llama.cpp's own converter writes from tokenizer.json
+    alone, -1000.0) makes llama.cpp join the leftmost pair that makes a token - other ids."""
+    monkeypatch.setattr(gguf_vocab, "spm_scores", lambda *args, **kwargs: {})   # every score 0.0
+    base, out = _spm_export(tmp_path, spm["llama"])
+    got, want = _llama_cpp_ids(out, SPM_TEXTS), _reference_ids(base, SPM_TEXTS)
+    assert got != want
+
+
+def test_merges_llama_cpp_cannot_follow_are_refused(tmp_path, monkeypatch):
+    """llama.cpp joins any two pieces that make a token, a BPE only its merges: with "bc" merged before "ab" and
+    "abc" made from "ab" + "c" only, the BPE leaves "abc" as "a" "bc", llama.cpp (scores written regardless) joins
+    them - refused. So is a byte-fallback BPE trained by the tokenizers library (only the merges training made)."""
+    from tokenizers import Tokenizer, models, trainers
+
+    spec = _sentencepiece(learned=["▁", "a", "b", "c", "bc", "ab", "abc"], merges=[("b", "c"), ("a", "b"), ("ab", "c")])
+    message = _refused(tmp_path, spec, "LlamaForCausalLM", "merges llama.cpp's SPM tokenizer cannot follow with "
+                                                           "scores: 'a' \\+ 'bc' makes the token 'abc' but is no merge")
+    assert "joins any two pieces that make a token" in message
+
+    def unchecked(vocab, merges, skip=()):
+        first: dict[str, int] = {}
+        for rank, (left, right) in enumerate(merges):
+            first.setdefault(left + right, rank)
+        return {t: -float(r) for t, r in first.items()}
+
+    with monkeypatch.context() as patch:
+        patch.setattr(gguf_vocab, "spm_scores", unchecked)
+        base, out = _spm_export(tmp_path, spec)
+        vocab = spec["model"]["vocab"]
+        assert _reference_ids(base, ["abc"]) == [[vocab["▁"], vocab["a"], vocab["bc"]]]
+        assert _llama_cpp_ids(out, ["abc"]) == [[vocab["▁"], vocab["abc"]]]
+
+    trained = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    trained.normalizer, _, trained.decoder = _spm_layouts()["llama"]
+    trained.train_from_iterator(_corpus(), trainers.BpeTrainer(
+        vocab_size=700, show_progress=False, special_tokens=SPM_SPECIALS + [f"<0x{b:02X}>" for b in range(256)]))
+    (tmp_path / "trained").mkdir()
+    _refused(tmp_path / "trained", json.loads(trained.to_str()), "LlamaForCausalLM", "is no merge")
+
+
+def test_a_metaspace_pre_tokenizer_is_refused(tmp_path, spm):
+    """transformers' non-legacy Llama conversion (no normalizer, Metaspace(prepend_scheme="first", split=False))
+    prepends no "▁" to a text starting with a space, llama.cpp does: other ids, so refused, naming what was found."""
+    from tokenizers import Tokenizer, pre_tokenizers
+
+    spec = _edited(spm["llama"], lambda s: s.update(normalizer=None))
+    metaspace = Tokenizer.from_str(json.dumps(spec))
+    metaspace.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
+    legacy = Tokenizer.from_str(json.dumps(spm["llama"]))
+    assert (metaspace.encode(" one leading space", add_special_tokens=False).ids
+            != legacy.encode(" one leading space", add_special_tokens=False).ids)
+    message = _refused(tmp_path, json.loads(metaspace.to_str()), "LlamaForCausalLM",
+                       "a BPE with byte fallback but not a SentencePiece-style one")
+    assert '"Metaspace"' in message and "'llama'" in message and "'gemma'" in message
+
+
+def _moved(merges: list, token: str, to: int) -> list:
+    """``merges`` with the merges making ``token`` taken out and put back: the first at rank ``to``, the others last."""
+    making = [list(m) for m in merges if "".join(m) == token]
+    rest = [list(m) for m in merges if "".join(m) != token]
+    return rest[:to] + making[:1] + rest[to:] + making[1:]
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda s: s["model"].update(ignore_merges=True), r"\('llama'\) but has ignore_merges True"),
+    (lambda s: s["model"].update(dropout=0.1), "but has dropout 0.1"),
+    (lambda s: s["model"]["vocab"].pop("<0xFF>"), "no byte token for <0xFF>"),
+    (lambda s: s["model"].update(unk_token=None), "unk_token None not in the vocabulary"),
+    (lambda s: s.update(normalizer={"type": "Sequence", "normalizers": [{"type": "NFKC"}, *s["normalizer"][
+        "normalizers"]]}), "not a SentencePiece-style one.*NFKC"),
+    (lambda s: s["decoder"]["decoders"].pop(), "not a SentencePiece-style one.*decoder"),
+    (lambda s: s["model"].update(merges=_moved(s["model"]["merges"], "▁▁▁", 5)),
+     "the merges making '▁▁▁' are not consecutive"),
+])
+def test_what_llama_cpp_would_tokenize_otherwise_is_refused_sentencepiece(tmp_path, spm, edit, match):
+    _refused(tmp_path, _edited(spm["llama"], edit), "LlamaForCausalLM", match)

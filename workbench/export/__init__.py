@@ -11,6 +11,13 @@ A format is a class derived from `ExportFormat`, registered in `FORMATS` under t
    touches the disk. The model is only read.
 2. ``write(prepared, folder)`` puts it into an empty folder.
 
+Where a format cannot hold a layer as it is (NF4 or int3 in GGUF, per-channel int4 in a block-32 format), it also says
+which grid it holds is nearest (``nearest(name, module)``: the config to re-quantize into, None where it holds the
+layer as it is, a ValueError naming the layer where nothing is near). ``export(..., requantize=True)`` - or
+``requantize=task``, which also measures the task's metric before and after - re-quantizes those layers (round to
+nearest from the weight they compute with, in a copy: `workbench.export.fit`) and exports the result, with one
+`RequantizedWarning` saying what changed; without it, the refusal says that ``requantize=True`` is the way out.
+
 `export` writes into a temporary folder next to ``path`` and renames it into place only when it is complete, so a
 failed export leaves no folder behind (and never overwrites a non-empty one).
 
@@ -29,10 +36,15 @@ import abc
 import os
 import shutil
 import uuid
+import warnings
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch import nn
+
+if TYPE_CHECKING:
+    from workbench.plans.registry import Config
+    from workbench.tasks.base import Task
 
 __all__ = ["ExportFormat", "FORMATS", "register_export_format", "export", "integer_weight_problem",
            "CompressedTensors", "GGUF", "ONNX", "OnnxRuntimeModel", "LlamaCppModel"]
@@ -61,6 +73,13 @@ class ExportFormat(abc.ABC):
     @abc.abstractmethod
     def write(self, prepared: Any, folder: Path) -> None:
         """Write what `prepare` returned into the empty folder ``folder``."""
+
+    def nearest(self, name: str, module: nn.Module) -> Config | None:
+        """The config of the nearest grid this format holds, for a layer it cannot hold as it is (`workbench.export.fit`
+        re-quantizes the layer into it); None where it holds the layer as it is or the layer is not one it writes
+        (`prepare` decides the rest); raises ValueError naming the layer where nothing it holds is near (pruned,
+        low-rank, cast layers). This default re-quantizes nothing."""
+        return None
 
 
 def integer_weight_problem(m: nn.Module) -> str | None:
@@ -97,8 +116,28 @@ def _target(path: str | os.PathLike) -> Path:
     return path
 
 
+def _requantize_hint(model: nn.Module, fmt: ExportFormat) -> str | None:
+    """The way out of a refusal, where re-quantizing is one: which layers ``requantize=True`` would re-quantize, into
+    what (None when there is nothing to re-quantize, or some layer nothing in the format is near)."""
+    from workbench.export.fit import nearest_configs
+    from workbench.plans.words import describe
+
+    try:
+        configs = nearest_configs(model, fmt)
+    except ValueError:   # (a layer re-quantizing cannot help: the format's own refusal stands alone)
+        return None
+    if not configs:
+        return None
+    shown = ", ".join(f"{n!r} -> {describe(c)}" for n, c in list(configs.items())[:3])
+    more = f", and {len(configs) - 3} more" if len(configs) > 3 else ""
+    return (f"To export anyway, pass requantize=True (or requantize=task, to measure the change in the task's "
+            f"metric): it re-quantizes, round to nearest, the {len(configs)} layer(s) {fmt.name} cannot hold as they "
+            f"are into the nearest grid it holds ({shown}{more}) and reports the change.")
+
+
 def export(model: nn.Module, path: str | os.PathLike, format: str | ExportFormat = "compressed-tensors", *,
-           base_folder: str | os.PathLike | None = None, overwrite: bool = False) -> Path:
+           base_folder: str | os.PathLike | None = None, overwrite: bool = False,
+           requantize: bool | Task | str = False) -> Path:
     """Write ``model`` (e.g. the result of `wb.apply`) as a checkpoint folder ``path`` in ``format``; returns the path.
 
     ``base_folder``: the folder the model was loaded from; its tokenizer (and generation) files are copied, so the
@@ -106,8 +145,20 @@ def export(model: nn.Module, path: str | os.PathLike, format: str | ExportFormat
     existing folder there is replaced, once the new one is completely written (a report re-run exports again).
     Raises before writing anything when the format cannot hold some layer (the error names it); a failure while
     writing removes what was written and leaves an existing folder as it was.
+
+    ``requantize``: True re-quantizes the layers the format cannot hold as they are into the nearest grid it holds
+    (`workbench.export.fit.fit`, on a copy: ``model`` is only read) and exports that, with one `RequantizedWarning`
+    listing the layers and their weight change; a task (a `wb.tasks.Task` or its name) does the same and also
+    measures the task's primary metric before and after (``wb.measure(quick=True)``) into the warning. Call `fit`
+    itself for its report.
     """
     fmt = _format(format)
+    if not isinstance(requantize, bool):
+        from workbench.tasks.base import Task
+
+        if not isinstance(requantize, (Task, str)):
+            raise TypeError(f"requantize must be True, False or a task (a wb.tasks.Task or its name), got "
+                            f"{type(requantize).__name__}")
     path = Path(path)
     if overwrite:
         if path.exists() and not path.is_dir():
@@ -119,7 +170,21 @@ def export(model: nn.Module, path: str | os.PathLike, format: str | ExportFormat
         base = Path(base_folder)
         if not base.is_dir():
             raise ValueError(f"base_folder {base} is not a folder")
-    prepared = fmt.prepare(model, base)
+    if requantize is not False:
+        from workbench.export.fit import RequantizedWarning, fit, summary
+
+        model, report = fit(model, fmt, None if requantize is True else requantize)
+        if len(report):
+            warnings.warn(f"wb.export: {summary(report)}", RequantizedWarning, stacklevel=2)
+    try:
+        prepared = fmt.prepare(model, base)
+    except ValueError as e:
+        if requantize is not False:
+            raise
+        hint = _requantize_hint(model, fmt)
+        if hint is None:
+            raise
+        raise ValueError(f"{e} {hint}") from e
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}.partial"
     partial.mkdir()   # (not tempfile.mkdtemp: its 0700 mode would stay on the renamed folder)

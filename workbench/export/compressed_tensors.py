@@ -22,6 +22,9 @@ Codes map one to one: the workbench stores unsigned codes ``u`` (a symmetric for
 ``2^(bits-1)``), compressed-tensors signed ones ``q = u - 2^(bits-1)`` (its zero points shifted the same way), and
 both dequantize as ``(q - z) * s`` in the scale's dtype.
 
+``wb.export(..., requantize=True)`` re-quantizes what the format cannot hold as it is into the nearest grid it holds
+(`CompressedTensors.nearest`: the same bits and group as integer codes, FP8 e4m3 for e5m2).
+
 Refused before anything is written, naming the layer: NF4 and FP8 e5m2 weights, HQQ's real-valued zero points, AWQ's and
 SmoothQuant's per-input-channel smoothing (it would have to be folded into the previous layer), GPTQ act-order with
 a stored column permutation (compressed-tensors removed ``actorder="group"`` / ``g_idx``; ``static_groups=True``
@@ -187,6 +190,16 @@ def _made_by_workbench(module: nn.Module) -> bool:
     return type(module).__module__.partition(".")[0] == "workbench"
 
 
+def _whole_group(group_size: int | None, K: int) -> int | None:
+    """The group size nearest ``group_size`` that leaves no short group (compressed-tensors needs whole groups):
+    itself where it divides ``K`` or spans it (one group per row), else the largest divisor of K below it, or per
+    channel (None) where that would be under half of it."""
+    if group_size is None or K % group_size == 0 or group_size > K:
+        return group_size
+    divisor = next(d for d in range(group_size, 0, -1) if K % d == 0)
+    return divisor if 2 * divisor >= group_size else None
+
+
 # --- the whole model ------------------------------------------------------------------------------------------------
 
 @dataclass
@@ -302,6 +315,37 @@ class CompressedTensors(ExportFormat):
         files = self._base_files(base_folder, model, generation is not None)
         return Prepared(config, qconfig, tensors, {"format": "pt", **producer}, provenance, generation, files, layers,
                         ignore)
+
+    # --- the nearest grid compressed-tensors holds, for a layer it cannot hold as it is (`workbench.export.fit`) ------
+
+    def nearest(self, name: str, module: nn.Module):
+        """None where the format holds the layer as it is; else integer codes of the same bits and group (NF4 ->
+        int4, HQQ -> integer zero points, AWQ smoothing and act-order permutations -> the effective weight on the same
+        grid; a short last group -> the largest whole group not above it), FP8 e5m2 -> e4m3, a smoothed dynamic W8A8
+        layer -> plain dynamic W8A8. Refuses what it can hold in no grid: quantized embeddings and convolutions,
+        pruned, low-rank and cast layers, static SmoothQuant layers (their activation scale needs calibration)."""
+        from workbench.export.fit import holds_as_is, weight_grid
+        from workbench.quantization.configs import FP8, Dynamic, WeightOnly
+
+        encode = _encoder_for(module)
+        if encode is None:
+            if _made_by_workbench(module) and not type(module).__module__.startswith("workbench.models"):
+                raise _refuse(name, f"is a {type(module).__name__} ({type(module).__module__}), which the format "
+                                    f"cannot hold in any grid, so re-quantizing it cannot help")
+            return None
+        if holds_as_is(encode, name, module):
+            return None
+        if isinstance(module, W8A8Linear):
+            if module.static:
+                raise _refuse(name, "is a static W8A8 layer with SmoothQuant smoothing; its activation scale was "
+                                    "calibrated on the smoothed inputs, so it cannot be re-quantized without "
+                                    "calibration data - apply wb.quant.Static() without smooth_alpha")
+            return Dynamic()
+        if isinstance(module.fmt, FP8Format):
+            return FP8()   # e4m3, one scale per row
+        grid = weight_grid(module)
+        return WeightOnly(bits=grid.bits, group_size=_whole_group(grid.group_size, module.in_features),
+                          symmetric=grid.symmetric)
 
     @staticmethod
     def _plain_tensors(model: nn.Module, reader: nn.Module, ref_modules: dict[str, nn.Module], quantized: set[str],

@@ -7,8 +7,10 @@ The file holds the hyper-parameters llama.cpp reads (``{arch}.context_length``, 
 ``block_count``, ``feed_forward_length``, ``attention.head_count`` / ``head_count_kv`` / ``key_length`` /
 ``value_length`` / ``layer_norm_rms_epsilon``, ``rope.dimension_count`` / ``freq_base``, ``vocab_size``; per
 architecture, `architectures`), the vocabulary (``tokenizer.ggml.*``, `gguf_vocab`: a byte-level BPE as
-``model = "gpt2"`` with ``pre = "gpt-2"`` / ``"llama-bpe"`` / ``"qwen2"`` (`gguf_vocab.PRE_TOKENIZERS`): tokens in id
-order, token types, merges, bos / eos / padding ids, whether to add bos / eos), ``general.architecture``,
+``model = "gpt2"`` with ``pre = "gpt-2"`` / ``"llama-bpe"`` / ``"qwen2"`` (`gguf_vocab.PRE_TOKENIZERS`), or a
+SentencePiece-style byte-fallback BPE (Llama-2, Mistral, TinyLlama, Gemma) as ``model = "llama"`` with per-token
+scores (`gguf_vocab.SPM_LAYOUTS`): tokens in id order, token types, merges / scores, bos / eos / padding ids, whether
+to add bos / eos), ``general.architecture``,
 ``general.file_type``, and the producer (``general.producer``: workbench version, gguf-py version, applied plans).
 
 Quantized layers are written as the ggml block that holds the workbench's grid exactly - the codes and fp16 scales
@@ -42,13 +44,17 @@ fused ``attn_qkv`` as one tensor, LayerNorms and Linears with biases, ``{arch}.a
 float ``Conv1D`` weight, stored (in, out) by transformers, is written transposed; a quantized one was rewritten to a
 Linear by the plan and is written as its blocks), with the tanh GELU llama.cpp computes.
 
+``wb.export(..., requantize=True)`` re-quantizes what GGUF cannot hold as it is into the nearest grid it holds
+(`nearest`: Q4_0's for 2-, 3- and 4-bit codes and NF4, Q8_0's for 8-bit codes, FP8 and W8A8 weights).
+
 Refused before anything is written, naming the layer: other group sizes, a short last group, 2/3-bit codes, 8-bit
 codes with a zero point, asymmetric 4-bit codes whose ``-scale * zero`` is not an fp16 value (Q4_1's minimum is
 fp16), HQQ's real-valued zero points, NF4 and FP8 weights, AWQ smoothing and GPTQ act-order permutations, W8A8
 layers (GGUF stores weights only; llama.cpp quantizes activations itself), pruned, low-rank and cast layers; models
 of other architectures (TypeError), configs llama.cpp would run differently (rope scaling, sliding window, another
-activation), and a model whose vocabulary is unknown or not a byte-level BPE: llama.cpp loads no model without its
-vocabulary, so the tokenizer comes from ``base_folder/tokenizer.json`` or, for zoo models, the zoo's own.
+activation), and a model whose vocabulary is unknown or neither a byte-level nor a SentencePiece-style BPE: llama.cpp
+loads no model without its vocabulary, so the tokenizer comes from ``base_folder/tokenizer.json`` or, for zoo models,
+the zoo's own.
 """
 from __future__ import annotations
 
@@ -504,6 +510,30 @@ class GGUF(ExportFormat):
         writer.add_string("general.producer", f"workbench {workbench.__version__}")
         writer.add_string("general.producer.gguf_py", importlib.metadata.version("gguf"))
         writer.add_string("general.producer.plans", json.dumps([p.to_dict() for p in applied_plans(model)]))
+
+    # --- the nearest grid GGUF holds, for a layer it cannot hold as it is (`workbench.export.fit`) -------------------
+
+    def nearest(self, name: str, module: nn.Module):
+        """None where a block type holds the layer as it is; else the symmetric block-32 grid of Q4_0 (2-, 3- and
+        4-bit codes, NF4) or Q8_0 (8-bit codes, FP8, W8A8 weights); refuses rows that are not whole blocks and layers
+        that are not quantized weights (pruned, low-rank, cast)."""
+        from workbench.export.fit import holds_as_is, weight_grid
+        from workbench.quantization.configs import WeightOnly
+
+        encode = LAYER_ENCODERS.get(type(module))
+        if encode is None:
+            if _made_by_workbench(module) and not type(module).__module__.startswith("workbench.models"):
+                raise _refuse(name, f"is a {type(module).__name__} ({type(module).__module__}), which GGUF cannot "
+                                    f"hold; it is not a quantized weight, so re-quantizing it cannot help")
+            return None
+        K = module.weight.shape[1]   # (the drop-in weight's metadata: nothing decoded)
+        if K % BLOCK:
+            raise _refuse(name, f"has rows of {K} values, not whole ggml blocks of {BLOCK}, so no block type holds "
+                                f"it however it is quantized - keep it in floating point (a plan entry "
+                                f"{{{name!r}: None}})")
+        if holds_as_is(encode, name, module):
+            return None
+        return WeightOnly(bits=4 if weight_grid(module).bits <= 4 else 8, group_size=BLOCK)
 
     def _file_type(self, placed: dict[str, _Tensor]):
         """The block type holding the most values (llama.cpp's "mostly Q4_0" ...); all float: F32 or F16."""

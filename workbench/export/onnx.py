@@ -63,6 +63,9 @@ in another order, so an activation at a rounding tie can take the neighbouring c
 
 Layers the plan left in floating point, and everything else, are exported as PyTorch's exporter writes them.
 
+``wb.export(..., requantize=True)`` re-quantizes what the export cannot hold as it is into the nearest grid it holds
+(`ONNX.nearest`: 3-bit and NF4 -> 4 bits, a group that is not a power of two >= 16 -> the nearest one that is).
+
 Refused before anything is written, naming the layer: weight-only Linears and convolutions with NF4 and FP8 weights,
 HQQ's real-valued zero points, AWQ smoothing, GPTQ act-order permutations or bf16 layers (their fp16 scales are not
 bf16 values; a bf16 Conv is not what ONNX Runtime's CPU runs); Linears with 3-bit codes or group sizes that are not a
@@ -547,6 +550,41 @@ class ONNX(ExportFormat):
         opset = max([self.opset, *(w.opset for w in layers.values() if isinstance(w, DQWeight))])
         data = self._trace(traced, opset, layers)
         return Prepared(data, layers, self._check(model, data), opset)
+
+    # --- the nearest grid the ONNX export holds, for a layer it cannot hold as it is (`workbench.export.fit`) -------
+
+    def nearest(self, name: str, module: nn.Module):
+        """None where the export holds the layer as it is; else integer codes the layer's writer takes: a Linear's
+        MatMulNBits 2/4/8 bits (3-bit and NF4 -> 4, FP8 -> 8) in groups of the power of two >= 16 nearest its group
+        (a tie: the smaller), a convolution's DequantizeLinear any integer grid (NF4 -> 4, FP8 -> 8 bits, the same
+        group); HQQ -> integer zero points, AWQ smoothing and act-order permutations -> the effective weight on the
+        same grid. Refuses what no grid fixes: bf16 layers, W8A8 layers (a static activation scale needs
+        calibration), quantized embeddings, pruned, low-rank and cast layers."""
+        from workbench.export.fit import holds_as_is, weight_grid
+        from workbench.quantization.configs import WeightOnly
+
+        writer = _writer(module)
+        if writer is None:
+            _check_layer(name, module)   # (refuses every other layer the workbench made)
+            return None
+        if holds_as_is(writer, name, module):
+            return None
+        if not isinstance(module, (WeightOnlyLinear, *WEIGHT_ONLY_CONVS)):
+            raise _refuse(name, f"is a {type(module).__name__} the export cannot hold, and re-quantizing it would "
+                                f"need calibration data (a static activation scale): apply wb.quant.Static()")
+        if module.weight_dtype not in (torch.float32, torch.float16):
+            raise _refuse(name, f"computes in {module.weight_dtype}; the export holds float32 and float16 layers in "
+                                f"any grid - cast the model first")
+        grid = weight_grid(module)
+        if isinstance(module, WeightOnlyLinear):
+            bits = min(b for b in BITS if b >= grid.bits)
+            g = grid.group_size
+            K = module.in_features
+            have = K if g is None else g
+            if have < 16 or have & (have - 1):
+                g = min((1 << k for k in range(4, max(4, (K - 1).bit_length()) + 1)), key=lambda c: (abs(c - have), c))
+            return WeightOnly(bits=bits, group_size=g, symmetric=grid.symmetric)
+        return WeightOnly(bits=grid.bits, group_size=grid.group_size, symmetric=grid.symmetric)
 
     def _trace(self, traced: nn.Module, opset: int, layers: dict[str, Layer]) -> bytes:
         """The traced graph at ``opset``: beyond the tracer's newest, traced at that and converted by ONNX's version

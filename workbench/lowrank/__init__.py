@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from workbench.plans import lookalike
 from workbench.plans.registry import Config, Handler, register_config
 
 __all__ = ["SVD", "LowRankLinear", "FactoredWeight", "summary"]
@@ -93,9 +94,15 @@ class _SVDHandler(Handler):
     def why_not(self, module: nn.Module, config) -> str | None:
         if not isinstance(module, nn.Linear):
             return "SVD factorises an nn.Linear's weight"
-        if type(module).forward is not nn.Linear.forward:
-            return (f"{type(module).__name__} has its own forward, which two thin nn.Linears would not reproduce")
-        return None
+        if type(module).forward is nn.Linear.forward:
+            return None
+        # its own forward must compute nn.Linear's (checked on a probe); a layer the workbench produced (a cast, a
+        # QAT layer) is a result, not an input
+        own = f"{type(module).__name__} has its own forward, which two thin nn.Linears would not reproduce"
+        if type(module).__module__.partition(".")[0] == "workbench":
+            return own
+        found = lookalike.computation(module)
+        return None if found.taken else f"{own}: {found.reason}"
 
     def supports(self, module: nn.Module, config) -> bool:
         return self.why_not(module, config) is None
@@ -129,7 +136,7 @@ class _SVDHandler(Handler):
             new.up.weight.copy_((U[:, :r] * root[None, :]).to(W.dtype))        # (out, r)
             if module.bias is not None:
                 new.up.bias.copy_(module.bias)
-        return new
+        return lookalike.kept(module, new)
 
     def resolved(self, config, new: LowRankLinear) -> "SVD":
         return SVD(rank=new.rank)

@@ -209,9 +209,11 @@ class Plan(Mapping[str, Config | None]):
                     raise ValueError(f"plan pattern {pattern!r} matches only layers with tied weights: "
                                      f"{tied[0].name!r}: {tied[0].reason}")
                 if seen_types[pattern]:
+                    why = next((p for p in passed if p.pattern == pattern), None)   # e.g. a look-alike's forward
                     raise ValueError(
                         f"plan pattern {pattern!r} matches only layers that {type(config).__name__} "
-                        f"cannot handle ({', '.join(sorted(seen_types[pattern]))})")
+                        f"cannot handle ({', '.join(sorted(seen_types[pattern]))})"
+                        + (f": layer {why.name!r}: {why.reason}" if why is not None else ""))
                 raise ValueError(
                     f"plan pattern {pattern!r} matches no layer of {type(model).__name__}; "
                     f"some layer names: {_some_names(model)}")

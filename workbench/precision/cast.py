@@ -3,8 +3,9 @@
 Activations are cast to the layer's dtype on the way in and back to the caller's dtype on the way
 out, so a cast layer drops into an fp32 model anywhere. Supported layers: nn.Linear, nn.Conv1d/2d/3d
 and nn.Embedding (whose output returns in the original weight dtype, as indices carry no dtype), and their
-subclasses that compute the same (`workbench.quantization.modules.layer_type`; a Conv2d subclass that pads its
-input first keeps that padding); another subclass with its own forward is refused at apply time.
+subclasses that compute the same, checked by running them (`workbench.plans.lookalike`: a Conv2d subclass that
+pads its input first keeps that padding, an embedding's constant output scale or computed rows are kept); another
+subclass with its own forward is passed over by a glob, with the reason, and refused by an exact name.
 
 A cast layer's weight and bias are `CastParameter`s: ordinary parameters, except that PyTorch's fused fast
 paths (``TransformerEncoderLayer`` / ``MultiheadAttention`` in eval under ``no_grad``) see a tensor subclass and
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workbench.plans.lookalike import kept
 from workbench.plans.registry import Config, Handler, register_config
 
 __all__ = ["Cast", "CastLinear", "CastConv1d", "CastConv2d", "CastConv3d", "CastEmbedding", "CastParameter"]
@@ -92,20 +94,17 @@ def _new_param(t: torch.Tensor | None, dtype: torch.dtype, values: bool) -> nn.P
 
 
 def _layer_kind(name: str, module: nn.Module) -> tuple[type, object]:
-    """(the layer type ``module`` computes as, its InputPadding or None); raises, naming the layer, for a
-    subclass whose own forward computes something else."""
-    from workbench.quantization.modules import input_padding_of, layer_type
+    """(the layer type ``module`` computes as, its InputPadding or None), from
+    `workbench.plans.lookalike.computation`; raises, naming the layer, for a subclass whose own forward computes
+    something else."""
+    from workbench.plans.lookalike import computation
 
-    if type(module) is nn.Conv3d or (isinstance(module, nn.Conv3d) and type(module).forward is nn.Conv3d.forward):
-        return nn.Conv3d, None
-    kind = layer_type(module)
-    if kind is not None:
-        return kind, None
-    if isinstance(module, nn.Conv2d):
-        return nn.Conv2d, input_padding_of(name, module)
-    raise ValueError(f"{name!r} is a {type(module).__name__}, a subclass of a supported layer with its own forward: "
-                     f"Cast would replace what that forward computes, so it is refused (exclude it with "
-                     f"{{{name!r}: None}} in the plan)")
+    found = computation(module)
+    if not found.taken:
+        raise ValueError(f"{name!r} is a {type(module).__name__}, a subclass of a supported layer with its own "
+                         f"forward: {found.reason}; Cast would replace what that forward computes, so it is refused "
+                         f"(exclude it with {{{name!r}: None}} in the plan)")
+    return found.parent, found.padding
 
 
 def cast_module(module: nn.Module, dtype: torch.dtype, values: bool = True, name: str = "layer") -> nn.Module:
@@ -130,7 +129,7 @@ def cast_module(module: nn.Module, dtype: torch.dtype, values: bool = True, name
     if getattr(module, "bias", None) is not None:
         new.bias = _new_param(module.bias, dtype, values)
     new.train(module.training)
-    return new
+    return kept(module, new)   # a step its own forward adds (an embedding's constant scale) is kept
 
 
 class _CastHandler(Handler):
@@ -140,6 +139,11 @@ class _CastHandler(Handler):
         if isinstance(module, FORWARD_BYPASSED):  # e.g. MultiheadAttention's out_proj: its parent would feed fp32
             return False                          # activations to the cast weight, never calling its forward
         return selectable(module, (nn.Linear, nn.Embedding, *_CONV))
+
+    def why_not(self, module: nn.Module, config: "Cast") -> str | None:
+        from workbench.quantization.modules import lookalike_reason
+
+        return lookalike_reason(module, (nn.Linear, nn.Embedding, *_CONV))
 
     def needs_calibration(self, config: "Cast") -> bool:
         return False

@@ -20,8 +20,10 @@
 
 Layers are chosen by what they compute: nn.Linear, nn.Conv1d, nn.Conv2d (grouped and depthwise too),
 nn.Embedding and their subclasses. A subclass with its own forward (EfficientNet's same-padding convolution)
-keeps it - the pruned weight is its own ``.weight`` - after a probe checks that its output follows ``.weight``;
-otherwise it is refused, naming the layer. csr / 2:4 storages replace an nn.Linear whose forward is nn.Linear's.
+keeps it - the pruned weight is its own ``.weight`` - once a probe shows it computes its parent's computation
+(`workbench.plans.lookalike`) or that its output follows ``.weight``; otherwise it is refused, naming the layer.
+csr / 2:4 storages and Wanda / SparseGPT take an nn.Linear that computes nn.Linear's (its own forward, if any,
+checked on a probe input: Falcon's ``FalconLinear``).
 
 Masks keep an exact count of weights (``numel - round(sparsity * numel)``; N:M keeps ``n/m``), so a saved
 file's structure follows from its plan alone.
@@ -115,6 +117,23 @@ def _own_forward(cls: type) -> bool:
     return cls.forward is not parent.forward
 
 
+def _linear_reason(module: nn.Module) -> str | None:
+    """None when ``module`` (pruned or not) computes nn.Linear's: its class keeps nn.Linear's forward, or its own
+    forward does so on a probe input (`workbench.plans.lookalike`: Falcon's ``FalconLinear``); else why
+    not."""
+    from workbench.plans.lookalike import computation
+
+    base = _plain_class(module)
+    if not issubclass(base, nn.Linear):
+        return f"{type(module).__name__} is not an nn.Linear"
+    if not _own_forward(base):
+        return None
+    found = computation(module)
+    if found.taken and found.transform is None:
+        return None
+    return found.reason or f"{type(module).__name__}'s own forward adds a step to nn.Linear's"
+
+
 def _probe_input(module: nn.Module, changed: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """A small input of the layer's kind that reaches the ``changed`` weights, to check that a subclass's own
     forward reads ``.weight``."""
@@ -126,6 +145,15 @@ def _probe_input(module: nn.Module, changed: torch.Tensor) -> tuple[torch.Tensor
         return (torch.randn(2, module.in_features, generator=g).to(w),)
     span = [d * (k - 1) + 1 + 2 * s for k, d, s in zip(module.kernel_size, module.dilation, module.stride)]
     return (torch.randn(1, module.in_channels, *span, generator=g).to(w),)
+
+
+def _indexed_by_input(module: nn.Module) -> bool:
+    """Whether `_check_reads_weight`'s probe (indices, for an embedding) is an input of ``module``: not for an
+    embedding whose forward computes its rows from other arguments (OPT's positions from an attention mask,
+    `workbench.plans.lookalike.RowsFromForward`), which was checked to read them from ``.weight`` instead."""
+    from workbench.plans.lookalike import RowsFromForward, computation
+
+    return not isinstance(computation(module).transform, RowsFromForward)
 
 
 def _check_reads_weight(name: str, original: nn.Module, pruned: nn.Module) -> None:
@@ -152,8 +180,9 @@ class _PruneHandler(Handler):
     def why_not(self, module: nn.Module, config) -> str | None:
         base = _plain_class(module)
         if config.storage in ("csr", "2:4"):
-            if not issubclass(base, nn.Linear) or _own_forward(base):
-                return f"storage {config.storage!r} replaces an nn.Linear (with its forward); use 'mask' or 'dense'"
+            if (why := _linear_reason(module)) is not None:
+                return f"storage {config.storage!r} replaces an nn.Linear (with its forward): {why}; use 'mask' or " \
+                       f"'dense'"
             return None
         if not issubclass(base, PRUNABLE):
             return f"unstructured pruning masks the weight of {', '.join(c.__name__ for c in PRUNABLE)}"
@@ -179,7 +208,7 @@ class _PruneHandler(Handler):
             mask &= module.mask.reshape(mask.shape)
         plain = _plain(module)
         new = _build(plain, config, mask)
-        if config.storage in ("mask", "dense") and _own_forward(type(plain)):
+        if config.storage in ("mask", "dense") and _own_forward(type(plain)) and _indexed_by_input(plain):
             _check_reads_weight(name, plain, new)
         return new
 
@@ -275,9 +304,8 @@ class _OneShotHandler(_PruneHandler):
     its own handler below (its statistics, its cost, its pruning)."""
 
     def why_not(self, module: nn.Module, config) -> str | None:
-        base = _plain_class(module)
-        if not issubclass(base, nn.Linear) or _own_forward(base):
-            return f"{type(config).__name__} prunes nn.Linear layers (it scores weights by their inputs)"
+        if (why := _linear_reason(module)) is not None:
+            return f"{type(config).__name__} prunes nn.Linear layers (it scores weights by their inputs): {why}"
         return super().why_not(module, config)
 
     def needs_calibration(self, config) -> bool:
@@ -432,7 +460,7 @@ def finalize(model: nn.Module, storage: str = "dense") -> nn.Module:
     replacements = {}
     for name, m in target.named_modules():
         if isinstance(m, Pruned):
-            if storage in ("csr", "2:4") and (not isinstance(m, nn.Linear) or _own_forward(m.pruned_base)):
+            if storage in ("csr", "2:4") and _linear_reason(m) is not None:
                 raise ValueError(f"{name!r}: {storage} storage replaces an nn.Linear; finalize "
                                  f"{type(m).__name__} as 'dense'")
             plain = _plain(m)

@@ -1,12 +1,14 @@
 """Quantization: numerics (`primitives`), bit-packing (`packing`), calibration observers (`observers`),
 weight storage formats (`formats`), integer-only arithmetic (`integer`), modules that store low-bit data
-(`modules`), GPTQ (`gptq`) and the plan configs (`configs`), available as ``wb.quant``:
+(`modules`; fused mixture-of-experts projections: `experts`), GPTQ (`gptq`) and the plan configs (`configs`),
+available as ``wb.quant``:
 
     wb.Plan({"encoder.*": wb.quant.WeightOnly(bits=4, group_size=64, method="gptq"),
              "embeddings.word_embeddings": wb.quant.WeightOnly(bits=4, group_size=64)})
 """
 from workbench.quantization import formats, integer, observers, packing, primitives
 from workbench.quantization.configs import FP8, NF4, Dynamic, Method, Static, WeightOnly
+from workbench.quantization.experts import WeightOnlyExperts
 from workbench.quantization.modules import (
            W8A8Conv2d,
            W8A8Linear,
@@ -16,4 +18,5 @@ from workbench.quantization.modules import (
 )
 
 __all__ = ["primitives", "integer", "packing", "observers", "formats", "WeightOnly", "NF4", "FP8", "Dynamic", "Static",
-           "Method", "WeightOnlyLinear", "WeightOnlyEmbedding", "WeightOnlyConv2d", "W8A8Linear", "W8A8Conv2d"]
+           "Method", "WeightOnlyLinear", "WeightOnlyExperts", "WeightOnlyEmbedding", "WeightOnlyConv2d", "W8A8Linear",
+           "W8A8Conv2d"]

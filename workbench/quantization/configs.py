@@ -6,10 +6,12 @@
     wb.quant.Dynamic(bits=8, kernel="cpu")                      # Linear: W8A8, per-token activations
     wb.quant.Static(observer="percentile", smooth_alpha=0.5)    # Linear, Conv1d/2d, ConvTranspose2d: W8A8
 
-Layers are chosen by what they compute (`modules.layer_type`): subclasses of those layers that keep the parent's
-forward are taken as the parent; a Conv2d subclass that pads its input itself ("same" padding, as in
-EfficientNet) is taken with its padding; any other subclass with its own forward is refused at apply time
-with an error naming it.
+Layers are chosen by what they compute (`workbench.plans.lookalike`): subclasses of those layers that keep the
+parent's forward, or whose own forward computes the parent's (checked on a probe input: Falcon's ``FalconLinear``),
+are taken as the parent; an embedding whose forward adds a known step (a constant output scale, rows computed from
+its arguments) is taken with that step kept (weight-only formats); a Conv2d subclass that pads its input itself
+("same" padding, as in EfficientNet) is taken with its padding; any other subclass with its own forward is passed
+over by a glob, with the reason, and refused by an exact name.
 
 Groups: ``WeightOnly(bits=8)`` is per output channel (``group_size=None``); other bit widths and NF4 default to
 groups of 64. A group size that does not divide a layer's input size leaves a short last group in each row
@@ -26,19 +28,19 @@ from typing import ClassVar, Sequence
 import torch
 from torch import nn
 
+from workbench.plans.lookalike import kept
 from workbench.plans.registry import Config, Handler, register_config
+from workbench.quantization import experts
 from workbench.quantization import formats as fm
 from workbench.quantization.modules import (
     CONV_TYPES,
     FORWARD_BYPASSED,
     KERNELS,
-    LAYER_TYPES,
     W8A8Linear,
     WeightOnlyEmbedding,
     WeightOnlyLinear,
     conv_args,
-    input_padding_of,
-    layer_type,
+    lookalike_reason,
     selectable,
     w8a8_conv,
     weight_only_conv,
@@ -59,18 +61,22 @@ class Method(str, enum.Enum):
 _CALIBRATED = (Method.GPTQ, Method.AWQ)
 
 
-def _computation(name: str, module: nn.Module, technique: str):
-    """(the layer type ``module`` computes as, its `InputPadding` or None); raises, naming the layer, when a
-    subclass's own forward does something else."""
-    base = layer_type(module)
-    if base is not None:
-        return base, None
-    if isinstance(module, nn.Conv2d):
-        return nn.Conv2d, input_padding_of(name, module)   # raises unless it is a padding + nn.Conv2d
-    parent = next(t for t in LAYER_TYPES if isinstance(module, t))
-    raise ValueError(f"{name!r} is a {type(module).__name__}, a subclass of nn.{parent.__name__} with its own "
-                     f"forward: {technique} would replace what that forward computes, so it is refused (exclude it "
-                     f"with {{{name!r}: None}} in the plan)")
+def _computation(name: str, module: nn.Module, technique: str, transforms: bool = False):
+    """(the layer type ``module`` computes as, its `InputPadding` or None), from
+    `workbench.plans.lookalike.computation`; raises, naming the layer, when a subclass's own forward computes
+    something else, or (``transforms=False``) adds a step around its parent's computation."""
+    from workbench.plans.lookalike import computation
+
+    found = computation(module)
+    if not found.taken:
+        raise ValueError(f"{name!r} is a {type(module).__name__}, a subclass of nn.{found.parent.__name__} with its "
+                         f"own forward: {found.reason}; {technique} would replace what that forward computes, so it "
+                         f"is refused (exclude it with {{{name!r}: None}} in the plan)")
+    if found.transform is not None and not transforms:
+        raise ValueError(f"{name!r} is a {type(module).__name__}, whose own forward adds a step around "
+                         f"nn.{found.parent.__name__}'s computation ({found.note}); {technique} cannot keep that "
+                         f"step, so it is refused (exclude it with {{{name!r}: None}} in the plan)")
+    return found.parent, found.padding
 
 
 class _FormatHandler(Handler):
@@ -79,11 +85,15 @@ class _FormatHandler(Handler):
     same, see `modules.layer_type`). The hooks below the Handler ones are what `WeightOnly` adds."""
 
     def supports(self, module: nn.Module, config) -> bool:
-        return selectable(module)
+        return selectable(module) or experts.takes_experts(module)
+
+    def why_not(self, module: nn.Module, config) -> str | None:
+        return experts.experts_refusal(module) or experts.router_note(module) or lookalike_reason(module)
 
     def _check(self, name: str, module: nn.Module, config):
-        """(the layer type ``module`` computes as, its input padding); raises naming the layer."""
-        return _computation(name, module, type(config).__name__)
+        """(the layer type ``module`` computes as, its input padding); raises naming the layer. A transform its
+        own forward adds (an embedding's constant scale) is kept by `apply` / `skeleton`."""
+        return _computation(name, module, type(config).__name__, transforms=True)
 
     def _linear_tensors(self, name: str, module: nn.Module, config, fmt: fm.WeightFormat, inputs):
         """(tensors, smooth) for a Linear's weight; (None, None): round to nearest."""
@@ -125,6 +135,11 @@ class _FormatHandler(Handler):
             layer, fmt, name, tensors=tensors, input_padding=input_padding)
 
     def apply(self, name: str, module: nn.Module, config, inputs: Sequence[tuple[torch.Tensor, ...]] | None):
+        if experts.takes_experts(module):   # fused mixture-of-experts projections: round to nearest per expert
+            return experts.WeightOnlyExperts.from_float(name, module, config.format())
+        return kept(module, self._build(name, module, config, inputs))
+
+    def _build(self, name: str, module: nn.Module, config, inputs):
         kind, padding = self._check(name, module, config)
         fmt = config.format()
         if kind is nn.Embedding:
@@ -139,6 +154,11 @@ class _FormatHandler(Handler):
                                            kernel=self._kernel(config), perm=perm)
 
     def skeleton(self, name: str, module: nn.Module, config):
+        if experts.takes_experts(module):
+            return experts.WeightOnlyExperts.skeleton(name, module, config.format())
+        return kept(module, self._empty(name, module, config))
+
+    def _empty(self, name: str, module: nn.Module, config):
         kind, padding = self._check(name, module, config)
         fmt = config.format()
         if kind is nn.Embedding:
@@ -169,7 +189,13 @@ class _WeightOnlyHandler(_FormatHandler):
     def supports(self, module: nn.Module, config) -> bool:
         if config.method is not Method.RTN or config.kernel in ("cpu", "triton"):
             return selectable(module, (nn.Linear,))
-        return selectable(module)
+        return super().supports(module, config)
+
+    def why_not(self, module: nn.Module, config) -> str | None:
+        if experts.takes_experts(module):   # (supports said no: a method or kernel only nn.Linear has)
+            return (f"fused mixture-of-experts weights are stored round to nearest on the reference path only "
+                    f"(method={config.method.value!r}, kernel={config.kernel!r} take nn.Linear layers)")
+        return super().why_not(module, config)
 
     def needs_calibration(self, config) -> bool:
         return config.method in _CALIBRATED
@@ -322,6 +348,9 @@ class _W8A8Handler(Handler):
             return selectable(module, (nn.Linear, *CONV_TYPES))
         return selectable(module, (nn.Linear,))
 
+    def why_not(self, module: nn.Module, config) -> str | None:
+        return lookalike_reason(module, (nn.Linear, *CONV_TYPES))
+
     def needs_calibration(self, config) -> bool:
         return self.static or config.smooth_alpha is not None
 
@@ -360,7 +389,8 @@ class _W8A8Handler(Handler):
             smooth = smoothing_factors(activation_absmax(inputs, module.in_features, name), module.weight,
                                        config.smooth_alpha).to(module.weight.device)
         act_scale = self._act_scale(name, config, inputs, smooth) if self.static else None
-        return W8A8Linear.from_float(module, name, kernel=config.kernel, act_scale=act_scale, smooth=smooth)
+        return kept(module, W8A8Linear.from_float(module, name, kernel=config.kernel, act_scale=act_scale,
+                                                  smooth=smooth))
 
     @staticmethod
     def _act_scale(name, config, inputs, smooth) -> torch.Tensor:

@@ -49,7 +49,7 @@ from workbench.quantization.primitives import (
 __all__ = ["conv_args", "WeightOnlyLinear", "WeightOnlyEmbedding", "WeightOnlyConv1d", "WeightOnlyConv2d",
            "WeightOnlyConvTranspose2d", "W8A8Linear", "W8A8Conv1d", "W8A8Conv2d", "W8A8ConvTranspose2d",
            "weight_only_conv", "w8a8_conv", "DecodedWeight", "ConvOp", "InputPadding", "layer_type",
-           "input_padding_of", "selectable", "FORWARD_BYPASSED", "LAYER_TYPES", "CONV_TYPES", "KERNELS", "PATHS", "KernelPath",
+           "input_padding_of", "selectable", "lookalike_reason", "FORWARD_BYPASSED", "LAYER_TYPES", "CONV_TYPES", "KERNELS", "PATHS", "KernelPath",
            "choose_kernel"]
 
 
@@ -126,11 +126,28 @@ FORWARD_BYPASSED = (nn.modules.linear.NonDynamicallyQuantizableLinear,)
 
 
 def selectable(module: nn.Module, types: tuple[type, ...] = LAYER_TYPES) -> bool:
-    """Whether a technique over ``types`` takes ``module``: an instance of one of them (subclasses included: what
-    they compute is checked when the layer is transformed, see `layer_type` / `input_padding_of`), but never a
-    layer the workbench itself produced (a class of the ``workbench`` package, e.g. a cast, pruned or QAT layer):
-    that is a result, not an input."""
+    """Whether a technique over ``types`` takes ``module``: an instance of one of them whose computation is known
+    (a subclass with its own forward is checked by running it, `workbench.plans.lookalike.computation`: the
+    parent's computation, a known transform around it, or a "same"-padding convolution), but never a layer the
+    workbench itself produced (a class of the ``workbench`` package, e.g. a cast, pruned or QAT layer): that is a
+    result, not an input."""
+    return _candidate(module, types) and _lookalike().computation(module).taken
+
+
+def lookalike_reason(module: nn.Module, types: tuple[type, ...] = LAYER_TYPES) -> str | None:
+    """Why `selectable` refuses an instance of ``types`` whose own forward computes something else (None for any
+    other module: the technique's generic sentence applies)."""
+    return _lookalike().computation(module).reason if _candidate(module, types) else None
+
+
+def _candidate(module: nn.Module, types: tuple[type, ...]) -> bool:
     return isinstance(module, types) and type(module).__module__.partition(".")[0] != "workbench"
+
+
+def _lookalike():
+    from workbench.plans import lookalike  # (imports this module: not at import time)
+
+    return lookalike
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,390 @@
+"""Mixture-of-experts blocks whose experts are fused 3-D parameters, stored in a weight format per expert.
+
+In transformers 5 the experts of a Mixtral-style block are one module holding a tensor per projection with the
+experts as its first dimension: ``gate_up_proj`` (E, 2I, H) and ``down_proj`` (E, H, I) used as
+``F.linear(x, W[e])`` (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek), or the transpose (E, H, 2I) / (E, I, H) used as
+``x @ W[e]``, with per-expert biases (GPT-OSS). Each expert's matrix is an nn.Linear weight in disguise, so it is
+stored exactly as `WeightOnlyLinear` stores that Linear: rows are the expert's outputs, groups run along its
+inputs, the same codes, scales and zero points (`formats.encode` of the ``(out, in)`` matrix), stacked over the
+experts: buffers ``<name>_qweight`` (E, out, packed in), ``<name>_scale`` (E, out, groups) (and ``<name>_zero``).
+
+The replacement module is a subclass of the model's own experts class (`experts_class`), built without running
+its ``__init__``: the float 3-D parameters are gone, and reading ``module.gate_up_proj`` returns a
+`DecodedExperts`, a tensor with the parameter's shape, dtype and device that holds no data. The class's own
+forward runs unchanged; indexing one expert (``W[e]``, what the per-expert loop does) decodes that expert alone,
+indexing a batch of expert ids (``W[ids]``) decodes each distinct expert once, and anything else decodes every
+expert. So a call decodes only the experts its router selected, and the output is what the float module computes
+with the dequantized weights. transformers wraps the forward of its experts classes in a dispatcher that, unless
+``config.experts_implementation == "eager"``, runs a grouped / batched matmul reading all experts' weights at
+once; the module runs the class's eager per-expert loop instead (`eager_forward`), whatever the config says.
+
+What is taken (`experts_layout`): a module owning 3-D parameters named ``gate_up_proj`` + ``down_proj``,
+``gate_proj`` + ``up_proj`` + ``down_proj`` or ``up_proj`` + ``down_proj``, all with the same expert count (equal to
+its ``num_experts`` where it has one), whose shapes chain as an MLP (H -> I -> H), in an orientation known from
+transformers' ``is_transposed`` flag or, for a fused ``gate_up_proj``, from the shapes alone (the fused projection
+is twice as wide as ``down_proj``'s input: only one orientation fits). Anything else holding such parameters is
+refused with the reason (`experts_refusal`): a glob passes it over, an exact name fails. Biases and any other
+parameters (1-D or 2-D) stay in floating point. The router is a separate module and is never quantized here.
+
+Only the reference path exists (decode the routed experts, then the class's float matmuls); a fused CPU / Triton
+path over routed experts is future work.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Callable, ClassVar
+
+import torch
+from torch import nn
+
+from workbench.quantization import formats as fm
+from workbench.quantization.modules import DecodedWeight
+
+__all__ = ["EXPERT_MATRICES", "ExpertMatrix", "DecodedExperts", "WeightOnlyExperts", "experts_layout",
+           "experts_refusal", "takes_experts", "router_note", "experts_class", "eager_forward"]
+
+# the names transformers gives an experts module's fused projections (gate and up fused, or apart)
+EXPERT_MATRICES = ("gate_up_proj", "gate_proj", "up_proj", "down_proj")
+_LAYOUTS = ({"gate_up_proj", "down_proj"}, {"gate_proj", "up_proj", "down_proj"}, {"up_proj", "down_proj"})
+
+
+@dataclass(frozen=True)
+class ExpertMatrix:
+    """One fused projection: ``experts`` matrices of ``rows`` outputs by ``K`` inputs, stored by the model as
+    (E, rows, K) and used as ``F.linear(x, W[e])``, or ``transposed``: (E, K, rows) used as ``x @ W[e]``."""
+
+    name: str
+    experts: int
+    rows: int
+    K: int
+    transposed: bool
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """The float parameter's shape."""
+        return (self.experts, self.K, self.rows) if self.transposed else (self.experts, self.rows, self.K)
+
+    def encode(self, param: torch.Tensor, fmt: fm.WeightFormat) -> dict[str, torch.Tensor]:
+        """Each expert's ``(rows, K)`` matrix encoded as `WeightOnlyLinear` encodes a Linear weight, stacked."""
+        per_expert = []
+        for e in range(self.experts):
+            w = param[e].detach()                                   # (rows, K), or (K, rows) transposed
+            per_expert.append(fm.encode(w.t() if self.transposed else w, fmt))
+        return {key: torch.stack([t[key] for t in per_expert]) for key in per_expert[0]}
+
+    def empty(self, fmt: fm.WeightFormat, device=None) -> dict[str, torch.Tensor]:
+        """The stacked tensors of ``fmt``, uninitialised (what `wb.load` fills)."""
+        one = fm.empty((self.rows, self.K), fmt, device="meta")
+        return {key: torch.empty(self.experts, *t.shape, dtype=t.dtype, device=device) for key, t in one.items()}
+
+    def decode(self, tensors: dict[str, torch.Tensor], fmt: fm.WeightFormat, dtype: torch.dtype) -> torch.Tensor:
+        """The matrices held in ``tensors`` (their first dimension: some experts) in the parameter's layout."""
+        n = next(iter(tensors.values())).shape[0]
+        flat = {key: t.reshape(n * self.rows, *t.shape[2:]) for key, t in tensors.items()}
+        w = fm.decode(flat, fmt, self.K, dtype).reshape(n, self.rows, self.K)     # (n, rows, K)
+        # the parameter's own layout (a contiguous (K, rows) per expert), so the class's matmul runs as on it
+        return w.transpose(1, 2).contiguous() if self.transposed else w
+
+
+# --- which modules: fused experts, found by their parameters ---------------------------------------------------
+
+def experts_layout(module: nn.Module) -> tuple[ExpertMatrix, ...] | None:
+    """The fused expert projections of ``module``; None when it holds no 3-D parameter named as one (it is no
+    experts module). Raises ValueError saying why when it holds some in a layout this module cannot represent."""
+    own = dict(module.named_parameters(recurse=False))
+    cubes = {n: p for n, p in own.items() if p.dim() == 3}
+    found = {n: cubes[n] for n in EXPERT_MATRICES if n in cubes}
+    if not found:
+        return None
+    kind = type(module).__name__
+    unknown = sorted(set(cubes) - set(found))
+    if unknown:
+        raise ValueError(f"{kind} also holds 3-D parameter(s) {unknown} whose role is not known")
+    if set(found) not in _LAYOUTS:
+        raise ValueError(f"{kind} holds expert projections {sorted(found)}, not a known layout (gate_up_proj + "
+                         f"down_proj, gate_proj + up_proj + down_proj, or up_proj + down_proj)")
+    counts = {p.shape[0] for p in found.values()}
+    declared = getattr(module, "num_experts", None)
+    if len(counts) != 1 or (isinstance(declared, int) and counts != {declared}):
+        raise ValueError(f"{kind}: the expert projections do not share one expert count "
+                         f"({ {n: tuple(p.shape) for n, p in found.items()} }, num_experts={declared})")
+    if len({p.dtype for p in found.values()}) != 1 or not all(p.is_floating_point() for p in found.values()):
+        raise ValueError(f"{kind}: the expert projections are not all of one floating-point dtype")
+    transposed = _orientation(kind, module, found)
+    E = counts.pop()
+    matrices = tuple(ExpertMatrix(n, E, rows=p.shape[2] if transposed else p.shape[1],
+                                  K=p.shape[1] if transposed else p.shape[2], transposed=transposed)
+                     for n, p in found.items())
+    _check_chain(kind, {m.name: m for m in matrices})
+    return matrices
+
+
+def _orientation(kind: str, module: nn.Module, found: dict[str, nn.Parameter]) -> bool:
+    """Whether the projections are stored (E, in, out): transformers' ``is_transposed`` flag where the class has
+    one; for a fused ``gate_up_proj`` without it, the only orientation its shape and ``down_proj``'s fit."""
+    flag = getattr(module, "is_transposed", None)
+    if isinstance(flag, bool):
+        return flag
+    if "gate_up_proj" in found:
+        (_, a, b), (_, c, d) = found["gate_up_proj"].shape, found["down_proj"].shape
+        fits = {False: b == c and a == 2 * d, True: a == d and b == 2 * c}   # (E, 2I, H) + (E, H, I), or transposed
+        if fits[False] != fits[True]:
+            return fits[True]
+    raise ValueError(f"{kind}: which dimension of its expert projections is the input cannot be told (no "
+                     f"is_transposed flag, and the shapes {[tuple(p.shape) for p in found.values()]} fit both ways)")
+
+
+def _check_chain(kind: str, m: dict[str, ExpertMatrix]) -> None:
+    """The projections must compute an MLP per expert: H -> (gate, up) -> I -> H."""
+    down = m["down_proj"]
+    first = [m[n] for n in ("gate_up_proj", "gate_proj", "up_proj") if n in m]
+    width = first[0].rows // 2 if "gate_up_proj" in m else first[0].rows
+    fused_even = "gate_up_proj" not in m or first[0].rows % 2 == 0
+    if not fused_even or any(f.K != down.rows or f.rows != first[0].rows for f in first) or down.K != width:
+        shapes = {n: x.shape for n, x in m.items()}
+        raise ValueError(f"{kind}: the expert projections {shapes} do not chain as an MLP (hidden -> intermediate "
+                         f"-> hidden) in the orientation {'(E, in, out)' if down.transposed else '(E, out, in)'}")
+
+
+def takes_experts(module: nn.Module) -> bool:
+    """Whether ``module`` is a fused experts module this file can store (see `experts_layout`)."""
+    try:
+        return experts_layout(module) is not None
+    except ValueError:
+        return False
+
+
+def experts_refusal(module: nn.Module) -> str | None:
+    """Why a module holding fused expert projections cannot be stored (None: it is none, or it can be)."""
+    try:
+        experts_layout(module)
+    except ValueError as e:
+        return f"fused mixture-of-experts weights in an unknown layout: {e}"
+    return None
+
+
+def router_note(module: nn.Module) -> str | None:
+    """For a mixture-of-experts router (a module with ``top_k`` and ``num_experts`` holding a ``weight`` of one row
+    per expert, as transformers' ``*TopKRouter``), the sentence saying it is kept; None for anything else."""
+    w = module._parameters.get("weight")
+    n = getattr(module, "num_experts", None)
+    if isinstance(n, int) and hasattr(module, "top_k") and w is not None and w.dim() == 2 and w.shape[0] == n:
+        return (f"the router of a mixture of experts ({n} experts): kept in full precision (the experts it routes "
+                f"to are quantized)")
+    return None
+
+
+# --- the stored module ----------------------------------------------------------------------------------------
+
+class DecodedExperts(DecodedWeight):
+    """What a quantized experts module's ``gate_up_proj`` (...) returns: a `DecodedWeight` of the float parameter's
+    shape (E, ...), dtype and device whose indexing by one expert (``W[e]``, an int or a 0-d integer tensor)
+    decodes that expert alone and by a 1-D tensor of expert ids (``W[ids]``) each distinct expert once; any other
+    computation with it decodes every expert."""
+
+    pick: Callable[[torch.Tensor], torch.Tensor]   # (a 1-D tensor of distinct expert ids) -> their matrices
+
+    @staticmethod
+    def __new__(cls, pick: Callable[[torch.Tensor], torch.Tensor], shape, dtype: torch.dtype, device: torch.device):
+        experts = shape[0]
+        t = DecodedWeight.__new__(cls, lambda: pick(torch.arange(experts, device=device)), shape, dtype, device)
+        t.pick = pick
+        return t
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__getitem__ and isinstance(args[0], DecodedExperts) and not kwargs:
+            found = args[0]._index(args[1])
+            if found is not None:
+                return found
+        return super().__torch_function__(func, types, args, kwargs)
+
+    def _index(self, index) -> torch.Tensor | None:
+        with torch._C.DisableTorchFunctionSubclass():
+            experts = self.shape[0]
+        if isinstance(index, torch.Tensor) and not index.is_floating_point() and index.dtype != torch.bool \
+                and index.dim() <= 1:
+            if index.dim() == 0:
+                index = int(index)
+            else:
+                ids, inverse = torch.unique(index.long(), return_inverse=True)   # each routed expert decoded once
+                if ids.numel() and not -experts <= int(ids[0]) <= int(ids[-1]) < experts:
+                    raise IndexError(f"expert index out of range for {experts} experts")
+                return self.pick(ids.remainder(experts))[inverse]
+        if isinstance(index, int) and not isinstance(index, bool):
+            if not -experts <= index < experts:
+                raise IndexError(f"expert {index} is out of range for {experts} experts")
+            return self.pick(torch.tensor([index % experts]))[0]
+        return None
+
+
+_CLASSES: dict[type, type[WeightOnlyExperts]] = {}   # a model's experts class -> its quantized subclass (made once)
+
+
+def experts_class(base: type[nn.Module]) -> type[WeightOnlyExperts]:
+    """The quantized subclass of the experts class ``base`` (`WeightOnlyExperts` first in its bases): one per
+    class, made once."""
+    if base not in _CLASSES:
+        name = f"WeightOnly{base.__name__}"
+        _CLASSES[base] = type(name, (WeightOnlyExperts, base), {"__module__": __name__, "__qualname__": name,
+                                                                "float_class": base,
+                                                                "per_expert_forward": eager_forward(base)})
+    return _CLASSES[base]
+
+
+def _dispatcher_code():
+    """The code object of the forward transformers' `use_experts_implementation` puts on an experts class (one
+    code object for every class it wraps); None without transformers."""
+    try:
+        from transformers.integrations.moe import use_experts_implementation
+    except ImportError:
+        return None
+    probe = use_experts_implementation(type("Probe", (nn.Module,), {"forward": lambda self: None}))
+    return probe.forward.__code__
+
+
+def eager_forward(base: type[nn.Module]) -> Callable:
+    """The per-expert forward of ``base``: its own ``forward``, or, where transformers wrapped it in its
+    experts-implementation dispatcher, the function it wraps (the eager loop over the routed experts)."""
+    forward = base.forward
+    wrapped = getattr(forward, "__wrapped__", None)
+    if wrapped is not None and getattr(forward, "__code__", None) is _dispatcher_code():
+        return wrapped
+    return forward
+
+
+def _unpickle(base: type[nn.Module]) -> nn.Module:
+    return object.__new__(experts_class(base))
+
+
+class WeightOnlyExperts(nn.Module):
+    """The base of every quantized experts class (`experts_class`): the fused projections (``matrices``) stored in
+    ``fmt``, one `WeightOnlyLinear`-identical encoding per expert, read back as `DecodedExperts`; ``forward`` is
+    the float class's eager per-expert loop (`eager_forward`). Everything else of the float module (its config,
+    activation, biases) is kept as it was."""
+
+    float_class: ClassVar[type]
+    per_expert_forward: ClassVar[Callable]
+    fmt: fm.WeightFormat
+    matrices: tuple[ExpertMatrix, ...]
+    keys: tuple[str, ...]        # the format's tensors of each projection, stored as buffers "<projection>_<key>"
+    weight_dtype: torch.dtype
+    note: str
+
+    @classmethod
+    def from_float(cls, name: str, module: nn.Module, fmt: fm.WeightFormat) -> "WeightOnlyExperts":
+        """Round to nearest, expert by expert (raises naming ``name`` if ``module``'s layout is not known)."""
+        layout = _layout(name, module)
+        tensors = {}
+        for m in layout:
+            param = module.get_parameter(m.name)
+            fm.check_finite(f"{name}.{m.name}", param)
+            tensors[m.name] = m.encode(param, fmt)
+        return _build(module, layout, fmt, tensors, device=None)
+
+    @classmethod
+    def skeleton(cls, name: str, module: nn.Module, fmt: fm.WeightFormat) -> "WeightOnlyExperts":
+        """The same structure with uninitialised tensors on ``module``'s device (what `wb.load` fills)."""
+        layout = _layout(name, module)
+        device = module.get_parameter(layout[0].name).device
+        return _build(module, layout, fmt, {m.name: m.empty(fmt, device) for m in layout}, device)
+
+    def forward(self, *args, **kwargs):
+        return type(self).per_expert_forward(self, *args, **kwargs)
+
+    def stored(self, name: str) -> dict[str, torch.Tensor]:
+        """The format's tensors of projection ``name``, each (E, ...)."""
+        return {key: self.get_buffer(f"{name}_{key}") for key in self.keys}
+
+    def decode(self, name: str, experts: torch.Tensor) -> torch.Tensor:
+        """The dequantized matrices of the ``experts`` (a 1-D tensor of ids) of projection ``name``, in the float
+        parameter's layout and dtype: (n, out, in), or (n, in, out) for a transposed layout."""
+        m = next(x for x in self.matrices if x.name == name)
+        tensors = self.stored(name)
+        ids = experts.to(next(iter(tensors.values())).device)
+        return m.decode({key: t.index_select(0, ids) for key, t in tensors.items()}, self.fmt, self.weight_dtype)
+
+    def _expert_tensor(self, name: str) -> DecodedExperts:
+        m = next(x for x in self.matrices if x.name == name)
+        device = self.get_buffer(f"{name}_qweight").device
+        return DecodedExperts(lambda ids: self.decode(name, ids), m.shape, self.weight_dtype, device)
+
+    gate_up_proj = property(lambda self: self._matrix("gate_up_proj"))
+    gate_proj = property(lambda self: self._matrix("gate_proj"))
+    up_proj = property(lambda self: self._matrix("up_proj"))
+    down_proj = property(lambda self: self._matrix("down_proj"))
+
+    def _matrix(self, name: str) -> DecodedExperts:
+        if not any(m.name == name for m in self.matrices):
+            raise AttributeError(f"{type(self).__name__} has no {name!r}")
+        return self._expert_tensor(name)
+
+    def _apply(self, fn, recurse=True):
+        # moves take the stored tensors along, but a dtype conversion (model.half(), .to(torch.bfloat16)) changes
+        # only what they decode to: the codes and fp16 scales are the format's and stay as they are
+        packed = {f"{m.name}_{key}": self.get_buffer(f"{m.name}_{key}") for m in self.matrices for key in self.keys}
+        for k in packed:
+            del self._buffers[k]
+        try:
+            out = super()._apply(fn, recurse)
+        except BaseException:
+            self._buffers.update(packed)
+            raise
+        for k, t in packed.items():
+            moved = fn(t)
+            self._buffers[k] = moved if moved.dtype == t.dtype else t.to(moved.device)
+        self.weight_dtype = fn(torch.empty(0, dtype=self.weight_dtype)).dtype
+        return out
+
+    def __reduce_ex__(self, protocol):
+        # the class is made at run time: copies and pickles rebuild it from the float class
+        return _unpickle, (self.float_class,), self.__getstate__()
+
+    def extra_repr(self) -> str:
+        shown = ", ".join(f"{m.name}={tuple(m.shape)}" for m in self.matrices)
+        return f"{shown}, fmt={self.fmt}"
+
+
+def _layout(name: str, module: nn.Module) -> tuple[ExpertMatrix, ...]:
+    try:
+        layout = experts_layout(module)
+    except ValueError as e:
+        raise ValueError(f"{name!r}: {e}; it is not compressed (exclude it with {{{name!r}: None}})") from None
+    if layout is None:
+        raise ValueError(f"{name!r} ({type(module).__name__}) holds no fused expert projections")
+    return layout
+
+
+def _build(module: nn.Module, layout: tuple[ExpertMatrix, ...], fmt: fm.WeightFormat,
+           tensors: dict[str, dict[str, torch.Tensor]], device) -> WeightOnlyExperts:
+    """An instance of ``module``'s quantized class holding ``tensors``, with the rest of ``module`` (attributes,
+    children, other parameters and buffers) copied; the float class's ``__init__`` is not run."""
+    new = object.__new__(experts_class(type(module)))
+    nn.Module.__init__(new)
+    internals = set(new.__dict__)
+    for key, value in module.__dict__.items():   # plain attributes: config, num_experts, activation settings ...
+        if key not in internals:
+            new.__dict__[key] = value
+    new.training = module.training
+    for key, child in module._modules.items():
+        new._modules[key] = copy.deepcopy(child)
+    names = {m.name for m in layout}
+    for key, p in module._parameters.items():   # biases and the like stay in floating point
+        if key not in names:
+            new._parameters[key] = None if p is None else nn.Parameter(p.detach().clone(), p.requires_grad)
+    for key, b in module._buffers.items():
+        new.register_buffer(key, None if b is None else b.clone(),
+                            persistent=key not in module._non_persistent_buffers_set)
+    for m in layout:
+        for key, t in tensors[m.name].items():
+            new.register_buffer(f"{m.name}_{key}", t)
+    new.fmt, new.matrices, new.keys = fmt, layout, tuple(tensors[layout[0].name])
+    new.weight_dtype = module.get_parameter(layout[0].name).dtype
+    notes = [f"{layout[0].experts} experts' {', '.join(m.name for m in layout)} stored per expert as "
+             f"WeightOnlyLinear stores a Linear; each call decodes only the experts its router selects (the class's "
+             f"eager per-expert loop runs, whatever config.experts_implementation says); the router stays in full "
+             f"precision"]
+    notes += [f"{m.name}: {s}" for m in layout if (s := fm.short_group_note(fmt, m.K))]
+    new.note = "; ".join(notes)
+    return new

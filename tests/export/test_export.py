@@ -123,3 +123,19 @@ def test_runtime_model_picks_the_runtime_of_each_format(tmp_path):
         assert (hf(ids).logits - small(ids).logits).abs().max().item() <= 1e-5
     with pytest.raises(ValueError, match="unknown export format 'tflite'"):
         runtime_model(tmp_path / "onnx", "tflite")
+
+
+def test_onnx_file_records_its_producer_and_the_reader_versions(tmp_path):
+    import importlib.metadata
+    import json
+
+    import onnx
+
+    model = _model(0)
+    proto = onnx.load(str(wb.export(model, tmp_path / "out", format=_format()) / "model.onnx"))
+    props = {p.key: p.value for p in proto.metadata_props}
+    assert (proto.producer_name, proto.producer_version) == ("workbench", wb.__version__)
+    assert props["workbench.onnxruntime_version"] == importlib.metadata.version("onnxruntime") == "1.31.1"
+    assert props["workbench.onnx_version"] == onnx.__version__ == "1.23.2"
+    assert props["workbench.torch_version"] == torch.__version__
+    assert json.loads(props["workbench.plans"]) == [p.to_dict() for p in wb.applied_plans(model)]

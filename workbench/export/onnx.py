@@ -486,6 +486,27 @@ def _check_layer(name: str, module: nn.Module) -> None:
                             f"exported as its dense float equivalent either: that would not be the compressed model)")
 
 
+def _with_producer(data: bytes, model: nn.Module) -> bytes:
+    """The graph with who wrote it: ``producer_name`` / ``producer_version`` (the workbench) and ``metadata_props``
+    with the versions of torch (its tracer), onnx and onnxruntime (the reader the graph was checked with before
+    writing) and the plans applied to the model."""
+    import importlib.metadata
+    import json
+
+    import onnx
+
+    import workbench
+    from workbench.plans import applied_plans
+
+    proto = onnx.load_from_string(data)
+    proto.producer_name, proto.producer_version = "workbench", workbench.__version__
+    props = {"workbench.torch_version": torch.__version__, "workbench.onnx_version": onnx.__version__,
+             "workbench.onnxruntime_version": importlib.metadata.version("onnxruntime"),
+             "workbench.plans": json.dumps([p.to_dict() for p in applied_plans(model)])}
+    onnx.helper.set_model_props(proto, props)
+    return proto.SerializeToString()
+
+
 @dataclass
 class Prepared:
     """What `ONNX.write` writes: the serialized model, what each quantized layer became, ONNX Runtime's check."""
@@ -548,7 +569,7 @@ class ONNX(ExportFormat):
             parent, _, leaf = name.rpartition(".")
             setattr(traced.get_submodule(parent), leaf, new)
         opset = max([self.opset, *(w.opset for w in layers.values() if isinstance(w, DQWeight))])
-        data = self._trace(traced, opset, layers)
+        data = _with_producer(self._trace(traced, opset, layers), model)
         return Prepared(data, layers, self._check(model, data), opset)
 
     # --- the nearest grid the ONNX export holds, for a layer it cannot hold as it is (`workbench.export.fit`) -------

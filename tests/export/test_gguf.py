@@ -35,22 +35,6 @@ TYPES = {"q8_0": (Q8, "Q8_0", gguf.LlamaFileType.MOSTLY_Q8_0), "q4_0": (Q4, "Q4_
 
 # --- models -----------------------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def tiny_llama():
-    return wb.models.load("tiny-llama")
-
-
-@pytest.fixture(scope="module")
-def tokenizer_folder(tmp_path_factory):
-    """A folder holding only tiny-llama's tokenizer.json (a byte-level BPE of 4,096 tokens)."""
-    from workbench.models.llama import TOKENIZER_FILE
-    from workbench.paths import data_dir
-
-    folder = tmp_path_factory.mktemp("tokenizer")
-    shutil.copy(data_dir() / TOKENIZER_FILE, folder / "tokenizer.json")
-    return folder
-
-
 def _llama(**kw):
     """A small random GQA Llama (4 query / 2 kv heads), untied, with a vocabulary a little larger than the tokenizer's
     (ids 4096.. have no token: written as unused padding)."""

@@ -142,11 +142,6 @@ def reference():
 
 
 @pytest.fixture(scope="module")
-def tiny_llama():
-    return wb.models.load("tiny-llama")
-
-
-@pytest.fixture(scope="module")
 def q4(reference, tiny_llama, tmp_path_factory):
     small = wb.apply(tiny_llama, {"model.layers.*": reference.Q4}, progress=False)
     return small, wb.export(small, tmp_path_factory.mktemp("gguf") / "q4", format="gguf")

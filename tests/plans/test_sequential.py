@@ -143,6 +143,44 @@ def test_a_list_of_parallel_branches_is_not_taken_for_blocks():
     assert set(wb.applied_report(small).calibration) == {"original"}
 
 
+class Stage(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x, scale=1.0):
+        return torch.relu(self.fc(x)) * scale
+
+
+class ScaledStages(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stages = nn.ModuleList(Stage() for _ in range(3))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        for i, stage in enumerate(self.stages):
+            x = stage(x, scale=float(i + 1))
+        return self.head(x)
+
+
+def test_blocks_that_cannot_run_alone_fall_back_to_the_original_pipeline():
+    """Issue 35: the pipeline replays each block alone on the first batch; a block whose other arguments differ
+    from the first block's is caught before anything is compressed (no crash inside the model, no silently
+    mis-calibrated block), and the model is calibrated from the original activations, said in the warning and
+    the report - the same result as asking for pipeline='original'."""
+    model = ScaledStages().eval()
+    data = [torch.randn(8, 16) for _ in range(2)]
+    plan = {"*": wb.quant.WeightOnly(bits=4, group_size=16, method="gptq")}
+    with pytest.warns(UserWarning, match=r"'stages.1' run alone with the arguments 'stages.0' received"):
+        small = wb.apply(model, plan, calibration=data, progress=False)
+    report = wb.applied_report(small)
+    assert set(report.calibration) == {"original"} and report.note.str.contains("run alone").all()
+    reference = wb.apply(model, plan, calibration=data, progress=False, pipeline="original")
+    x = torch.randn(5, 16)
+    assert torch.equal(small(x), reference(x))
+
+
 def fail_at(monkeypatch, layer: str) -> None:
     """GPTQ fails on ``layer`` (as a non-positive-definite Hessian would)."""
     import workbench.quantization.gptq as gptq

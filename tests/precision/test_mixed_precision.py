@@ -1,4 +1,6 @@
 """Mixed-precision training: GradScaler semantics, skipped-step counting, the measured comparison."""
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -116,3 +118,44 @@ def test_gradient_checkpointing_same_gradients_less_memory():
     assert peaks["checkpointed"] < 0.8 * peaks["plain"], peaks
     with pytest.raises(TypeError, match="not an nn.ModuleList"):
         wb.precision.checkpoint_blocks(model, "ln_f")
+
+
+class ReadsCastWeights(nn.Module):
+    """A parent computing with its children's weights directly, as Mamba (``dt_proj.weight @ x``, a squeezed
+    ``conv1d.weight``) and DeBERTa-v2 (a slice of ``rel_embeddings.weight`` through a Linear) do."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Embedding(10, 8)
+        self.proj = nn.Linear(8, 8)
+        self.dt = nn.Linear(8, 8, bias=False)
+
+    def forward(self, x):                                   # x: (B, 8) float32
+        rows = self.proj(self.table.weight[2:6])            # a slice of a weight, through a (cast) Linear
+        return (self.dt.weight @ x.T).T + x @ rows.T.sum(1, keepdim=True)
+
+
+def test_cast_weights_read_directly_by_the_parent_compute_in_the_callers_dtype(tmp_path):
+    """Issue 35: Cast(bf16) on Mamba / DeBERTa-v2 applied, then forward failed with a dtype mismatch. A cast weight
+    read outside its layer's forward gives its stored bf16 values in the caller's dtype, as if the layer had been
+    called; the model equals the float one computed on the bf16-rounded weights (and so does a reload)."""
+    torch.manual_seed(0)
+    model = ReadsCastWeights().eval()
+    small = wb.apply(model, {"*": wb.precision.Cast(torch.bfloat16)}, progress=False)
+    assert {p.dtype for p in small.parameters()} == {torch.bfloat16}
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in rounded.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    x = torch.randn(3, 8)
+    with torch.inference_mode():
+        got = small(x)
+        assert got.dtype == torch.float32
+        # only the Linear's activations are rounded to bf16 inside it: close to the float model on bf16 weights
+        torch.testing.assert_close(got, rounded(x), rtol=2e-2, atol=2e-2)
+    path = tmp_path / "m.safetensors"
+    wb.save(small, path)
+    again = wb.load(path, base=model)
+    with torch.inference_mode():
+        assert torch.equal(again(x), got)
+    assert wb.size_bytes(small) == sum(p.numel() * 2 for p in model.parameters())

@@ -291,3 +291,21 @@ def test_projections_that_do_not_chain_are_refused():
     assert "do not chain" in handler_for(config).why_not(bad, config)
     bad.down_proj = nn.Parameter(torch.randn(4, 32, 48))
     assert handler_for(config).supports(bad, config)
+
+
+def test_qat_passes_over_fused_experts_out_loud_and_refuses_them_by_name(tmp_path):
+    """QAT fake-quantizes 2-D weights: a glob passes the fused experts over with a warning naming them (they stay
+    full precision through convert, and the saved plan says so: the reload is the same model); an exact name is
+    refused naming the module."""
+    model = mixtral()
+    with pytest.warns(UserWarning, match=r"passed over 2 fused mixture-of-experts module\(s\) \(model.layers.0"):
+        prepared = wb.qat.prepare(model, wb.Plan({"*": INT8}))
+    small = wb.qat.convert(prepared)
+    assert type(small.model.layers[0].mlp.experts) is type(model.model.layers[0].mlp.experts)
+    assert isinstance(small.model.layers[0].self_attn.q_proj, WeightOnlyLinear)
+    path = tmp_path / "m.safetensors"
+    wb.save(small, path)
+    with torch.inference_mode():
+        assert torch.equal(wb.load(path, base=model)(TOKENS).logits, small(TOKENS).logits)
+    with pytest.raises(ValueError, match=r"'model.layers.1.mlp.experts' \(MixtralExperts\): QAT"):
+        wb.qat.prepare(model, wb.Plan({"model.layers.1.mlp.experts": INT8}))

@@ -161,6 +161,11 @@ def apply(model: nn.Module, plan: Plan | Mapping[str, Config | None], calibratio
     fallback = ""
     try:
         canonicalize_for(target, plan)   # the Linear-in-disguise layers the plan reaches, as survey saw them
+        if needing:   # a calibrated layer its model never calls (its parent reads its weight) has no inputs
+            silent = _not_called(target, [a.name for a in needing], batches[0])
+            if silent:
+                assignments, needing, uncalled = _pass_over_uncalled(target, assignments, needing, silent)
+                passed = [*passed, *uncalled]
         blocks = None
         if needing and pipeline is Pipeline.SEQUENTIAL:
             blocks = find_blocks(target, [a.name for a in needing])
@@ -200,7 +205,8 @@ def apply(model: nn.Module, plan: Plan | Mapping[str, Config | None], calibratio
     # A config whose structure depends on the data (e.g. a rank chosen by an energy threshold) is recorded
     # as the concrete per-layer config, ahead of the user's patterns, so wb.load rebuilds the same shapes.
     resolved = [(n, t.concrete) for n, t in done.items() if t.concrete != t.config]
-    recorded = _recorded(plan, assignments, resolved) if resolved else plan
+    kept = [p.name for p in passed if p.reason.startswith(NOT_CALLED)]   # decided by a forward: say it in the file
+    recorded = _recorded(plan, assignments, resolved, kept) if resolved or kept else plan
     record_plan(target, (*applied_plans(model), recorded))
     calibrated = {a.name for a in needing}
     how = "original" if blocks is None else "sequential"
@@ -330,13 +336,74 @@ def _add(statistics, args: tuple) -> None:
         statistics.add(batch)
 
 
-def _recorded(plan: Plan, assignments, resolved: list[tuple[str, Config]]) -> Plan:
-    """The plan to save: the concrete per-layer configs first, then the user's patterns - less those whose
-    every layer now has a concrete entry (on reload such a pattern would select nothing, which is an error)."""
+def _recorded(plan: Plan, assignments, resolved: list[tuple[str, Config]], untouched: Sequence[str] = ()) -> Plan:
+    """The plan to save: the layers left untouched for a reason only a forward pass shows (``untouched``, as
+    ``None`` entries), the concrete per-layer configs, then the user's patterns - less those whose every layer now
+    has a concrete entry (on reload such a pattern would select nothing, which is an error)."""
     concrete = dict(resolved)
     left = {a.pattern for a in assignments if a.name not in concrete}
-    kept = [(p, c) for p, c in plan.items() if p not in concrete and (c is None or p in left)]
-    return Plan([*resolved, *kept], fold_batchnorm=plan.fold_batchnorm)
+    kept = [(p, c) for p, c in plan.items() if p not in concrete and p not in untouched and (c is None or p in left)]
+    return Plan([*((n, None) for n in untouched), *resolved, *kept], fold_batchnorm=plan.fold_batchnorm)
+
+
+NOT_CALLED = "never called when the calibration batch ran through the model"
+
+
+def _not_called(model: nn.Module, names: Sequence[str], batch) -> list[str]:
+    """Which of ``names`` the model does not call (as a module) on ``batch``: a layer whose parent reads its
+    weight directly (Mamba's ``dt_proj``, a causal convolution run by a fused function) never sees an input, so
+    a technique calibrated on inputs has nothing to work on. Stops as soon as every layer was called."""
+    from workbench.plans.layers import _call, _describe
+    from workbench.plans.sequential import _Stop
+
+    waiting = set(names)
+    handles = []
+    for name in names:
+        def hook(mod, args, _name=name):
+            waiting.discard(_name)
+            if not waiting:
+                raise _Stop
+        handles.append(model.get_submodule(name).register_forward_pre_hook(hook))
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            _call(model, batch)
+    except _Stop:
+        pass
+    except Exception as e:
+        shown = _describe(batch) if isinstance(batch, tuple) else type(batch).__name__
+        raise ValueError(f"calibration batch 0 ({shown}) could not be run through {type(model).__name__}: "
+                         f"{type(e).__name__}: {e}") from e
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    return [n for n in names if n in waiting]
+
+
+def _pass_over_uncalled(model: nn.Module, assignments, needing, silent: Sequence[str]):
+    """Take the calibrated layers the model never calls out of the plan: passed over (with the reason) when a
+    glob chose them, refused (`ApplyError`) when the plan names them exactly."""
+    from workbench.plans.plan import PassedOver
+
+    total = sum(p.numel() * p.element_size() for p in model.parameters()) or 1
+    by_name = {a.name: a for a in needing}
+    passed = []
+    for name in silent:
+        a = by_name[name]
+        parent = name.rpartition(".")[0]
+        owner = f"its parent {parent!r} ({type(model.get_submodule(parent)).__name__})" if parent else "the model"
+        reason = (f"{NOT_CALLED} ({owner} uses its weight without calling it), so "
+                  f"{type(a.config).__name__} has no inputs to calibrate it on")
+        if a.pattern == a.name:
+            raise ApplyError(name, a.config, ValueError(f"{name!r} was {reason}"))
+        own = list(model.get_submodule(name).parameters(recurse=False))
+        share = sum(p.numel() * p.element_size() for p in own) / total
+        passed.append(PassedOver(name, a.module_type, a.pattern, a.config, reason, any(p.dim() >= 2 for p in own),
+                                 share))
+    gone = set(silent)
+    return [a for a in assignments if a.name not in gone], [a for a in needing if a.name not in gone], passed
 
 
 def _fold(model: nn.Module) -> None:

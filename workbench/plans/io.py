@@ -250,7 +250,8 @@ def load(path: str | os.PathLike, base: nn.Module | str | None = None) -> nn.Mod
         for key, t in expected.items():   # each tensor read once from the mapped file, straight into its place
             if id(t) not in filled:
                 value = aligned(f.get_tensor(next(k for k in by_object[id(t)] if k in stored)))
-                filled[id(t)] = nn.Parameter(value, t.requires_grad) if isinstance(t, nn.Parameter) else value
+                kind = type(t) if isinstance(t, nn.Parameter) else None   # (a CastParameter stays one)
+                filled[id(t)] = kind(value, t.requires_grad) if kind is not None else value
             owner, _, attr = key.rpartition(".")
             module = model.get_submodule(owner)
             slots: dict = module._parameters if attr in module._parameters else module._buffers

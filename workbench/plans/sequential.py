@@ -123,6 +123,20 @@ def _detach(value: Any) -> Any:
     return value
 
 
+def _block_inputs(block: str, args: tuple, kwargs: dict) -> BlockInputs:
+    """A block call's arguments as the pipeline keeps them: the hidden states apart, the rest detached, no cache."""
+    kwargs = {k: _detach(v) for k, v in kwargs.items()}
+    if "use_cache" in kwargs:
+        kwargs["use_cache"] = False
+    if args and isinstance(args[0], torch.Tensor):
+        return BlockInputs(args[0].detach(), tuple(_detach(a) for a in args[1:]), kwargs)
+    key = "hidden_states" if isinstance(kwargs.get("hidden_states"), torch.Tensor) else next(
+        (k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.is_floating_point()), None)
+    if key is None:
+        raise ValueError(f"block {block!r} was called without a tensor argument to calibrate on")
+    return BlockInputs(kwargs.pop(key), tuple(_detach(a) for a in args), kwargs, key)
+
+
 def capture_block_inputs(model: nn.Module, block: str, batches: Sequence, progress: bool = True,
                          on_batch: Callable[[int], None] | None = None) -> list[BlockInputs]:
     """Run each batch through ``model`` up to ``block`` and record that block's arguments (the rest of the
@@ -130,17 +144,7 @@ def capture_block_inputs(model: nn.Module, block: str, batches: Sequence, progre
     records: list[BlockInputs] = []
 
     def hook(mod, args, kwargs):
-        kwargs = {k: _detach(v) for k, v in kwargs.items()}
-        if "use_cache" in kwargs:
-            kwargs["use_cache"] = False
-        if args and isinstance(args[0], torch.Tensor):
-            records.append(BlockInputs(args[0].detach(), tuple(_detach(a) for a in args[1:]), kwargs))
-        else:
-            key = "hidden_states" if isinstance(kwargs.get("hidden_states"), torch.Tensor) else next(
-                (k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.is_floating_point()), None)
-            if key is None:
-                raise ValueError(f"block {block!r} was called without a tensor argument to calibrate on")
-            records.append(BlockInputs(kwargs.pop(key), tuple(_detach(a) for a in args), kwargs, key))
+        records.append(_block_inputs(block, args, kwargs))
         raise _Stop
 
     handle = model.get_submodule(block).register_forward_pre_hook(hook, with_kwargs=True)
@@ -190,15 +194,26 @@ def run_block(block: nn.Module, inputs: BlockInputs) -> torch.Tensor:
 
 
 def runs_as_chain(model: nn.Module, blocks: BlockList, batch) -> str | None:
-    """Check on one batch that each block runs once and takes the previous block's output as its hidden
-    states (a list of parallel branches does not); returns why not, or None. The model stops after the last
-    block (an LM head's logits for a whole batch can outweigh a block)."""
+    """Check on one batch that the blocks can be calibrated one after the other; returns why not, or None.
+
+    Each block must run once, in order, and take the previous block's output as its hidden states (a list of
+    parallel branches does not). Then each block is run alone the way the pipeline will run it - on the hidden
+    states it received, with the *first* block's other arguments - and must give the output it gave inside the
+    model: a block whose other arguments differ from the first block's (a Swin stage's spatial size, a
+    downsampling stage) or that reads state from outside its arguments is caught here, before anything is
+    compressed, instead of crashing or silently mis-calibrating later. The model stops after the last block (an
+    LM head's logits for a whole batch can outweigh a block)."""
     seen: list[tuple[int, torch.Tensor | None]] = []
+    calls: list[BlockInputs | str] = []
     handles = []
     for i, name in enumerate(blocks.names):
-        def pre(mod, args, kwargs, _i=i):
+        def pre(mod, args, kwargs, _i=i, _name=name):
             x = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
             seen.append((_i, x))
+            try:
+                calls.append(_block_inputs(_name, args, kwargs))
+            except ValueError as e:
+                calls.append(str(e))
 
         def post(mod, args, kwargs, out, _i=i):
             seen.append((_i, block_output(out)))
@@ -223,4 +238,26 @@ def runs_as_chain(model: nn.Module, blocks: BlockList, batch) -> str | None:
         out, nxt = seen[2 * i - 1][1], seen[2 * i][1]
         if out is None or not isinstance(nxt, torch.Tensor) or out.shape != nxt.shape or not torch.equal(out, nxt):
             return f"{blocks.names[i]!r} does not take the output of {blocks.names[i - 1]!r} as its input"
+    return _replays(model, blocks, calls, [seen[2 * i + 1][1] for i in range(len(blocks.names))])
+
+
+def _replays(model: nn.Module, blocks: BlockList, calls: list, outputs: list[torch.Tensor]) -> str | None:
+    """Why some block, run alone on its recorded hidden states with the first block's other arguments, does not
+    give its output inside the model (None: every block does)."""
+    first = calls[0]
+    if isinstance(first, str):
+        return first
+    for name, call, expected in zip(blocks.names, calls, outputs):
+        if isinstance(call, str):
+            return call
+        alone = BlockInputs(call.hidden, first.args, first.kwargs, first.hidden_key)
+        try:
+            got = run_block(model.get_submodule(name), alone)
+        except Exception as e:
+            return (f"{name!r} cannot run alone with the arguments {blocks.names[0]!r} received "
+                    f"({type(e).__name__}: {str(e)[:160]})")
+        if not isinstance(expected, torch.Tensor) or got.shape != expected.shape or not torch.allclose(
+                got.float(), expected.float(), rtol=1e-4, atol=1e-5 * (1.0 + float(expected.abs().max()))):
+            return (f"{name!r} run alone with the arguments {blocks.names[0]!r} received does not give the output "
+                    f"it gives inside the model (its other arguments differ, or it reads state outside them)")
     return None

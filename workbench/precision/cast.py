@@ -20,6 +20,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map
 
 from workbench.plans.lookalike import kept
 from workbench.plans.registry import Config, Handler, register_config
@@ -32,12 +33,54 @@ CAST_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 class CastParameter(nn.Parameter):
     """A parameter whose ``__torch_function__`` is on (plain parameters turn it off), so
     ``torch.overrides.has_torch_function`` is true for it and fused fast paths leave the layer's forward to run.
-    Every operation returns plain tensors."""
+    Every operation returns plain tensors.
+
+    Outside its layer's forward, a model may compute with the weight directly (Mamba's ``dt_proj.weight @ x``,
+    DeBERTa-v2's slice of ``rel_embeddings.weight``): there, an operation that meets a floating tensor of another
+    dtype reads the stored low-precision values in that dtype (as the cast layer's own output returns in its
+    caller's dtype), and a view or slice of the weight alone (`_READS`) reads them in the default dtype, instead of
+    failing later with a dtype mismatch. The layer's own forward casts its input to the weight's dtype first, so
+    it never converts; in-place operations and attribute reads (``dtype``, sizes) are left alone."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
+            if getattr(func, "__name__", "") != "__get__" and "out" not in kwargs and not _in_place(func):
+                target = _other_floating_dtype(args, kwargs)
+                if target is None and getattr(func, "__name__", "") in _READS:   # a slice of the weight, alone
+                    target = torch.get_default_dtype()
+                    if all(t.dtype == target for t in tree_leaves((args, kwargs)) if isinstance(t, CastParameter)):
+                        target = None
+                if target is not None:
+                    args, kwargs = tree_map(lambda t: t.to(target) if isinstance(t, CastParameter) else t,
+                                            (args, kwargs))
+            return func(*args, **kwargs)
+
+
+# Views and slices a model takes of a weight it then computes with (DeBERTa-v2 slices ``rel_embeddings.weight``,
+# Mamba squeezes ``conv1d.weight``): read in the default dtype, the dtype the model computes in around cast layers.
+_READS = frozenset({"__getitem__", "view", "reshape", "transpose", "t", "permute", "unsqueeze", "squeeze", "narrow",
+                    "select", "index_select", "expand", "flatten", "repeat", "contiguous", "split", "chunk"})
+
+
+def _in_place(func) -> bool:
+    name = getattr(func, "__name__", "")
+    return name.endswith("_") and not name.endswith("__") or name in ("__setitem__", "__iadd__", "__imul__")
+
+
+def _other_floating_dtype(args, kwargs) -> torch.dtype | None:
+    """The dtype the operation's other floating tensors agree on (promoted), when a `CastParameter` among its
+    arguments has another one; None when nothing needs converting."""
+    other, ours = None, set()
+    for t in tree_leaves((args, kwargs)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            continue
+        if isinstance(t, CastParameter):
+            ours.add(t.dtype)
+        else:
+            other = t.dtype if other is None else torch.promote_types(other, t.dtype)
+    return other if other is not None and ours and ours != {other} else None
 
 
 class CastLinear(nn.Linear):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,7 @@ from workbench.plans.layers import applied_plans, canonicalize_for, record_plan,
 from workbench.plans.plan import Plan
 from workbench.quantization import formats as fm
 from workbench.quantization.configs import Dynamic, Method, WeightOnly, _computation
+from workbench.quantization.experts import takes_experts
 from workbench.quantization.modules import KernelPath
 from workbench.quantization.primitives import choose_qparams, fp16_scale, qrange
 
@@ -238,9 +240,23 @@ def prepare(model: nn.Module, plan: Plan, learnable_scales: bool = False, kernel
     canonicalize_for(target, plan)   # Conv1D / MultiheadAttention the plan reaches, as wb.apply and wb.load do
     replacements = {}
     shared: dict = {}
+    experts: list[str] = []
     for a in plan.resolve(target):
-        replacements[a.name] = _qat_module(a.name, target.get_submodule(a.name), a.config, learnable_scales,
-                                           kernel, shared)
+        module = target.get_submodule(a.name)
+        if takes_experts(module):   # fused 3-D experts: wb.apply quantizes them; QAT trains 2-D layers
+            if a.pattern == a.name:
+                raise ValueError(f"{a.name!r} ({type(module).__name__}): QAT fake-quantizes nn.Linear / Conv / "
+                                 f"Embedding weights, not fused mixture-of-experts tensors; quantize the experts "
+                                 f"after training with wb.apply")
+            experts.append(a.name)
+            continue
+        replacements[a.name] = _qat_module(a.name, module, a.config, learnable_scales, kernel, shared)
+    if experts:
+        warnings.warn(f"qat.prepare passed over {len(experts)} fused mixture-of-experts module(s) "
+                      f"({', '.join(experts[:3])}{', ...' if len(experts) > 3 else ''}): QAT fake-quantizes 2-D "
+                      f"weights; they train in full precision and stay so after convert (quantize them after "
+                      f"training with wb.apply)", stacklevel=2)
+        plan = Plan([*((n, None) for n in experts), *plan.items()], fold_batchnorm=plan.fold_batchnorm)
     swap_layers(target, replacements)
     object.__setattr__(target, QAT_PLAN_ATTR, plan)
     return target

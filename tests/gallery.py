@@ -281,6 +281,124 @@ def vit() -> Built:
     return ViTForImageClassification(cfg).eval(), (torch.randn(2, 3, 16, 16, generator=g),), _logits
 
 
+# ---------------------------------------------------------------- Hugging Face, 2026 layouts (issue 35)
+
+def mixtral() -> Built:
+    """Mixture of experts, transformers 5 layout: one MixtralExperts module holding fused 3-D expert weights."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    g = _seeded()
+    cfg = MixtralConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                        max_position_embeddings=64)
+    return MixtralForCausalLM(cfg).eval(), (_ids(g, shape=(2, 16)),), _logits
+
+
+def qwen2_moe() -> Built:
+    """Another mixture-of-experts layout: fused routed experts beside a shared expert of nn.Linears and its gate."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    g = _seeded()
+    cfg = Qwen2MoeConfig(vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
+                         shared_expert_intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
+    return Qwen2MoeForCausalLM(cfg).eval(), (_ids(g, shape=(2, 16)),), _logits
+
+
+def phi3() -> Built:
+    """Fused projections: qkv_proj, and gate_up_proj whose two halves feed one SiLU-gated product."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    g = _seeded()
+    cfg = Phi3Config(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
+                     bos_token_id=0, eos_token_id=0)
+    return Phi3ForCausalLM(cfg).eval(), (_ids(g),), _logits
+
+
+def gpt_neox() -> Built:
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    g = _seeded()
+    cfg = GPTNeoXConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                        num_attention_heads=4, max_position_embeddings=64)
+    return GPTNeoXForCausalLM(cfg).eval(), (_ids(g),), _logits
+
+
+def falcon() -> Built:
+    """FalconLinear: an nn.Linear subclass with its own forward (which computes x @ W.T + b)."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    g = _seeded()
+    cfg = FalconConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                       max_position_embeddings=64)
+    return FalconForCausalLM(cfg).eval(), (_ids(g),), _logits
+
+
+def gemma2() -> Built:
+    """A scaled word embedding (an Embedding subclass multiplying by sqrt(hidden)), soft-capped logits."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    g = _seeded()
+    cfg = Gemma2Config(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                       sliding_window=8)
+    return Gemma2ForCausalLM(cfg).eval(), (_ids(g),), _logits
+
+
+def opt() -> Built:
+    """Learned positions with an offset (an Embedding subclass indexed at position + 2)."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    g = _seeded()
+    cfg = OPTConfig(vocab_size=96, hidden_size=32, ffn_dim=48, num_hidden_layers=2, num_attention_heads=4,
+                    max_position_embeddings=64, word_embed_proj_dim=32)
+    return OPTForCausalLM(cfg).eval(), (_ids(g),), _logits
+
+
+def swin() -> Built:
+    """Shifted windows: blocks whose arguments (the spatial size) are not the hidden states alone."""
+    from transformers import SwinConfig, SwinForImageClassification
+
+    g = _seeded()
+    cfg = SwinConfig(image_size=32, patch_size=4, num_channels=3, embed_dim=16, depths=[2, 2], num_heads=[2, 4],
+                     window_size=4, num_labels=5)
+    return SwinForImageClassification(cfg).eval(), (torch.randn(2, 3, 32, 32, generator=g),), _logits
+
+
+def mamba() -> Built:
+    """A state-space model: dt_proj's weight is read directly by its parent, a depthwise causal Conv1d."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    g = _seeded()
+    cfg = MambaConfig(vocab_size=96, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4)
+    return MambaForCausalLM(cfg).eval(), (_ids(g),), _logits
+
+
+def deberta_v2() -> Built:
+    """Disentangled attention: relative-position projections shared across layers."""
+    from transformers import DebertaV2Config, DebertaV2Model
+
+    g = _seeded()
+    cfg = DebertaV2Config(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                          intermediate_size=48, max_position_embeddings=64, relative_attention=True,
+                          position_buckets=16, pos_att_type=["p2c", "c2p"])
+    ids = _ids(g)
+    return DebertaV2Model(cfg).eval(), (ids, torch.ones_like(ids)), _last_hidden
+
+
+def hf_resnet() -> Built:
+    """Hugging Face's ResNet: bottleneck blocks (1x1, 3x3, 1x1) with residual shortcuts, BatchNorm after each."""
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    g = _seeded()
+    cfg = ResNetConfig(num_channels=3, embedding_size=16, hidden_sizes=[32, 64], depths=[1, 2],
+                       layer_type="bottleneck", num_labels=5)
+    model = ResNetForImageClassification(cfg)
+    _randomise_bn(model, g)
+    return model.eval(), (torch.randn(2, 3, 32, 32, generator=g),), _logits
+
+
 # ---------------------------------------------------------------- a real pretrained CNN
 
 def efficientnet_lite0() -> Built:
@@ -317,6 +435,17 @@ ARCHITECTURES = {a.name: a for a in [
     Architecture("t5", t5, "*.DenseReluDense.wi", heads=True),
     Architecture("vit", vit, r"re:vit\..*\.(intermediate\.dense|mlp\.fc1)", heads=True),   # by transformers version
     Architecture("efficientnet-lite0", efficientnet_lite0, "_blocks.*._expand_conv", heads=False, slow=True),
+    Architecture("mixtral", mixtral, "model.layers.*.mlp.experts", heads=True),
+    Architecture("qwen2-moe", qwen2_moe, "model.layers.*.mlp.experts", heads=True),
+    Architecture("phi3", phi3, "model.layers.*.mlp.gate_up_proj", heads=True),
+    Architecture("gpt-neox", gpt_neox, "gpt_neox.layers.*.mlp.dense_h_to_4h", heads=True),
+    Architecture("falcon", falcon, "transformer.h.*.mlp.dense_h_to_4h", heads=True),
+    Architecture("gemma2", gemma2, "model.layers.*.mlp.gate_proj", heads=True),
+    Architecture("opt", opt, "model.decoder.layers.*.fc1", heads=True),
+    Architecture("swin", swin, r"re:swin\..*\.(intermediate\.dense|mlp\.fc1)", heads=True),
+    Architecture("mamba", mamba, "backbone.layers.*.mixer.in_proj", heads=False),
+    Architecture("deberta-v2", deberta_v2, "encoder.layer.*.intermediate.dense", heads=True),
+    Architecture("hf-resnet", hf_resnet, "resnet.encoder.stages.*.layers.*.layer.0.convolution", heads=False),
 ]}
 
 
@@ -333,7 +462,8 @@ def _hf_conv1d() -> tuple[type, ...]:
 def family(module: nn.Module) -> str | None:
     """What a weight-bearing layer computes: 'linear' (nn.Linear and subclasses, transformers' Conv1D,
     nn.MultiheadAttention's packed in-projection), 'conv1d', 'conv2d' (any nn.Conv2d subclass, grouped and
-    depthwise included), 'conv_transpose', 'embedding', 'rnn' (nn.LSTM / nn.GRU); None for anything else."""
+    depthwise included), 'conv_transpose', 'embedding', 'rnn' (nn.LSTM / nn.GRU), 'experts' (a module holding
+    the 3-D stacked weights of a mixture of experts' experts, as transformers 5 stores them); None otherwise."""
     if isinstance(module, (nn.Linear, *_hf_conv1d(), nn.MultiheadAttention)):
         return "linear"
     if isinstance(module, nn.Conv1d):
@@ -346,6 +476,8 @@ def family(module: nn.Module) -> str | None:
         return "embedding"
     if isinstance(module, (nn.LSTM, nn.GRU)):
         return "rnn"
+    if any(p.dim() == 3 and n.endswith("_proj") for n, p in module.named_parameters(recurse=False)):
+        return "experts"   # a mixture of experts' fused experts (gate_up_proj (E, 2I, H), down_proj (E, H, I), ...)
     return None
 
 

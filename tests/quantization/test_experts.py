@@ -275,9 +275,9 @@ def test_unknown_layout_is_passed_over_by_a_glob_and_refused_by_name():
     assert any("experts (AmbiguousExperts" in w and "cannot be told" in w for w in caught), caught
     with pytest.raises(ValueError, match="'experts'.*AmbiguousExperts"):
         wb.apply(model, {"experts": INT4}, progress=False)
-    gptq = wb.quant.WeightOnly(bits=4, group_size=32, method="gptq")   # a method the experts module lacks
-    reason = wb.Plan({"*": gptq}).describe(mixtral()).set_index("layer").loc["model.layers.0.mlp.experts", "reason"]
-    assert "round to nearest" in reason
+    hqq = wb.quant.WeightOnly(bits=4, group_size=32, symmetric=False, method="hqq")   # a method experts lack
+    reason = wb.Plan({"*": hqq}).describe(mixtral()).set_index("layer").loc["model.layers.0.mlp.experts", "reason"]
+    assert "round to nearest or GPTQ" in reason
 
 
 def test_projections_that_do_not_chain_are_refused():
@@ -309,3 +309,83 @@ def test_qat_passes_over_fused_experts_out_loud_and_refuses_them_by_name(tmp_pat
         assert torch.equal(wb.load(path, base=model)(TOKENS).logits, small(TOKENS).logits)
     with pytest.raises(ValueError, match=r"'model.layers.1.mlp.experts' \(MixtralExperts\): QAT"):
         wb.qat.prepare(model, wb.Plan({"model.layers.1.mlp.experts": INT8}))
+
+
+# --- calibrated per expert: GPTQ on the tokens routed to each expert ----------------------------------------
+
+GPTQ4 = wb.quant.WeightOnly(bits=4, group_size=32, method="gptq")
+CALIBRATION = [(torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(2)),)]
+
+
+def routed_inputs(model: nn.Module, layer: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts module's (hidden states (T, H), routed expert ids (T, k)) on the calibration batch, read with a
+    hook on the float model (independently of the workbench's recording)."""
+    seen = []
+    handle = model.get_submodule(layer).register_forward_pre_hook(lambda m, args: seen.append(args))
+    with torch.inference_mode():
+        model(*CALIBRATION[0])
+    handle.remove()
+    return seen[0][0], seen[0][1]
+
+
+def test_gptq_quantizes_each_expert_on_exactly_its_routed_tokens(model):
+    """The first block's experts (whose inputs the sequential pipeline takes from the original model): each
+    expert's first projection holds exactly the codes GPTQ gives its matrix on the tokens the router sent to it;
+    the coverage table counts those tokens; GPTQ's error beats round to nearest's on the model's logits."""
+    from workbench.quantization import formats as fm
+    from workbench.quantization.experts import coverage
+    from workbench.quantization.gptq import gptq_quantize
+
+    layer = "model.layers.0.mlp.experts"
+    q = wb.apply(model, {"*": GPTQ4}, calibration=CALIBRATION, progress=False)
+    experts = q.get_submodule(layer)
+    first = experts.matrices[0]
+    hidden, ids = routed_inputs(model, layer)
+    table = coverage(q).set_index(["layer", "projection", "expert"])
+    float_experts = model.get_submodule(layer)
+    for e in range(first.experts):
+        x = hidden[(ids == e).any(-1)]
+        assert table.loc[(layer, first.name, e), "tokens"] == x.shape[0]
+        if x.shape[0] < wb.quant.experts.MIN_EXPERT_TOKENS:
+            continue
+        assert table.loc[(layer, first.name, e), "method"] == "GPTQ"
+        want = gptq_quantize(linear_matrix(float_experts, first.name, e), [(x,)], GPTQ4.format(), damp=GPTQ4.damp)
+        got = {k: t[e] for k, t in experts.stored(first.name).items()}
+        assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want), e
+        assert not torch.equal(want["qweight"], fm.encode(linear_matrix(float_experts, first.name, e),
+                                                          GPTQ4.format())["qweight"])   # (not RTN's codes)
+    note = wb.applied_report(q).set_index("layer").loc[layer, "note"]
+    assert "GPTQ per expert on its routed calibration tokens" in note
+    rtn = wb.apply(model, {"*": wb.quant.WeightOnly(bits=4, group_size=32)}, progress=False)
+    with torch.inference_mode():
+        ref, by_gptq, by_rtn = (m(*CALIBRATION[0]).logits for m in (model, q, rtn))
+    assert (by_gptq - ref).pow(2).mean() < (by_rtn - ref).pow(2).mean()
+
+
+def test_an_expert_with_too_few_routed_tokens_is_rounded_to_nearest_and_said_so():
+    """Calibration on 3 tokens: no expert of top-2-of-4 routing can see 16 - each is rounded to nearest (the very
+    codes of WeightOnly's RTN), the coverage table and the report say so; no NaN anywhere."""
+    from workbench.quantization.experts import coverage
+
+    model = mixtral()
+    few = [(torch.randint(0, 128, (1, 3), generator=torch.Generator().manual_seed(4)),)]
+    q = wb.apply(model, {"*": GPTQ4}, calibration=few, progress=False)
+    rtn = wb.apply(model, {"*": wb.quant.WeightOnly(bits=4, group_size=32)}, progress=False)
+    table = coverage(q)
+    assert len(table) == 2 * 2 * 4 and (table.method == "rtn").all() and (table.tokens < 16).all()
+    assert table.tokens.sum() > 0
+    for name in experts_of(model):
+        for m in q.get_submodule(name).matrices:
+            for k, t in q.get_submodule(name).stored(m.name).items():
+                assert torch.equal(t, rtn.get_submodule(name).stored(m.name)[k])
+        assert "rounded to nearest" in wb.applied_report(q).set_index("layer").loc[name, "note"]
+    assert torch.isfinite(logits(q)).all()
+
+
+def test_gptq_experts_with_act_order_are_passed_over_by_a_glob_and_refused_by_name():
+    model = mixtral()
+    plan = wb.quant.WeightOnly(bits=4, group_size=32, method="gptq", act_order=True)
+    with pytest.warns(UserWarning, match=r"model.layers.0.mlp.experts \(MixtralExperts.*act_order=True"):
+        wb.apply(model, {"*": plan}, calibration=CALIBRATION, progress=False)
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts"):
+        wb.apply(model, {"model.layers.0.mlp.experts": plan}, calibration=CALIBRATION, progress=False)

@@ -19,16 +19,22 @@ they are pruned together, with the same channels, ranked by their summed importa
 concatenation, a reshape, the model's input or output, a grouped convolution - cannot be resolved safely and
 raises an error naming the layer; the input model is never modified.
 
-Models torch.fx cannot trace (Hugging Face transformers, nn.TransformerEncoder) say who reads what with
-``consumers=``: `transformer_ffn_consumers` finds the feed-forward blocks of BERT, GPT-2 (transformers' Conv1D,
-weight stored (in, out), is cut on the right axis and becomes the equivalent nn.Linear, the form the core's
-canonicalisation gives it), Llama (SwiGLU: producers that feed the same consumer - gate and
-up projections - are cut together, like a residual group), T5, ViT and nn.TransformerEncoderLayer (`FFN_LAYOUTS`).
-Attention heads: see `workbench.pruning.heads`. Calibration batches may be tensors, tuples, or dicts of keyword
-inputs; a Hugging Face ModelOutput is read through its logits / last_hidden_state (`main_output`).
+In models torch.fx cannot trace (Hugging Face transformers) and inside modules it keeps whole
+(nn.TransformerEncoderLayer), blocks are found by layout (`BLOCK_LAYOUTS`, or say who reads what with
+``consumers=``; `transformer_ffn_consumers` lists the known blocks): the feed-forward blocks of BERT, GPT-2
+(transformers' Conv1D, weight stored (in, out), is cut on the right axis and becomes the equivalent nn.Linear, the
+form the core's canonicalisation gives it), Llama (SwiGLU: producers that feed the same consumer - gate and up
+projections - are cut together, like a residual group), Phi-3 (gate and up fused in one ``gate_up_proj`` split by
+``.chunk(2)``: channel j is rows j and I + j), T5, ViT, GPT-NeoX and Falcon (``FalconLinear``, a Linear subclass
+whose own forward computes nn.Linear's, checked on a probe input) and nn.TransformerEncoderLayer; and Hugging Face
+ResNet's conv -> BatchNorm -> activation layers. A selected layer outside them is refused, naming it and the module
+that reads it. A pattern that selects a mixture of experts' fused experts module (transformers 5's
+``MixtralExperts`` ...) cuts every expert's intermediate channels (`workbench.pruning.moe`). Attention heads: see
+`workbench.pruning.heads`. Calibration batches may be tensors, tuples, or dicts of keyword inputs; a Hugging Face
+ModelOutput is read through its logits / last_hidden_state (`main_output`).
 
-The remaining channel counts are recorded on the result as a plan of `Kept` entries, so `wb.save` / `wb.load`
-restore a structurally pruned model (the counts rebuild the shapes; the file holds the values).
+The remaining channel counts are recorded on the result as a plan of `Kept` (and `moe.KeptExperts`) entries, so
+`wb.save` / `wb.load` restore a structurally pruned model (the counts rebuild the shapes; the file holds the values).
 """
 from __future__ import annotations
 
@@ -42,11 +48,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from workbench.plans.layers import applied_plans, record_plan, swap_layers
+from workbench.plans.lookalike import computation
 from workbench.plans.plan import Plan, _matcher
 from workbench.plans.registry import Config, Handler, register_config
+from workbench.pruning import moe
 
-__all__ = ["Kept", "channels", "channel_importance", "transformer_ffn_consumers", "FFN_LAYOUTS", "main_output", "run",
-           "out_in", "hf_conv1d"]
+__all__ = ["Kept", "Layout", "BLOCK_LAYOUTS", "channels", "channel_importance", "transformer_ffn_consumers",
+           "main_output", "run", "out_in", "hf_conv1d"]
 
 _CHANNELWISE_MODULES = (nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.Dropout,
                         nn.Identity, nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d, nn.AvgPool2d, nn.AdaptiveAvgPool2d)
@@ -61,6 +69,8 @@ class _Dependents:
     producers: list[str]              # every layer whose output channels must be cut the same way
     batchnorms: list[str]
     consumers: list[tuple[str, int]]  # (consumer module name, features per channel at its input)
+    chunks: int = 1                   # the producers' output is this many equal consecutive blocks, read channel
+                                      # by channel (Phi-3's gate_up_proj = [gate; up]): channel j is row j of each
 
 
 _ADDS = {operator.add, operator.iadd, torch.add}
@@ -250,11 +260,19 @@ def run(model: nn.Module, batch):
 
 
 def _is_layer(module: nn.Module) -> bool:
-    """A layer structured pruning can cut: nn.Linear (or a subclass computing nn.Linear's forward), a plain
-    nn.Conv2d, or a transformers Conv1D."""
+    """A layer structured pruning can cut: nn.Linear (or a subclass whose own forward computes nn.Linear's, checked
+    on a probe input by `workbench.plans.lookalike`: Falcon's ``FalconLinear``), a plain nn.Conv2d, or a
+    transformers Conv1D. The cut layer is a plain nn.Linear / nn.Conv2d."""
     if isinstance(module, nn.Linear):
-        return type(module).forward is nn.Linear.forward
+        if type(module).forward is nn.Linear.forward:
+            return True
+        found = computation(module)
+        return found.taken and found.transform is None
     return type(module) is nn.Conv2d or is_conv1d_hf(module)
+
+
+def _ungrouped(module: nn.Module) -> bool:
+    return not isinstance(module, nn.Conv2d) or module.groups == 1
 
 
 def channel_importance(model: nn.Module, layer: str, criterion: str = "l1", calibration=None,
@@ -359,71 +377,52 @@ def _take_bn(bn: nn.Module, idx: torch.Tensor) -> nn.Module:
 def channels(model: nn.Module, amounts: dict[str, float], criterion: str = "l1", example_inputs=None,
              calibration=None, labels=None, consumers: dict[str, list[str]] | None = None) -> nn.Module:
     """A copy of ``model`` with ``amounts[pattern]`` of the output channels of each matching Linear / Conv2d
-    removed, and every dependent layer fixed (see the module docstring).
+    removed, and every dependent layer fixed (see the module docstring). A pattern matching a mixture of experts'
+    fused experts module (transformers 5's ``MixtralExperts`` ...) cuts that share of every expert's intermediate
+    channels (`workbench.pruning.moe`).
 
     ``consumers`` maps a producer's name to the layers that read its channels, for models torch.fx cannot
-    trace (e.g. transformers): the path between them must be channel-wise (no BatchNorm in between);
-    `transformer_ffn_consumers` builds it for BERT- and GPT-style feed-forward blocks."""
+    trace (e.g. transformers): the path between them must be channel-wise (no BatchNorm in between, unless the
+    block is one of `BLOCK_LAYOUTS`, whose norms and fused halves are then cut too);
+    `transformer_ffn_consumers` builds it for the blocks of `BLOCK_LAYOUTS`."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}")
-    target = copy.deepcopy(model)
-    gm = None
-    if consumers is None:
-        try:
-            gm = _trace(target, example_inputs)
-        except ValueError as e:
-            # transformers and other untraceable models: their feed-forward blocks are found by structure, when
-            # every layer the amounts select is the input projection of such a block
-            found = transformer_ffn_consumers(target)
-            selected = [n for n, m in target.named_modules() if _is_layer(m)
-                        and any(_matcher(p)(n) for p in amounts)]
-            if not selected:   # the pattern check below names the pattern that selects nothing
-                found = {}
-            elif any(n not in found for n in selected):
-                outside = [n for n in selected if n not in found][:3]
-                raise ValueError(f"{e}; the layers selected ({', '.join(outside or selected[:3])}) are not the "
-                                 f"input projections of feed-forward blocks it recognises") from None
-            consumers = found
-    names = [n for n, m in target.named_modules() if _is_layer(m)]
-    chosen: dict[str, float] = {}
     for pattern, amount in amounts.items():
         if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not 0 <= amount < 1:
             raise ValueError(f"amount for {pattern!r} must be in [0, 1), got {amount!r}")
-        match = _matcher(pattern)
-        hits = [n for n in names if match(n)]
-        if not hits:
-            raise ValueError(f"pattern {pattern!r} matches no nn.Linear / nn.Conv2d / Conv1D layer")
-        for n in hits:
-            chosen.setdefault(n, float(amount))
-    plans: dict[str, torch.Tensor] = {}   # producer -> kept output channels
-    groups: list[_Dependents] = []
+    target = copy.deepcopy(model)
+    chosen, chosen_experts = _select(target, amounts)
+    group_of = _group_finder(target, chosen, consumers, example_inputs) if chosen else None
+    plans: dict[str, torch.Tensor] = {}   # producer -> kept output rows
+    groups: list[tuple[_Dependents, torch.Tensor]] = []   # (group, kept channels)
     for name, amount in chosen.items():  # resolve everything before changing anything
         if name in plans:
             continue
-        if consumers is not None:
-            if name not in consumers:
-                raise ValueError(f"consumers= does not say which layers read the channels of {name!r}")
-            deps = _consumer_group(consumers, name)
-        else:  # a consumer may be pruned too: its input and output sides are independent
-            deps = _dependents(gm, name)
+        deps = group_of(name)
         amounts_in_group = {chosen[p] for p in deps.producers if p in chosen}
         if len(amounts_in_group) > 1:
             raise ValueError(f"{deps.producers} are cut together (their outputs are added, or read channel by "
                              f"channel by the same layers) and must be pruned alike, but were given different "
                              f"amounts {sorted(amounts_in_group)}")
-        out = out_in(target.get_submodule(name))[0]
-        keep = out - round(amount * out)
+        width = out_in(target.get_submodule(name))[0] // deps.chunks
+        for consumer, factor in deps.consumers:
+            reads = out_in(target.get_submodule(consumer))[1]
+            if reads != width * factor:
+                raise ValueError(f"{consumer!r} reads {reads} input features, but {name!r} gives it {width} "
+                                 f"channels of {factor} feature(s): it does not read {name!r}'s channels directly")
+        keep = width - round(amount * width)
         if keep < 1:
-            raise ValueError(f"pruning {amount} of {name!r} would remove all of its {out} channels")
+            raise ValueError(f"pruning {amount} of {name!r} would remove all of its {width} channels")
         score = sum(channel_importance(target, p, criterion, calibration, labels) for p in deps.producers)
+        score = score.reshape(deps.chunks, width).sum(0)                     # a fused channel's rows together
         idx = torch.sort(torch.topk(score, keep).indices).values
+        rows = torch.cat([idx + k * width for k in range(deps.chunks)])      # the kept rows of every chunk
         for p in deps.producers:
-            plans[p] = idx
-        groups.append(deps)
+            plans[p] = rows
+        groups.append((deps, idx))
     replacements: dict[str, nn.Module] = {}
     in_keep: dict[str, torch.Tensor] = {}
-    for deps in groups:
-        idx = plans[deps.producers[0]]
+    for deps, idx in groups:
         for bn in deps.batchnorms:
             replacements[bn] = _take_bn(target.get_submodule(bn), idx)
         for consumer, factor in deps.consumers:
@@ -433,48 +432,161 @@ def channels(model: nn.Module, amounts: dict[str, float], criterion: str = "l1",
         module = target.get_submodule(name)
         replacements[name] = _take(module, plans.get(name), in_keep.get(name))
     swap_layers(target, replacements)
-    _record(target, model, replacements)
+    kept_experts = {}
+    for name, amount in chosen_experts.items():   # each expert keeps its own best channels, as many as the others
+        module = target.get_submodule(name)
+        keep = moe.kept_width(name, moe.intermediate_layout(name, module).width, amount)
+        score = moe.intermediate_importance(name, module, criterion)            # (E, I)
+        moe.keep_intermediate(name, module, torch.sort(torch.topk(score, keep, dim=1).indices, dim=1).values)
+        kept_experts[name] = moe.KeptExperts(intermediate=keep)
+    _record(target, model, replacements, kept_experts)
     return target
 
 
-# Feed-forward blocks by layout: (the block's input projections, cut together; its output projection), as
-# attribute paths relative to one module. One row per family; a row matches only if the shapes agree.
-FFN_LAYOUTS: tuple[tuple[tuple[str, ...], str], ...] = (
-    (("intermediate.dense",), "output.dense"),    # BERT, MiniLM
-    (("mlp.c_fc",), "mlp.c_proj"),                # GPT-2 (Conv1D or Linear)
-    (("gate_proj", "up_proj"), "down_proj"),      # Llama, Mistral, Qwen (SwiGLU)
-    (("wi",), "wo"),                              # T5 (ReLU)
-    (("wi_0", "wi_1"), "wo"),                     # T5 v1.1 / Flan-T5 (gated GELU)
-    (("fc1",), "fc2"),                            # ViT (transformers 5), CLIP, OPT
-    (("linear1",), "linear2"),                    # nn.TransformerEncoderLayer / DecoderLayer
+def _select(model: nn.Module, amounts: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
+    """The layers and the fused experts modules the patterns select, with their amounts (first pattern wins)."""
+    modules = [(n, m) for n, m in model.named_modules() if n]
+    layers = [n for n, m in modules if _is_layer(m)]
+    experts = [n for n, m in modules if moe.is_experts(m)]
+    chosen: dict[str, float] = {}
+    chosen_experts: dict[str, float] = {}
+    for pattern, amount in amounts.items():
+        match = _matcher(pattern)
+        hits, expert_hits = [n for n in layers if match(n)], [n for n in experts if match(n)]
+        if not hits and not expert_hits:
+            other = next(((n, m) for n, m in modules if match(n)), None)
+            if other is None:
+                raise ValueError(f"pattern {pattern!r} matches no nn.Linear / nn.Conv2d / Conv1D layer")
+            raise ValueError(f"pattern {pattern!r} matches no nn.Linear / nn.Conv2d / Conv1D layer nor fused experts "
+                             f"module: it matches {other[0]!r} ({type(other[1]).__name__}), whose output channels "
+                             f"structured pruning cannot cut")
+        for n in hits:
+            chosen.setdefault(n, float(amount))
+        for n in expert_hits:
+            chosen_experts.setdefault(n, float(amount))
+    return chosen, chosen_experts
+
+
+def _group_finder(model: nn.Module, chosen: dict[str, float], consumers: dict[str, list[str]] | None,
+                  example_inputs):
+    """``name -> _Dependents``: from ``consumers`` (a known block's norms and fused halves taken from its layout),
+    else from a torch.fx trace (a layer the graph never calls, inside a module fx keeps whole, from its layout),
+    else - a model fx cannot trace - from `BLOCK_LAYOUTS`, refusing a selected layer outside them with the trace
+    error and the block that reads it."""
+    known = _blocks(model)
+    if consumers is not None:
+        def group_of(name: str) -> _Dependents:
+            if name not in consumers:
+                raise ValueError(f"consumers= does not say which layers read the channels of {name!r}")
+            block = known.get(name)
+            if block is not None and [c for c, _ in block.consumers] == list(consumers[name]):
+                return block
+            return _consumer_group(consumers, name)
+        return group_of
+    try:
+        gm = _trace(model, example_inputs)
+    except ValueError as e:
+        outside = [n for n in chosen if n not in known]
+        if outside:
+            raise ValueError(f"{e}; {_unknown_block(model, outside[0])}") from None
+        return known.__getitem__
+    called = {n.target for n in gm.graph.nodes if n.op == "call_module"}
+    # a layer inside a module fx keeps whole (torch.nn's own, e.g. nn.TransformerEncoderLayer) is never called in
+    # the graph: its block is found by layout, like in a model fx cannot trace
+    return lambda name: known[name] if name not in called and name in known else _dependents(gm, name)
+
+
+def _unknown_block(model: nn.Module, name: str) -> str:
+    """Why layer ``name`` is not the input of a known block: who reads it, and the layouts that are known."""
+    parent = name.rpartition(".")[0]
+    reader = f"{type(model.get_submodule(parent)).__name__} {parent!r}" if parent else type(model).__name__
+    known = "; ".join(lay.describe() for lay in BLOCK_LAYOUTS)
+    return (f"{name!r} ({type(model.get_submodule(name)).__name__}) is not the input projection of a block whose "
+            f"layout structured pruning knows: its output is read inside {reader}, which matches none of the "
+            f"known layouts ({known}) with matching shapes")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A block whose channels are cut by name: ``producers`` (cut together: their outputs are combined channel by
+    channel), the BatchNorms on their output (``norms``, statistics cut too) and the layer reading them
+    (``consumer``), as paths relative to one module of type ``inside``. ``chunks``: the producers' output is that
+    many equal consecutive blocks, each read channel by channel (Phi-3's ``gate_up_proj`` = [gate; up], split by
+    ``.chunk(2)``): channel j is row j of every block. A layout matches only if the shapes agree."""
+
+    producers: tuple[str, ...]
+    consumer: str
+    norms: tuple[str, ...] = ()
+    chunks: int = 1
+    inside: type = nn.Module
+
+    def describe(self) -> str:
+        fused = f" ({self.chunks} chunks)" if self.chunks > 1 else ""
+        norms = f" -> {' + '.join(self.norms)}" if self.norms else ""
+        return f"{' + '.join(self.producers)}{fused}{norms} -> {self.consumer}"
+
+
+# One row per family. Feed-forward blocks: (input projections, output projection); CNN blocks: a sequence of
+# conv -> BatchNorm -> activation layers, the next one's convolution reading the channels.
+BLOCK_LAYOUTS: tuple[Layout, ...] = (
+    Layout(("intermediate.dense",), "output.dense"),               # BERT, MiniLM, DeBERTa, Swin
+    Layout(("mlp.c_fc",), "mlp.c_proj"),                           # GPT-2 (Conv1D or Linear)
+    Layout(("gate_proj", "up_proj"), "down_proj"),                 # Llama, Mistral, Qwen, Gemma (SwiGLU)
+    Layout(("gate_up_proj",), "down_proj", chunks=2),              # Phi-3: gate and up fused, split by .chunk(2)
+    Layout(("wi",), "wo"),                                         # T5 (ReLU)
+    Layout(("wi_0", "wi_1"), "wo"),                                # T5 v1.1 / Flan-T5 (gated GELU)
+    Layout(("fc1",), "fc2"),                                       # ViT (transformers 5), CLIP, OPT
+    Layout(("linear1",), "linear2"),                               # nn.TransformerEncoderLayer / DecoderLayer
+    Layout(("dense_h_to_4h",), "dense_4h_to_h"),                   # GPT-NeoX / Pythia, Falcon (FalconLinear)
+    Layout(("0.convolution",), "1.convolution", ("0.normalization",), inside=nn.Sequential),   # HF ResNet layers
+    Layout(("1.convolution",), "2.convolution", ("1.normalization",), inside=nn.Sequential),   # (bottleneck)
 )
+FFN_LAYOUTS = BLOCK_LAYOUTS   # the former name
+
+
+def _blocks(model: nn.Module) -> dict[str, _Dependents]:
+    """``{producer: its block}`` for every block of ``model`` in `BLOCK_LAYOUTS`, found by module structure and
+    checked by shape (the width the producers give is what the norms hold and, per chunk, what the consumer
+    reads); convolutions must be ungrouped."""
+    out: dict[str, _Dependents] = {}
+    for name, m in model.named_modules():
+        prefix = f"{name}." if name else ""
+        for lay in BLOCK_LAYOUTS:
+            if not isinstance(m, lay.inside):
+                continue
+            try:
+                producers = [m.get_submodule(p) for p in lay.producers]
+                consumer = m.get_submodule(lay.consumer)
+                norms = [m.get_submodule(p) for p in lay.norms]
+            except AttributeError:
+                continue
+            if not all(_is_layer(x) and _ungrouped(x) for x in (*producers, consumer)):
+                continue
+            widths = {out_in(x)[0] for x in producers}
+            width = widths.pop()
+            if widths or width != lay.chunks * out_in(consumer)[1]:
+                continue
+            if not all(isinstance(b, _BATCHNORMS) and b.num_features == width for b in norms):
+                continue
+            block = _Dependents([prefix + p for p in lay.producers], [prefix + b for b in lay.norms],
+                                [(prefix + lay.consumer, 1)], lay.chunks)
+            for p in block.producers:
+                out[p] = block
+    return out
 
 
 def transformer_ffn_consumers(model: nn.Module) -> dict[str, list[str]]:
-    """``{ffn input projection: [ffn output projection]}`` for every transformer feed-forward block of ``model``
-    whose layout is in `FFN_LAYOUTS` (BERT, GPT-2, Llama's SwiGLU - gate and up projections then share their
-    consumer and `channels` cuts them together -, T5, ViT, nn.TransformerEncoder), found by module structure
-    and checked by shape (the hidden width the inputs produce is the width the output projection reads)."""
-    out: dict[str, list[str]] = {}
-    for name, m in model.named_modules():
-        prefix = f"{name}." if name else ""
-        for ins, outp in FFN_LAYOUTS:
-            try:
-                producers = [m.get_submodule(p) for p in ins]
-                consumer = m.get_submodule(outp)
-            except AttributeError:
-                continue
-            if not all(_is_layer(x) for x in (*producers, consumer)):
-                continue
-            if len({out_in(x)[0] for x in producers}) != 1 or out_in(producers[0])[0] != out_in(consumer)[1]:
-                continue
-            for p in ins:
-                out[f"{prefix}{p}"] = [f"{prefix}{outp}"]
-    if not out:
-        known = "; ".join(f"{' + '.join(i)} -> {o}" for i, o in FFN_LAYOUTS)
+    """``{block input projection: [block output projection]}`` for every block of ``model`` whose layout is in
+    `BLOCK_LAYOUTS` (the feed-forward blocks of BERT, GPT-2, Llama's SwiGLU - gate and up projections then share
+    their consumer and `channels` cuts them together -, Phi-3's fused gate_up_proj, T5, ViT, GPT-NeoX, Falcon,
+    nn.TransformerEncoder; Hugging Face ResNet's conv layers), found by module structure and checked by shape.
+    `channels` recovers a known block's BatchNorms and fused halves from its layout."""
+    found = _blocks(model)
+    if not found:
+        known = "; ".join(lay.describe() for lay in BLOCK_LAYOUTS)
         raise ValueError(f"found no transformer feed-forward block in {type(model).__name__} (known layouts: "
                          f"{known}); pass consumers= to wb.prune.channels yourself")
-    return out
+    return {p: [c for c, _ in block.consumers] for p, block in found.items()}
 
 
 class _KeptHandler(Handler):
@@ -508,9 +620,9 @@ class Kept(Config):
     in_channels: int | None = None
 
 
-def _record(model: nn.Module, before: nn.Module, names) -> None:
-    """Append a plan of `Kept` entries for the layers whose shapes changed."""
-    entries = {}
+def _record(model: nn.Module, before: nn.Module, names, kept_experts: dict[str, Config]) -> None:
+    """Append a plan of `Kept` entries for the layers whose shapes changed, and ``kept_experts``."""
+    entries: dict[str, Config] = dict(kept_experts)
     for name in sorted(names):
         old, new = before.get_submodule(name), model.get_submodule(name)
         if isinstance(new, _BATCHNORMS):

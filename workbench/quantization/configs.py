@@ -187,15 +187,35 @@ class _WeightOnlyHandler(_FormatHandler):
     kernel choice (the fast paths are matmuls: nn.Linear only)."""
 
     def supports(self, module: nn.Module, config) -> bool:
+        if self._experts(module, config):
+            return True
         if config.method is not Method.RTN or config.kernel in ("cpu", "triton"):
             return selectable(module, (nn.Linear,))
         return super().supports(module, config)
 
+    @staticmethod
+    def _experts(module: nn.Module, config) -> bool:
+        """Fused experts this config takes: round to nearest, or GPTQ per expert (groups in column order), on the
+        reference path."""
+        return experts.takes_experts(module) and config.kernel in ("auto", "reference") and (
+            config.method is Method.RTN or (config.method is Method.GPTQ and not config.act_order))
+
     def why_not(self, module: nn.Module, config) -> str | None:
         if experts.takes_experts(module):   # (supports said no: a method or kernel only nn.Linear has)
-            return (f"fused mixture-of-experts weights are stored round to nearest on the reference path only "
-                    f"(method={config.method.value!r}, kernel={config.kernel!r} take nn.Linear layers)")
+            return (f"fused mixture-of-experts weights are stored round to nearest or GPTQ (without act_order) on "
+                    f"the reference path (method={config.method.value!r}, act_order={config.act_order}, "
+                    f"kernel={config.kernel!r} take nn.Linear layers)")
         return super().why_not(module, config)
+
+    def apply(self, name: str, module: nn.Module, config, inputs):
+        if experts.takes_experts(module) and config.method is Method.GPTQ:
+            from workbench.quantization.gptq import gptq_quantize
+
+            fmt = config.format()
+            return experts.calibrated_experts(
+                name, module, fmt, inputs,
+                lambda label, w, xs: gptq_quantize(w, xs, fmt, damp=config.damp, name=label), "GPTQ")
+        return super().apply(name, module, config, inputs)
 
     def needs_calibration(self, config) -> bool:
         return config.method in _CALIBRATED
@@ -203,7 +223,7 @@ class _WeightOnlyHandler(_FormatHandler):
     def accumulator(self, name: str, module: nn.Module, config):
         """What GPTQ keeps of a layer's calibration inputs, fed batch by batch: the Hessian (AWQ searches
         on the inputs themselves: None, keep them)."""
-        if config.method is Method.GPTQ:
+        if config.method is Method.GPTQ and not experts.takes_experts(module):   # (experts: the calls, routed later)
             from workbench.quantization.gptq import HessianAccumulator
 
             return HessianAccumulator(module.weight[0].numel(), name)
@@ -211,6 +231,10 @@ class _WeightOnlyHandler(_FormatHandler):
 
     def calibration_cost(self, module: nn.Module, config, tokens: int) -> tuple[int, float]:
         """(peak working bytes, floating-point operations) of calibrating ``module`` on ``tokens`` inputs."""
+        if experts.takes_experts(module):   # every expert in turn: its matrices' sizes, the tokens routed to it
+            cubes = [p for p in module.parameters(recurse=False) if p.dim() == 3]
+            N, K = max(p.shape[1] for p in cubes), max(p.shape[2] for p in cubes)
+            return 2 * 4 * K * K + 5 * N * K, sum(2.0 * tokens * p[0].numel() for p in cubes) + 4.0 * K ** 3
         N, K = module.weight.shape[0], module.weight[0].numel()
         if config.method is Method.GPTQ:  # fp32 Hessian and its inverse factor, fp32 weight copy, codes
             return 2 * 4 * K * K + 5 * N * K, 2.0 * tokens * K * K + 2.0 * K ** 3 + 2.0 * N * K * K

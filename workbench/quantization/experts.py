@@ -26,6 +26,14 @@ is twice as wide as ``down_proj``'s input: only one orientation fits). Anything 
 refused with the reason (`experts_refusal`): a glob passes it over, an exact name fails. Biases and any other
 parameters (1-D or 2-D) stay in floating point. The router is a separate module and is never quantized here.
 
+Calibrated methods (GPTQ) run per expert on the tokens the router sent to it (`calibrated_experts`): the class's
+own forward runs on the recorded calls with each expert's matrix standing in as a tensor that records what it is
+multiplied with (so whatever the layout - ``F.linear(x, W[e])`` or ``x @ W[e]``, a gate interleaved or fused -
+each expert's matrix is calibrated on exactly its inputs), projection after projection (``down_proj`` sees the
+outputs of the already-quantized ``gate_up_proj``). An expert that received fewer than `MIN_EXPERT_TOKENS` tokens
+is rounded to nearest instead - never a scale from no data - and says so: `coverage(model)` is the table of tokens
+per expert and the method each got, and the layer's note in `wb.applied_report` sums it up.
+
 Only the reference path exists (decode the routed experts, then the class's float matmuls); a fused CPU / Triton
 path over routed experts is future work.
 """
@@ -36,13 +44,15 @@ from dataclasses import dataclass
 from typing import Callable, ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from workbench.quantization import formats as fm
 from workbench.quantization.modules import DecodedWeight
 
 __all__ = ["EXPERT_MATRICES", "ExpertMatrix", "DecodedExperts", "WeightOnlyExperts", "experts_layout",
-           "experts_refusal", "takes_experts", "router_note", "experts_class", "eager_forward"]
+           "experts_refusal", "takes_experts", "router_note", "experts_class", "eager_forward", "calibrated_experts",
+           "coverage", "MIN_EXPERT_TOKENS"]
 
 # the names transformers gives an experts module's fused projections (gate and up fused, or apart)
 EXPERT_MATRICES = ("gate_up_proj", "gate_proj", "up_proj", "down_proj")
@@ -388,3 +398,126 @@ def _build(module: nn.Module, layout: tuple[ExpertMatrix, ...], fmt: fm.WeightFo
     notes += [f"{m.name}: {s}" for m in layout if (s := fm.short_group_note(fmt, m.K))]
     new.note = "; ".join(notes)
     return new
+
+
+# --- calibration per expert, on its routed tokens -------------------------------------------------------------
+
+MIN_EXPERT_TOKENS = 16   # an expert routed fewer calibration tokens than this is rounded to nearest, and said so
+
+_PRODUCTS = (F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
+
+
+class _Tap(torch.Tensor):
+    """One expert's matrix during calibration: a product with it (``F.linear(x, W[e])``, ``x @ W[e]``) records
+    ``x`` (as rows) under its key; every result is a plain tensor."""
+
+    _key: tuple[str, int]
+    _sink: dict
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if len(args) >= 2:
+            # x @ W[e] reaches here as W[e].__rmatmul__(x): Python asks the subclass on the right first
+            x, tap = (args[1], args[0]) if func is torch.Tensor.__rmatmul__ else (args[0], args[1])
+            if (func in _PRODUCTS or func is torch.Tensor.__rmatmul__) and isinstance(tap, _Tap) \
+                    and isinstance(x, torch.Tensor) and not isinstance(x, _Tap):
+                tap._sink.setdefault(tap._key, []).append(x.detach().reshape(-1, x.shape[-1]))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+class _TapExperts(torch.Tensor):
+    """A fused projection during calibration: indexing one expert (what the eager per-expert loop does) gives a
+    `_Tap` of that expert's matrix."""
+
+    _name: str
+    _sink: dict
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **(kwargs or {}))
+        if func is torch.Tensor.__getitem__ and isinstance(args[0], _TapExperts) and not kwargs:
+            index = args[1]
+            if isinstance(index, torch.Tensor) and index.dim() == 0 and not index.is_floating_point():
+                index = int(index)
+            if isinstance(index, int) and not isinstance(index, bool):
+                tap = out.as_subclass(_Tap)
+                tap._key, tap._sink = (args[0]._name, index % args[0].shape[0]), args[0]._sink
+                return tap
+        return out
+
+
+def _tapped(tensor: torch.Tensor, name: str, sink: dict) -> _TapExperts:
+    t = tensor.detach().as_subclass(_TapExperts)
+    t._name, t._sink = name, sink
+    return t
+
+
+def _shadow(module: nn.Module, tensors: dict[str, torch.Tensor]) -> nn.Module:
+    """A shallow stand-in for ``module`` whose expert projections are ``tensors`` (the module is not changed)."""
+    shadow = object.__new__(type(module))
+    shadow.__dict__.update(module.__dict__)
+    shadow.__dict__["_parameters"] = {**module._parameters, **tensors}
+    return shadow
+
+
+def calibrated_experts(name: str, module: nn.Module, fmt: fm.WeightFormat, calls, quantize: Callable,
+                       method: str) -> "WeightOnlyExperts":
+    """``module``'s experts quantized one by one with ``quantize(label, weight (out, in), inputs)`` (e.g. GPTQ) on
+    the tokens routed to each, recorded by running the class's eager forward on ``calls`` (the experts module's
+    recorded positional arguments, e.g. ``(hidden_states, top_k_index, top_k_weights)``). Projections are taken in
+    chain order, each calibrated on the outputs of the ones already quantized; an expert with fewer than
+    `MIN_EXPERT_TOKENS` routed tokens is rounded to nearest. The result's ``coverage`` lists (projection, expert,
+    tokens, method) and its note sums it up."""
+    layout = _layout(name, module)
+    calls = [tuple(c) for c in calls or () if c]
+    if not calls:
+        raise ValueError(f"{method} needs calibration inputs for {name!r}, and none were recorded (no token reached "
+                         f"its experts)")
+    forward = eager_forward(type(module))
+    dtype = module.get_parameter(layout[0].name).dtype
+    current = {m.name: module.get_parameter(m.name).detach() for m in layout}
+    tensors: dict[str, dict[str, torch.Tensor]] = {}
+    rows: list[tuple[str, int, int, str]] = []
+    for m in layout:
+        sink: dict = {}
+        shadow = _shadow(module, {n: _tapped(t, n, sink) if n == m.name else t for n, t in current.items()})
+        with torch.inference_mode():
+            for call in calls:
+                forward(shadow, *call)
+        per_expert = []
+        for e in range(m.experts):
+            xs = sink.get((m.name, e), [])
+            tokens = sum(x.shape[0] for x in xs)
+            w = current[m.name][e]
+            w = w.t() if m.transposed else w                             # (rows, K): the Linear weight it is
+            if tokens >= MIN_EXPERT_TOKENS:
+                per_expert.append(quantize(f"{name}.{m.name}[{e}]", w, [(x,) for x in xs]))
+                rows.append((m.name, e, tokens, method))
+            else:
+                per_expert.append(fm.encode(w, fmt))
+                rows.append((m.name, e, tokens, "rtn"))
+        keys = set(per_expert[0])
+        if any(set(t) != keys for t in per_expert):
+            raise ValueError(f"{name!r}: {method} and round to nearest store different tensors for {m.name}")
+        tensors[m.name] = {k: torch.stack([t[k] for t in per_expert]) for k in per_expert[0]}
+        current[m.name] = m.decode(tensors[m.name], fmt, dtype)         # the next projection sees these weights
+    new = _build(module, layout, fmt, tensors, device=None)
+    new.coverage = rows
+    fallback = sorted({e for _, e, _, how in rows if how == "rtn"})
+    first = [t for n, _, t, _ in rows if n == layout[0].name]
+    new.note = (f"{method} per expert on its routed calibration tokens ({layout[0].name}: {first} tokens per "
+                f"expert); " + (f"expert(s) {fallback} saw fewer than {MIN_EXPERT_TOKENS} tokens in some projection "
+                                f"and were rounded to nearest there; " if fallback else "") + new.note)
+    return new
+
+
+def coverage(model: nn.Module):
+    """The experts' calibration coverage of a compressed model: one row per (layer, projection, expert) with the
+    tokens routed to it during calibration and the method it got ("rtn" where too few arrived) (a DataFrame; empty
+    when no experts module was calibrated)."""
+    import pandas as pd
+
+    rows = [(n, p, e, t, how) for n, m in model.named_modules() for p, e, t, how in getattr(m, "coverage", ())]
+    return pd.DataFrame(rows, columns=["layer", "projection", "expert", "tokens", "method"])

@@ -52,7 +52,7 @@ from workbench.quantization.modules import DecodedWeight
 
 __all__ = ["EXPERT_MATRICES", "ExpertMatrix", "DecodedExperts", "WeightOnlyExperts", "experts_layout",
            "experts_refusal", "takes_experts", "router_note", "experts_class", "eager_forward", "calibrated_experts",
-           "coverage", "MIN_EXPERT_TOKENS"]
+           "expert_inputs", "coverage", "MIN_EXPERT_TOKENS"]
 
 # the names transformers gives an experts module's fused projections (gate and up fused, or apart)
 EXPERT_MATRICES = ("gate_up_proj", "gate_proj", "up_proj", "down_proj")
@@ -462,6 +462,32 @@ def _shadow(module: nn.Module, tensors: dict[str, torch.Tensor]) -> nn.Module:
     return shadow
 
 
+def _calls(name: str, calls, method: str) -> list[tuple]:
+    calls = [tuple(c) for c in calls or () if c]
+    if not calls:
+        raise ValueError(f"{method} needs calibration inputs for {name!r}, and none were recorded (no token reached "
+                         f"its experts)")
+    return calls
+
+
+def expert_inputs(module: nn.Module, calls, projection: str,
+                  tensors: dict[str, torch.Tensor] | None = None) -> list[list[torch.Tensor]]:
+    """Per expert, the inputs (each (tokens, K)) its matrix of ``projection`` is multiplied with when the class's
+    eager forward runs on ``calls`` (the experts module's recorded positional arguments) - exactly the tokens the
+    router sent to it, whatever the layout. ``tensors``: the fused projections to compute with (default: the
+    module's own), e.g. earlier projections already compressed. The module is not changed."""
+    current = tensors if tensors is not None else {
+        n: p.detach() for n, p in module.named_parameters(recurse=False) if n in EXPERT_MATRICES}
+    sink: dict = {}
+    shadow = _shadow(module, {n: _tapped(t, n, sink) if n == projection else t for n, t in current.items()})
+    forward = eager_forward(type(module))
+    with torch.inference_mode():
+        for call in calls:
+            forward(shadow, *call)
+    experts = current[projection].shape[0]
+    return [sink.get((projection, e), []) for e in range(experts)]
+
+
 def calibrated_experts(name: str, module: nn.Module, fmt: fm.WeightFormat, calls, quantize: Callable,
                        method: str) -> "WeightOnlyExperts":
     """``module``'s experts quantized one by one with ``quantize(label, weight (out, in), inputs)`` (e.g. GPTQ) on
@@ -471,24 +497,16 @@ def calibrated_experts(name: str, module: nn.Module, fmt: fm.WeightFormat, calls
     `MIN_EXPERT_TOKENS` routed tokens is rounded to nearest. The result's ``coverage`` lists (projection, expert,
     tokens, method) and its note sums it up."""
     layout = _layout(name, module)
-    calls = [tuple(c) for c in calls or () if c]
-    if not calls:
-        raise ValueError(f"{method} needs calibration inputs for {name!r}, and none were recorded (no token reached "
-                         f"its experts)")
-    forward = eager_forward(type(module))
+    calls = _calls(name, calls, method)
     dtype = module.get_parameter(layout[0].name).dtype
     current = {m.name: module.get_parameter(m.name).detach() for m in layout}
     tensors: dict[str, dict[str, torch.Tensor]] = {}
     rows: list[tuple[str, int, int, str]] = []
     for m in layout:
-        sink: dict = {}
-        shadow = _shadow(module, {n: _tapped(t, n, sink) if n == m.name else t for n, t in current.items()})
-        with torch.inference_mode():
-            for call in calls:
-                forward(shadow, *call)
+        inputs = expert_inputs(module, calls, m.name, current)
         per_expert = []
         for e in range(m.experts):
-            xs = sink.get((m.name, e), [])
+            xs = inputs[e]
             tokens = sum(x.shape[0] for x in xs)
             w = current[m.name][e]
             w = w.t() if m.transposed else w                             # (rows, K): the Linear weight it is

@@ -145,7 +145,7 @@ TECHNIQUES = {t.name: t for t in [
     Technique("svd", 0.50, frozenset(), _plan(wb.lowrank.SVD(energy=0.9))),
     Technique("qat-int8", 0.98, frozenset({"linear", "conv2d"}), _qat_prepare, _qat_train, _qat_convert),
     Technique("gptq", 0.90, LINEAR | EXPERTS, _plan(wb.quant.WeightOnly(bits=4, group_size=32, method="gptq"))),
-    Technique("awq", 0.90, LINEAR, _plan(wb.quant.WeightOnly(bits=4, group_size=32, method="awq"))),
+    Technique("awq", 0.90, LINEAR | EXPERTS, _plan(wb.quant.WeightOnly(bits=4, group_size=32, method="awq"))),
     Technique("wanda", 0.50, LINEAR, _plan(wb.prune.Wanda(0.5))),
     Technique("sparsegpt", 0.50, LINEAR, _plan(wb.prune.SparseGPT(0.5))),
 ]}

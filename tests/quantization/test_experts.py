@@ -277,7 +277,7 @@ def test_unknown_layout_is_passed_over_by_a_glob_and_refused_by_name():
         wb.apply(model, {"experts": INT4}, progress=False)
     hqq = wb.quant.WeightOnly(bits=4, group_size=32, symmetric=False, method="hqq")   # a method experts lack
     reason = wb.Plan({"*": hqq}).describe(mixtral()).set_index("layer").loc["model.layers.0.mlp.experts", "reason"]
-    assert "round to nearest or GPTQ" in reason
+    assert "round to nearest, GPTQ (without act_order) or AWQ" in reason
 
 
 def test_projections_that_do_not_chain_are_refused():
@@ -328,16 +328,34 @@ def routed_inputs(model: nn.Module, layer: str) -> tuple[torch.Tensor, torch.Ten
     return seen[0][0], seen[0][1]
 
 
-def test_gptq_quantizes_each_expert_on_exactly_its_routed_tokens(model):
-    """The first block's experts (whose inputs the sequential pipeline takes from the original model): each
-    expert's first projection holds exactly the codes GPTQ gives its matrix on the tokens the router sent to it;
-    the coverage table counts those tokens; GPTQ's error beats round to nearest's on the model's logits."""
-    from workbench.quantization import formats as fm
-    from workbench.quantization.experts import coverage
+AWQ4 = wb.quant.WeightOnly(bits=4, group_size=32, method="awq")
+
+
+def _gptq(w, x):
     from workbench.quantization.gptq import gptq_quantize
 
+    return gptq_quantize(w, [(x,)], GPTQ4.format(), damp=GPTQ4.damp)
+
+
+def _awq(w, x):
+    from workbench.quantization.awq import awq_search
+
+    tensors, smooth, _ = awq_search(w, [(x,)], AWQ4.format())
+    return {**tensors, "smooth": smooth.float()}
+
+
+@pytest.mark.parametrize("config, reference", [(GPTQ4, _gptq), (AWQ4, _awq)], ids=["gptq", "awq"])
+def test_calibrated_methods_quantize_each_expert_on_exactly_its_routed_tokens(model, config, reference):
+    """The first block's experts (whose inputs the sequential pipeline takes from the original model): each
+    expert's first projection holds exactly the codes (and AWQ's factors) the method gives its matrix on the tokens
+    the router sent to it; the coverage table counts those tokens; the error beats round to nearest's on the
+    model's logits."""
+    from workbench.quantization import formats as fm
+    from workbench.quantization.experts import coverage
+
     layer = "model.layers.0.mlp.experts"
-    q = wb.apply(model, {"*": GPTQ4}, calibration=CALIBRATION, progress=False)
+    method = config.method.value.upper()
+    q = wb.apply(model, {"*": config}, calibration=CALIBRATION, progress=False)
     experts = q.get_submodule(layer)
     first = experts.matrices[0]
     hidden, ids = routed_inputs(model, layer)
@@ -348,14 +366,16 @@ def test_gptq_quantizes_each_expert_on_exactly_its_routed_tokens(model):
         assert table.loc[(layer, first.name, e), "tokens"] == x.shape[0]
         if x.shape[0] < wb.quant.experts.MIN_EXPERT_TOKENS:
             continue
-        assert table.loc[(layer, first.name, e), "method"] == "GPTQ"
-        want = gptq_quantize(linear_matrix(float_experts, first.name, e), [(x,)], GPTQ4.format(), damp=GPTQ4.damp)
+        assert table.loc[(layer, first.name, e), "method"] == method
+        want = reference(linear_matrix(float_experts, first.name, e), x)
         got = {k: t[e] for k, t in experts.stored(first.name).items()}
-        assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want), e
+        assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want if k != "smooth"), e
+        if "smooth" in want:   # (AWQ's factors: a mean over the tokens, summed in another order: 1 ulp)
+            torch.testing.assert_close(got["smooth"], want["smooth"], rtol=1e-6, atol=0)
         assert not torch.equal(want["qweight"], fm.encode(linear_matrix(float_experts, first.name, e),
                                                           GPTQ4.format())["qweight"])   # (not RTN's codes)
     note = wb.applied_report(q).set_index("layer").loc[layer, "note"]
-    assert "GPTQ per expert on its routed calibration tokens" in note
+    assert f"{method} per expert on its routed calibration tokens" in note
     rtn = wb.apply(model, {"*": wb.quant.WeightOnly(bits=4, group_size=32)}, progress=False)
     with torch.inference_mode():
         ref, by_gptq, by_rtn = (m(*CALIBRATION[0]).logits for m in (model, q, rtn))

@@ -155,7 +155,7 @@ class _FormatHandler(Handler):
 
     def skeleton(self, name: str, module: nn.Module, config):
         if experts.takes_experts(module):
-            return experts.WeightOnlyExperts.skeleton(name, module, config.format())
+            return experts.WeightOnlyExperts.skeleton(name, module, config.format(), smooth=self._smooth(config))
         return kept(module, self._empty(name, module, config))
 
     def _empty(self, name: str, module: nn.Module, config):
@@ -198,23 +198,30 @@ class _WeightOnlyHandler(_FormatHandler):
         """Fused experts this config takes: round to nearest, or GPTQ per expert (groups in column order), on the
         reference path."""
         return experts.takes_experts(module) and config.kernel in ("auto", "reference") and (
-            config.method is Method.RTN or (config.method is Method.GPTQ and not config.act_order))
+            config.method in (Method.RTN, Method.AWQ) or (config.method is Method.GPTQ and not config.act_order))
 
     def why_not(self, module: nn.Module, config) -> str | None:
         if experts.takes_experts(module):   # (supports said no: a method or kernel only nn.Linear has)
-            return (f"fused mixture-of-experts weights are stored round to nearest or GPTQ (without act_order) on "
+            return (f"fused mixture-of-experts weights are stored round to nearest, GPTQ (without act_order) or AWQ on "
                     f"the reference path (method={config.method.value!r}, act_order={config.act_order}, "
                     f"kernel={config.kernel!r} take nn.Linear layers)")
         return super().why_not(module, config)
 
     def apply(self, name: str, module: nn.Module, config, inputs):
+        fmt = config.format()
         if experts.takes_experts(module) and config.method is Method.GPTQ:
             from workbench.quantization.gptq import gptq_quantize
 
-            fmt = config.format()
             return experts.calibrated_experts(
                 name, module, fmt, inputs,
                 lambda label, w, xs: gptq_quantize(w, xs, fmt, damp=config.damp, name=label), "GPTQ")
+        if experts.takes_experts(module) and config.method is Method.AWQ:
+            from workbench.quantization.awq import awq_search
+
+            def awq(label, w, xs):
+                tensors, factors, _ = awq_search(w, xs, fmt, name=label)
+                return {**tensors, experts.SMOOTH: factors.float()}
+            return experts.calibrated_experts(name, module, fmt, inputs, awq, "AWQ", smooth=True)
         return super().apply(name, module, config, inputs)
 
     def needs_calibration(self, config) -> bool:

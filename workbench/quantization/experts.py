@@ -56,6 +56,7 @@ __all__ = ["EXPERT_MATRICES", "ExpertMatrix", "DecodedExperts", "WeightOnlyExper
 
 # the names transformers gives an experts module's fused projections (gate and up fused, or apart)
 EXPERT_MATRICES = ("gate_up_proj", "gate_proj", "up_proj", "down_proj")
+SMOOTH = "smooth"   # AWQ's per-expert input-channel factors, stored beside the codes as "<projection>_smooth"
 _LAYOUTS = ({"gate_up_proj", "down_proj"}, {"gate_proj", "up_proj", "down_proj"}, {"up_proj", "down_proj"})
 
 
@@ -83,16 +84,25 @@ class ExpertMatrix:
             per_expert.append(fm.encode(w.t() if self.transposed else w, fmt))
         return {key: torch.stack([t[key] for t in per_expert]) for key in per_expert[0]}
 
-    def empty(self, fmt: fm.WeightFormat, device=None) -> dict[str, torch.Tensor]:
-        """The stacked tensors of ``fmt``, uninitialised (what `wb.load` fills)."""
+    def empty(self, fmt: fm.WeightFormat, device=None, smooth: bool = False) -> dict[str, torch.Tensor]:
+        """The stacked tensors of ``fmt`` (and AWQ's ``smooth`` (E, K)), uninitialised (what `wb.load` fills)."""
         one = fm.empty((self.rows, self.K), fmt, device="meta")
-        return {key: torch.empty(self.experts, *t.shape, dtype=t.dtype, device=device) for key, t in one.items()}
+        out = {key: torch.empty(self.experts, *t.shape, dtype=t.dtype, device=device) for key, t in one.items()}
+        if smooth:
+            out[SMOOTH] = torch.empty(self.experts, self.K, device=device)
+        return out
 
     def decode(self, tensors: dict[str, torch.Tensor], fmt: fm.WeightFormat, dtype: torch.dtype) -> torch.Tensor:
-        """The matrices held in ``tensors`` (their first dimension: some experts) in the parameter's layout."""
+        """The matrices held in ``tensors`` (their first dimension: some experts) in the parameter's layout; with
+        AWQ's ``smooth`` factors (the codes encode ``W * s`` per input channel) divided back out, as
+        `WeightOnlyLinear`'s ``weight`` does."""
+        tensors = dict(tensors)
+        smooth = tensors.pop(SMOOTH, None)
         n = next(iter(tensors.values())).shape[0]
         flat = {key: t.reshape(n * self.rows, *t.shape[2:]) for key, t in tensors.items()}
         w = fm.decode(flat, fmt, self.K, dtype).reshape(n, self.rows, self.K)     # (n, rows, K)
+        if smooth is not None:
+            w = (w.float() / smooth.float().unsqueeze(1)).to(dtype)
         # the parameter's own layout (a contiguous (K, rows) per expert), so the class's matmul runs as on it
         return w.transpose(1, 2).contiguous() if self.transposed else w
 
@@ -294,11 +304,12 @@ class WeightOnlyExperts(nn.Module):
         return _build(module, layout, fmt, tensors, device=None)
 
     @classmethod
-    def skeleton(cls, name: str, module: nn.Module, fmt: fm.WeightFormat) -> "WeightOnlyExperts":
-        """The same structure with uninitialised tensors on ``module``'s device (what `wb.load` fills)."""
+    def skeleton(cls, name: str, module: nn.Module, fmt: fm.WeightFormat, smooth: bool = False) -> "WeightOnlyExperts":
+        """The same structure with uninitialised tensors on ``module``'s device (what `wb.load` fills); ``smooth``:
+        with AWQ's factors."""
         layout = _layout(name, module)
         device = module.get_parameter(layout[0].name).device
-        return _build(module, layout, fmt, {m.name: m.empty(fmt, device) for m in layout}, device)
+        return _build(module, layout, fmt, {m.name: m.empty(fmt, device, smooth) for m in layout}, device)
 
     def forward(self, *args, **kwargs):
         return type(self).per_expert_forward(self, *args, **kwargs)
@@ -489,13 +500,14 @@ def expert_inputs(module: nn.Module, calls, projection: str,
 
 
 def calibrated_experts(name: str, module: nn.Module, fmt: fm.WeightFormat, calls, quantize: Callable,
-                       method: str) -> "WeightOnlyExperts":
+                       method: str, smooth: bool = False) -> "WeightOnlyExperts":
     """``module``'s experts quantized one by one with ``quantize(label, weight (out, in), inputs)`` (e.g. GPTQ) on
     the tokens routed to each, recorded by running the class's eager forward on ``calls`` (the experts module's
     recorded positional arguments, e.g. ``(hidden_states, top_k_index, top_k_weights)``). Projections are taken in
     chain order, each calibrated on the outputs of the ones already quantized; an expert with fewer than
-    `MIN_EXPERT_TOKENS` routed tokens is rounded to nearest. The result's ``coverage`` lists (projection, expert,
-    tokens, method) and its note sums it up."""
+    `MIN_EXPERT_TOKENS` routed tokens is rounded to nearest. ``smooth``: ``quantize`` also returns AWQ's factors
+    (key ``"smooth"``, (K,)). The result's ``coverage`` lists (projection, expert, tokens, method) and its note sums
+    it up."""
     layout = _layout(name, module)
     calls = _calls(name, calls, method)
     dtype = module.get_parameter(layout[0].name).dtype
@@ -515,6 +527,8 @@ def calibrated_experts(name: str, module: nn.Module, fmt: fm.WeightFormat, calls
                 rows.append((m.name, e, tokens, method))
             else:
                 per_expert.append(fm.encode(w, fmt))
+                if smooth:   # (factors of one: the plain rounded weight)
+                    per_expert[-1][SMOOTH] = torch.ones(m.K)
                 rows.append((m.name, e, tokens, "rtn"))
         keys = set(per_expert[0])
         if any(set(t) != keys for t in per_expert):

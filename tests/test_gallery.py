@@ -135,7 +135,7 @@ TECHNIQUES = {t.name: t for t in [
     Technique("fp8", 0.98, LINEAR | EXPERTS, _plan(wb.quant.FP8())),
     Technique("dynamic-w8a8", 0.98, frozenset({"linear", "rnn"}), _plan(wb.quant.Dynamic())),
     Technique("static-w8a8", 0.95, frozenset({"linear", "conv2d"}), _plan(wb.quant.Static())),
-    Technique("cast-bf16", 0.99, frozenset({"linear", "conv1d", "conv2d", "embedding"}),
+    Technique("cast-bf16", 0.99, frozenset({"linear", "conv1d", "conv2d", "embedding"}) | EXPERTS,
               _plan(wb.precision.Cast(torch.bfloat16))),
     Technique("magnitude", 0.50, frozenset({"linear", "conv2d"}), _plan(wb.prune.Magnitude(0.5))),
     Technique("nm-2-4", 0.50, frozenset({"linear", "conv2d"}), _plan(wb.prune.NM(2, 4))),

@@ -409,3 +409,24 @@ def test_gptq_experts_with_act_order_are_passed_over_by_a_glob_and_refused_by_na
         wb.apply(model, {"*": plan}, calibration=CALIBRATION, progress=False)
     with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts"):
         wb.apply(model, {"model.layers.0.mlp.experts": plan}, calibration=CALIBRATION, progress=False)
+
+
+def test_cast_stores_the_experts_in_bf16_and_computes_on_their_values(model, tmp_path):
+    """Cast(bf16) takes the fused experts (half the bytes) and the router stays fp32; the model equals the float
+    model whose expert weights were rounded to bf16 (each expert's slice read in fp32), and reloads bit for bit."""
+    q = wb.apply(model, {"*": wb.precision.Cast(torch.bfloat16)}, progress=False)
+    rounded = copy.deepcopy(model)
+    for name, experts in experts_of(q).items():
+        own = dict(experts.named_parameters(recurse=False))   # the 3-D experts and (GPT-OSS) their biases
+        assert any(p.dim() == 3 for p in own.values()) and all(p.dtype == torch.bfloat16 for p in own.values())
+        with torch.no_grad():
+            for k, p in own.items():
+                rounded.get_submodule(name).get_parameter(k).copy_(p.float())
+    rounded.set_experts_implementation("eager")   # (the cast experts run the class's eager per-expert loop)
+    only_experts = wb.apply(model, {"re:.*mlp\\.experts": wb.precision.Cast(torch.bfloat16)}, progress=False)
+    assert torch.equal(logits(only_experts), logits(rounded))
+    routers = [n for n, m in q.named_modules() if n.endswith(("mlp.gate", "mlp.router"))]
+    assert routers and all(q.get_submodule(n).weight.dtype == torch.float32 for n in routers)
+    path = tmp_path / "m.safetensors"
+    wb.save(q, path)
+    assert torch.equal(logits(wb.load(path, base=model)), logits(q))

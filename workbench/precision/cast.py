@@ -14,6 +14,8 @@ with a dtype error). The price is one Python call per operation on the weight (s
 """
 from __future__ import annotations
 
+import copy
+import types
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -24,6 +26,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from workbench.plans.lookalike import kept
 from workbench.plans.registry import Config, Handler, register_config
+from workbench.quantization.experts import takes_experts
 
 __all__ = ["Cast", "CastLinear", "CastConv1d", "CastConv2d", "CastConv3d", "CastEmbedding", "CastParameter"]
 
@@ -150,8 +153,29 @@ def _layer_kind(name: str, module: nn.Module) -> tuple[type, object]:
     return found.parent, found.padding
 
 
+def cast_experts(module: nn.Module, dtype: torch.dtype, values: bool = True) -> nn.Module:
+    """A copy of a mixture of experts' fused experts module (`workbench.quantization.experts`) whose own floating
+    parameters (the 3-D expert tensors, their biases) are `CastParameter`s in ``dtype``: the class's forward runs
+    unchanged, and each expert's matrix it slices out is read in the caller's dtype (see `CastParameter`)."""
+    from workbench.quantization.experts import eager_forward
+
+    own = dict(module.named_parameters(recurse=False))
+    new = copy.deepcopy(module, {id(p): p for p in own.values()})   # (its own tensors are replaced below)
+    for key, p in own.items():
+        new._parameters[key] = _new_param(p, dtype, values) if p.is_floating_point() else p
+    # transformers' grouped / batched experts paths cast the activations to the weights' dtype: the class's eager
+    # per-expert loop runs instead (as for quantized experts), so every expert computes in the caller's dtype
+    new.forward = types.MethodType(eager_forward(type(module)), new)
+    new.note = (f"the experts' {', '.join(k for k, p in own.items() if p.dim() == 3)} stored in {dtype} and read "
+                f"in the caller's dtype (each expert's slice, the class's eager per-expert loop); the router stays "
+                f"in full precision")
+    return new
+
+
 def cast_module(module: nn.Module, dtype: torch.dtype, values: bool = True, name: str = "layer") -> nn.Module:
     """A new cast copy of ``module`` (``values=False``: same structure, uninitialised values)."""
+    if takes_experts(module):
+        return cast_experts(module, dtype, values)
     kind, padding = _layer_kind(name, module)
     if kind is nn.Linear:
         new = CastLinear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
@@ -181,25 +205,30 @@ class _CastHandler(Handler):
 
         if isinstance(module, FORWARD_BYPASSED):  # e.g. MultiheadAttention's out_proj: its parent would feed fp32
             return False                          # activations to the cast weight, never calling its forward
-        return selectable(module, (nn.Linear, nn.Embedding, *_CONV))
+        return selectable(module, (nn.Linear, nn.Embedding, *_CONV)) or takes_experts(module)
 
     def why_not(self, module: nn.Module, config: "Cast") -> str | None:
+        from workbench.quantization.experts import experts_refusal, router_note
         from workbench.quantization.modules import lookalike_reason
 
-        return lookalike_reason(module, (nn.Linear, nn.Embedding, *_CONV))
+        return experts_refusal(module) or router_note(module) or \
+            lookalike_reason(module, (nn.Linear, nn.Embedding, *_CONV))
 
     def needs_calibration(self, config: "Cast") -> bool:
         return False
 
     def apply(self, name: str, module: nn.Module, config: "Cast",
               inputs: Sequence[tuple[torch.Tensor, ...]] | None) -> nn.Module:
-        if not torch.isfinite(module.weight).all():
-            raise ValueError(f"weight of {name!r} contains NaN or Inf")
+        weights = [p for p in module.parameters(recurse=False) if p.dim() == 3] if takes_experts(module) \
+            else [module.weight]
         finfo = torch.finfo(config.dtype)
-        peak = module.weight.detach().abs().max().item() if module.weight.numel() else 0.0
-        if peak > finfo.max:
-            raise ValueError(f"weight of {name!r} has magnitude {peak:.3g}, beyond the {config.dtype} "
-                             f"range ({finfo.max:.3g}); casting would give Inf")
+        for w in weights:
+            if not torch.isfinite(w).all():
+                raise ValueError(f"weight of {name!r} contains NaN or Inf")
+            peak = w.detach().abs().max().item() if w.numel() else 0.0
+            if peak > finfo.max:
+                raise ValueError(f"weight of {name!r} has magnitude {peak:.3g}, beyond the {config.dtype} "
+                                 f"range ({finfo.max:.3g}); casting would give Inf")
         return cast_module(module, config.dtype, name=name)
 
     def skeleton(self, name: str, module: nn.Module, config: "Cast") -> nn.Module:

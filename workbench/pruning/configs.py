@@ -25,12 +25,23 @@ keeps it - the pruned weight is its own ``.weight`` - once a probe shows it comp
 csr / 2:4 storages and Wanda / SparseGPT take an nn.Linear that computes nn.Linear's (its own forward, if any,
 checked on a probe input: Falcon's ``FalconLinear``).
 
+A mixture of experts' fused experts (transformers 5's ``MixtralExperts``, ``Qwen2MoeExperts``, ``GptOssExperts``:
+3-D ``gate_up_proj`` / ``down_proj`` with the experts first, `workbench.quantization.experts.experts_layout`) are
+taken too: each expert's matrix is pruned exactly as the config prunes an nn.Linear holding it (N:M groups along
+its inputs, whichever way the model stores it); Wanda and SparseGPT score it on the tokens the router sent to that
+expert (`oneshot.prune_experts`), and an expert that received fewer than `MIN_EXPERT_TOKENS` of them is pruned by
+magnitude at the same sparsity / N:M instead, as its layer's note and `workbench.quantization.experts.coverage`
+say. The result is the model's own experts class with the pruned weights stored as zeros in its 3-D parameters
+("mask" and "dense" alike: no gradient mask is kept for them, so fine-tuning may regrow them); csr / 2:4 storages
+refuse experts. The router stays dense.
+
 Masks keep an exact count of weights (``numel - round(sparsity * numel)``; N:M keeps ``n/m``), so a saved
 file's structure follows from its plan alone.
 """
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -41,6 +52,7 @@ from workbench.plans.plan import Plan
 from workbench.plans.registry import Config, Handler, register_config
 from workbench.pruning import masks
 from workbench.pruning.modules import PRUNABLE, Pruned, SemiStructuredLinear, SparseLinear, freeze_zeros, pruned_class
+from workbench.quantization.experts import MIN_EXPERT_TOKENS, experts_layout, experts_refusal, takes_experts
 
 __all__ = ["Magnitude", "Random", "NM", "Wanda", "SparseGPT", "global_plan", "finalize", "STORAGES", "sparsity_of"]
 
@@ -178,6 +190,13 @@ def _check_reads_weight(name: str, original: nn.Module, pruned: nn.Module) -> No
 
 class _PruneHandler(Handler):
     def why_not(self, module: nn.Module, config) -> str | None:
+        if (refusal := experts_refusal(module)) is not None:
+            return refusal
+        if takes_experts(module):
+            if config.storage in ("csr", "2:4"):
+                return f"storage {config.storage!r} replaces an nn.Linear; fused mixture-of-experts weights are " \
+                       f"pruned in place, as zeros in their 3-D parameters: use 'mask' or 'dense'"
+            return None
         base = _plain_class(module)
         if config.storage in ("csr", "2:4"):
             if (why := _linear_reason(module)) is not None:
@@ -199,7 +218,36 @@ class _PruneHandler(Handler):
         what each pruning config's own handler decides."""
         raise NotImplementedError(f"{type(self).__name__} must define mask()")
 
+    def prune_expert(self, config, label: str, w: torch.Tensor, inputs) -> tuple[torch.Tensor, str]:
+        """One expert's matrix ``w`` (rows, K), as an nn.Linear weight, pruned (zeros where pruned), and the method
+        that did it; ``inputs``: the tokens routed to it, for a calibrated config."""
+        return w * self.mask(config, w, label), type(config).__name__
+
+    def experts_note(self, config, rows) -> str:
+        """What the layer's note says of how its experts were pruned (``rows``: `oneshot.prune_experts`')."""
+        return f"each expert's matrix pruned as {type(config).__name__} prunes an nn.Linear holding it"
+
+    def apply_experts(self, name, module, config, inputs) -> nn.Module:
+        """``module``'s own class with every expert's matrix pruned (`oneshot.prune_experts`)."""
+        from workbench.pruning.oneshot import prune_experts
+
+        layout = experts_layout(module)
+        for m in layout:
+            if not torch.isfinite(module.get_parameter(m.name)).all():
+                raise ValueError(f"{m.name} of {name!r} contains NaN or Inf")
+        calls = [tuple(c) for c in inputs or () if c] if self.needs_calibration(config) else None
+        tensors, rows = prune_experts(name, module, layout, functools.partial(self.prune_expert, config), calls)
+        new = _experts_copy(module, tensors)
+        if calls is not None:
+            new.coverage = rows
+        new.note = f"{self.experts_note(config, rows)}; {layout[0].experts} experts' " \
+                   f"{', '.join(m.name for m in layout)} stored as zeros in the model's own {type(module).__name__} " \
+                   f"(no gradient mask for fused experts: fine-tuning may regrow them); the router stays dense"
+        return new
+
     def apply(self, name, module, config, inputs):
+        if takes_experts(module):
+            return self.apply_experts(name, module, config, inputs)
         w = module.weight.detach()
         if not torch.isfinite(w).all():
             raise ValueError(f"weight of {name!r} contains NaN or Inf")
@@ -213,7 +261,30 @@ class _PruneHandler(Handler):
         return new
 
     def skeleton(self, name, module, config):
+        if takes_experts(module):
+            return _experts_copy(module, {m.name: torch.empty_like(module.get_parameter(m.name))
+                                          for m in experts_layout(module)})
         return _build(_plain(module), config, None)
+
+
+def _experts_copy(module: nn.Module, tensors: dict[str, torch.Tensor]) -> nn.Module:
+    """An instance of ``module``'s own class holding ``tensors`` as its expert projections, its other parameters
+    and buffers cloned, its children copied and its plain attributes (config, sizes) shared; neither the class's
+    ``__init__`` is run nor the float projections copied."""
+    new = object.__new__(type(module))
+    nn.Module.__init__(new)
+    internals = set(new.__dict__)
+    new.__dict__.update({k: v for k, v in module.__dict__.items() if k not in internals})
+    new.training = module.training
+    for key, child in module._modules.items():
+        new._modules[key] = copy.deepcopy(child)
+    for key, p in module._parameters.items():
+        value = tensors[key] if key in tensors else None if p is None else p.detach().clone()
+        new._parameters[key] = None if value is None else nn.Parameter(value, p.requires_grad)
+    for key, b in module._buffers.items():
+        new.register_buffer(key, None if b is None else b.clone(),
+                            persistent=key not in module._non_persistent_buffers_set)
+    return new
 
 
 def _plain(module: nn.Module) -> nn.Module:
@@ -304,6 +375,8 @@ class _OneShotHandler(_PruneHandler):
     its own handler below (its statistics, its cost, its pruning)."""
 
     def why_not(self, module: nn.Module, config) -> str | None:
+        if takes_experts(module) or experts_refusal(module) is not None:   # fused experts: per expert, routed tokens
+            return super().why_not(module, config)
         if (why := _linear_reason(module)) is not None:
             return f"{type(config).__name__} prunes nn.Linear layers (it scores weights by their inputs): {why}"
         return super().why_not(module, config)
@@ -315,7 +388,37 @@ class _OneShotHandler(_PruneHandler):
         """(the updated weight, or None when only masked; the keep-mask)."""
         raise NotImplementedError(f"{type(self).__name__} must define prune()")
 
+    def prune_expert(self, config, label, w, inputs):
+        """On the tokens routed to the expert; with fewer than `MIN_EXPERT_TOKENS`, magnitude at the same sparsity
+        (or N:M) - never a score from no data."""
+        if sum(x.shape[0] for (x,) in inputs) < MIN_EXPERT_TOKENS:
+            nm = config.nm
+            keep = masks.magnitude_mask(w, config.sparsity) if nm is None else masks.nm_mask(w, *nm, label)
+            return w * keep, "magnitude"
+        updated, keep = self.prune(w, inputs, config, label)
+        return (w if updated is None else updated) * keep, type(config).__name__
+
+    def experts_note(self, config, rows) -> str:
+        first = rows[0][0]
+        tokens = [t for n, _, t, _ in rows if n == first]
+        few = sorted({e for _, e, _, how in rows if how == "magnitude"})
+        said = f"{type(config).__name__} per expert on its routed calibration tokens ({first}: {tokens} tokens per " \
+               f"expert)"
+        if few:
+            said += f"; expert(s) {few} saw fewer than {MIN_EXPERT_TOKENS} tokens in some projection and were " \
+                    f"pruned by magnitude at the same {'N:M' if config.nm else 'sparsity'} there"
+        return said
+
+    def accumulator(self, name: str, module: nn.Module, config):
+        """None for fused experts: their calls are kept (each expert's tokens are only known from the routing)."""
+        return None if takes_experts(module) else self.linear_accumulator(name, module, config)
+
+    def linear_accumulator(self, name: str, module: nn.Module, config):
+        raise NotImplementedError(f"{type(self).__name__} must define linear_accumulator()")
+
     def apply(self, name, module, config, inputs):
+        if takes_experts(module):
+            return self.apply_experts(name, module, config, inputs)
         w = module.weight.detach()
         if not torch.isfinite(w).all():
             raise ValueError(f"weight of {name!r} contains NaN or Inf")
@@ -330,14 +433,14 @@ class _OneShotHandler(_PruneHandler):
 
 
 class _WandaHandler(_OneShotHandler):
-    def accumulator(self, name: str, module: nn.Module, config):
+    def linear_accumulator(self, name: str, module: nn.Module, config):
         from workbench.pruning.oneshot import NormAccumulator
 
         return NormAccumulator(module.in_features, name)
 
     def calibration_cost(self, module: nn.Module, config, tokens: int) -> tuple[int, float]:
-        N, K = module.weight.shape
-        return 8 * 3 * N * K, 2.0 * tokens * K + 10.0 * N * K
+        costs = [(8 * 3 * N * K, 2.0 * tokens * K + count * 10.0 * N * K) for count, N, K in _scored(module)]
+        return max(b for b, _ in costs), sum(f for _, f in costs) + _routing_flops(module, tokens)
 
     def prune(self, w, inputs, config, name):
         from workbench.pruning.oneshot import wanda_mask
@@ -346,19 +449,35 @@ class _WandaHandler(_OneShotHandler):
 
 
 class _SparseGPTHandler(_OneShotHandler):
-    def accumulator(self, name: str, module: nn.Module, config):
+    def linear_accumulator(self, name: str, module: nn.Module, config):
         from workbench.quantization.gptq import HessianAccumulator
 
         return HessianAccumulator(module.in_features, name)
 
     def calibration_cost(self, module: nn.Module, config, tokens: int) -> tuple[int, float]:
-        N, K = module.weight.shape   # fp32 Hessian and its inverse factor, the working weight and the mask
-        return 2 * 4 * K * K + 4 * 4 * N * K, 2.0 * tokens * K * K + 2.0 * K ** 3 + 2.0 * N * K * K
+        # fp32 Hessian and its inverse factor, the working weight and the mask
+        costs = [(2 * 4 * K * K + 4 * 4 * N * K, 2.0 * tokens * K * K + count * (2.0 * K ** 3 + 2.0 * N * K * K))
+                 for count, N, K in _scored(module)]
+        return max(b for b, _ in costs), sum(f for _, f in costs) + _routing_flops(module, tokens)
 
     def prune(self, w, inputs, config, name):
         from workbench.pruning.oneshot import sparsegpt_prune
 
         return sparsegpt_prune(w, inputs, config.sparsity, config.nm, config.damp, config.block_size, name)
+
+
+def _scored(module: nn.Module) -> list[tuple[int, int, int]]:
+    """(how many, rows N, inputs K) of the matrices a calibrated config scores: the layer's weight, or each
+    projection's expert matrices (whose calibration tokens are shared among the experts)."""
+    if takes_experts(module):
+        return [(m.experts, m.rows, m.K) for m in experts_layout(module)]
+    return [(1, *module.weight.shape)]
+
+
+def _routing_flops(module: nn.Module, tokens: int) -> float:
+    """The per-expert forward that finds each expert's inputs (fused experts: every projection once per token and
+    routed expert, counted once per token here)."""
+    return sum(2.0 * tokens * N * K for _, N, K in _scored(module)) if takes_experts(module) else 0.0
 
 
 def _check_oneshot(config) -> None:
@@ -419,9 +538,10 @@ class SparseGPT(Config):
 
 
 def global_plan(model: nn.Module, patterns, sparsity: float, storage: str = "mask") -> Plan:
-    """A plan of per-layer `Magnitude` configs from one |w| threshold over the selected layers."""
+    """A plan of per-layer `Magnitude` configs from one |w| threshold over the selected layers (fused experts: the
+    share of all their matrices under it, which each expert's matrix is then pruned to)."""
     probe = Plan({p: Magnitude(0.0) for p in ([patterns] if isinstance(patterns, str) else patterns)})
-    layers = {a.name: model.get_submodule(a.name).weight for a in probe.resolve(model)}
+    layers = {a.name: _weights(model.get_submodule(a.name)) for a in probe.resolve(model)}
     per_layer = masks.global_sparsities(layers, sparsity)
     for name, s in per_layer.items():
         if s >= 1.0:
@@ -429,14 +549,21 @@ def global_plan(model: nn.Module, patterns, sparsity: float, storage: str = "mas
     return Plan({name: Magnitude(s, storage) for name, s in per_layer.items()})
 
 
+def _weights(module: nn.Module) -> torch.Tensor:
+    """The weights a pruning config masks: the layer's ``weight``, or every expert matrix of fused experts (flat)."""
+    if takes_experts(module):
+        return torch.cat([module.get_parameter(m.name).detach().reshape(-1) for m in experts_layout(module)])
+    return module.weight
+
+
 def sparsity_of(model: nn.Module) -> dict[str, float]:
-    """Fraction of zero (pruned) weights of each prunable or pruned layer."""
+    """Fraction of zero (pruned) weights of each prunable or pruned layer (fused experts: of all their matrices)."""
     out = {}
     for name, m in model.named_modules():
         if isinstance(m, (SparseLinear, SemiStructuredLinear)):
             out[name] = 1 - m.values.numel() / (m.in_features * m.out_features)
-        elif isinstance(m, PRUNABLE):
-            out[name] = float((m.weight == 0).float().mean())
+        elif isinstance(m, PRUNABLE) or takes_experts(m):
+            out[name] = float((_weights(m) == 0).float().mean())
     return out
 
 

@@ -14,16 +14,24 @@ Unstructured masks keep an exact count, ``numel - round(sparsity * numel)`` (spr
 Wanda, over blocks for SparseGPT), so the structure of a saved model follows from its plan alone.
 `NormAccumulator` (Wanda) and `workbench.quantization.gptq.HessianAccumulator` (SparseGPT) build the statistics
 one calibration batch at a time, so the sequential pipeline never keeps a layer's inputs.
+
+A mixture of experts' fused experts (`workbench.quantization.experts`: ``gate_up_proj`` (E, 2I, H), ``down_proj``
+(E, H, I), or their transpose) are pruned matrix by matrix by `prune_experts`: each expert's ``(rows, K)`` matrix is
+the nn.Linear weight it stands for, scored on exactly the tokens the router sent to that expert (`expert_inputs`
+runs the class's own forward on the experts module's recorded calls), projection after projection in chain order
+(``down_proj`` sees what the already-pruned ``gate_up_proj`` computes).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
+from torch import nn
 
+from workbench.quantization.experts import ExpertMatrix, expert_inputs
 from workbench.quantization.gptq import hessian, inverse_hessian_factor
 
-__all__ = ["NormAccumulator", "input_norms", "wanda_mask", "sparsegpt_prune"]
+__all__ = ["NormAccumulator", "input_norms", "wanda_mask", "sparsegpt_prune", "prune_experts"]
 
 
 class NormAccumulator:
@@ -139,3 +147,32 @@ def sparsegpt_prune(weight: torch.Tensor, inputs, sparsity: float = 0.5, nm: tup
         W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
     W[~keep] = 0.0
     return W.to(device=weight.device, dtype=weight.dtype), keep.to(weight.device)
+
+
+# (label, an expert's matrix (rows, K), its inputs [(x (tokens, K),), ...] or None) -> (the matrix pruned, method)
+ExpertPruner = Callable[[str, torch.Tensor, "list[tuple[torch.Tensor]] | None"], tuple[torch.Tensor, str]]
+
+
+def prune_experts(name: str, module: nn.Module, layout: Sequence[ExpertMatrix], prune: ExpertPruner,
+                  calls=None) -> tuple[dict[str, torch.Tensor], list[tuple[str, int, int, str]]]:
+    """The fused projections of the experts module ``module`` (``layout``: `experts_layout`'s) with every expert's
+    matrix pruned by ``prune``, which sees it as the nn.Linear weight ``(rows, K)`` it stands for (contiguous; the
+    transpose of a transposed layout's slice). With ``calls`` (the module's recorded positional arguments, e.g.
+    ``(hidden_states, top_k_index, top_k_weights)``) each matrix also gets the inputs it is multiplied with when
+    the class's own forward runs on them - the tokens routed to that expert - projection after projection, each
+    on the outputs of the ones already pruned; without, ``None``. Returns (projection name -> the pruned tensor in
+    the parameter's layout and dtype, the rows (projection, expert, tokens, method) of what each matrix got)."""
+    current = {m.name: module.get_parameter(m.name).detach() for m in layout}
+    rows: list[tuple[str, int, int, str]] = []
+    for m in layout:
+        inputs = expert_inputs(module, calls, m.name, current) if calls is not None else None
+        pruned = []
+        for e in range(m.experts):
+            w = current[m.name][e]
+            w = (w.t() if m.transposed else w).contiguous()                       # (rows, K): the Linear weight
+            xs = None if inputs is None else [(x,) for x in inputs[e]]
+            new, how = prune(f"{name}.{m.name}[{e}]", w, xs)
+            rows.append((m.name, e, sum(x.shape[0] for (x,) in xs or ()), how))
+            pruned.append(new.t() if m.transposed else new)
+        current[m.name] = torch.stack(pruned)            # (E, rows, K) or (E, K, rows): what the next one sees
+    return current, rows

@@ -430,3 +430,58 @@ def test_cast_stores_the_experts_in_bf16_and_computes_on_their_values(model, tmp
     path = tmp_path / "m.safetensors"
     wb.save(q, path)
     assert torch.equal(logits(wb.load(path, base=model)), logits(q))
+
+
+# --- W8A8 on the experts ----------------------------------------------------------------------------------------
+
+def test_dynamic_w8a8_experts_quantize_each_products_activations_per_token(model, tmp_path):
+    """Dynamic W8A8 takes the experts: int8 weights (WeightOnly(bits=8)'s codes), and each product with an expert's
+    matrix runs on the per-token int8 values of its input - the model differs from int8 weight-only (activations
+    are quantized) yet stays close to the float one; reload bit for bit."""
+    from workbench.quantization.primitives import quantize_per_token
+
+    q = wb.apply(model, {"*": wb.quant.Dynamic()}, progress=False)
+    w8 = wb.apply(model, {"*": INT8}, progress=False)
+    for name in experts_of(model):
+        experts = q.get_submodule(name)
+        assert type(experts).__name__.startswith("W8A8") and isinstance(experts, type(model.get_submodule(name)))
+        for m in experts.matrices:
+            for key, t in experts.stored(m.name).items():
+                assert torch.equal(t, w8.get_submodule(name).stored(m.name)[key])
+        first = experts.matrices[0]
+        w = getattr(experts, first.name)[1]                       # expert 1's matrix, as the forward reads it
+        x = torch.randn(5, first.K)
+        codes, scale = quantize_per_token(x)
+        plain = w.as_subclass(torch.Tensor)
+        got = x @ w if first.transposed else torch.nn.functional.linear(x, w)
+        want = (codes.float() * scale) @ plain if first.transposed else \
+            torch.nn.functional.linear(codes.float() * scale, plain)
+        assert torch.equal(got, want) and not torch.equal(got, x @ plain if first.transposed else x @ plain.t())
+    out, by_w8 = logits(q), logits(w8)
+    assert not torch.equal(out, by_w8) and relative(out, logits(model)) < 0.02
+    path = tmp_path / "m.safetensors"
+    wb.save(q, path)
+    assert torch.equal(logits(wb.load(path, base=model)), out)
+
+
+def test_static_w8a8_experts_calibrate_a_scale_per_expert_on_its_routed_tokens():
+    """Static W8A8: each expert's activation scale is the min-max scale of the tokens routed to it (read
+    independently from a hook on the float model); with too few tokens, the scale of all the projection's tokens,
+    said in the coverage table and the note."""
+    from workbench.quantization.observers import MinMax
+
+    model = mixtral()
+    layer = "model.layers.0.mlp.experts"
+    q = wb.apply(model, {"*": wb.quant.Static()}, calibration=CALIBRATION, progress=False)
+    hidden, ids = routed_inputs(model, layer)
+    scales = q.get_submodule(layer).get_buffer("gate_up_proj_act_scale")
+    for e in range(4):
+        observer = MinMax()
+        observer.observe(hidden[(ids == e).any(-1)].float())
+        assert torch.equal(scales[e], observer.qparams(8, symmetric=True)[0].reshape(()))
+    few = [(torch.randint(0, 128, (1, 3), generator=torch.Generator().manual_seed(4)),)]
+    q = wb.apply(model, {"*": wb.quant.Static()}, calibration=few, progress=False)
+    table = wb.quant.experts.coverage(q)
+    assert (table.method == "all tokens").all()
+    assert "take the scale of all its tokens" in wb.applied_report(q).set_index("layer").loc[layer, "note"]
+    assert torch.isfinite(logits(q)).all()

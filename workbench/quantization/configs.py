@@ -373,6 +373,8 @@ class _W8A8Handler(Handler):
     def supports(self, module: nn.Module, config) -> bool:
         if isinstance(module, FORWARD_BYPASSED):  # e.g. MultiheadAttention's out_proj: activations never pass
             return False                          # through its forward, so they could not be quantized there
+        if experts.takes_experts(module):   # fused experts: int8 experts, activations int8 in each product
+            return config.smooth_alpha is None and config.kernel in ("auto", "reference")
         if _recurrent(module) is not None:   # Dynamic W8A8 of nn.LSTM / nn.GRU (workbench.quantization.recurrent)
             return not self.static and config.smooth_alpha is None
         if self.static and config.smooth_alpha is None and config.kernel in ("reference", "auto"):
@@ -380,7 +382,11 @@ class _W8A8Handler(Handler):
         return selectable(module, (nn.Linear,))
 
     def why_not(self, module: nn.Module, config) -> str | None:
-        return lookalike_reason(module, (nn.Linear, *CONV_TYPES))
+        if experts.takes_experts(module):   # (supports said no)
+            return (f"fused mixture-of-experts weights take W8A8 without SmoothQuant on the reference path "
+                    f"(smooth_alpha={config.smooth_alpha}, kernel={config.kernel!r} take nn.Linear layers)")
+        return experts.experts_refusal(module) or experts.router_note(module) or \
+            lookalike_reason(module, (nn.Linear, *CONV_TYPES))
 
     def needs_calibration(self, config) -> bool:
         return self.static or config.smooth_alpha is not None
@@ -391,7 +397,7 @@ class _W8A8Handler(Handler):
         needs every batch first): None, keep the inputs."""
         from workbench.quantization.smoothquant import AbsMaxAccumulator
 
-        if _recurrent(module) is not None:
+        if _recurrent(module) is not None or experts.takes_experts(module):   # (experts: the calls, routed later)
             return None
         if self.static and config.smooth_alpha is None:
             return ObserverAccumulator(OBSERVERS[config.observer]())
@@ -401,6 +407,9 @@ class _W8A8Handler(Handler):
 
     def calibration_cost(self, module: nn.Module, config, tokens: int) -> tuple[int, float]:
         """(peak working bytes, floating-point operations): observing each input batch, fp32 copies."""
+        if experts.takes_experts(module):
+            cubes = [p for p in module.parameters(recurse=False) if p.dim() == 3]
+            return 4 * 3 * max(p.numel() for p in cubes), 10.0 * sum(tokens * p[0].numel() for p in cubes)
         K = module.weight[0].numel()
         return 4 * (2 * tokens * K + 3 * module.weight.numel()), 10.0 * tokens * K + 10.0 * module.weight.numel()
 
@@ -409,6 +418,9 @@ class _W8A8Handler(Handler):
 
         if (rnn := _recurrent(module)) is not None:
             return rnn.from_float(module, name, kernel=_recurrent_kernel(name, config))
+        if experts.takes_experts(module):
+            observer = OBSERVERS[config.observer] if self.static else None
+            return experts.w8a8_experts(name, module, self.static, inputs, observer)
         kind, padding = _computation(name, module, type(config).__name__)
         fm.check_finite(name, module.weight)
         if kind in CONV_TYPES:
@@ -446,6 +458,8 @@ class _W8A8Handler(Handler):
             return rnn.skeleton(module.input_size, module.hidden_size, module.num_layers, module.bias,
                                 module.batch_first, module.dropout, module.bidirectional,
                                 kernel=_recurrent_kernel(name, config))
+        if experts.takes_experts(module):
+            return experts.w8a8_experts(name, module, self.static, values=False)
         kind, padding = _computation(name, module, type(config).__name__)
         if kind in CONV_TYPES:
             args = conv_args(module, padding)

@@ -49,10 +49,11 @@ from torch import nn
 
 from workbench.quantization import formats as fm
 from workbench.quantization.modules import DecodedWeight
+from workbench.quantization.primitives import quantize_per_tensor, quantize_per_token
 
 __all__ = ["EXPERT_MATRICES", "ExpertMatrix", "DecodedExperts", "WeightOnlyExperts", "experts_layout",
            "experts_refusal", "takes_experts", "router_note", "experts_class", "eager_forward", "calibrated_experts",
-           "expert_inputs", "coverage", "MIN_EXPERT_TOKENS"]
+           "expert_inputs", "coverage", "MIN_EXPERT_TOKENS", "W8A8Experts", "w8a8_experts"]
 
 # the names transformers gives an experts module's fused projections (gate and up fused, or apart)
 EXPERT_MATRICES = ("gate_up_proj", "gate_proj", "up_proj", "down_proj")
@@ -239,18 +240,19 @@ class DecodedExperts(DecodedWeight):
         return None
 
 
-_CLASSES: dict[type, type[WeightOnlyExperts]] = {}   # a model's experts class -> its quantized subclass (made once)
+_CLASSES: dict[tuple[type, type], type] = {}   # (experts class, kind) -> its quantized subclass (made once)
 
 
-def experts_class(base: type[nn.Module]) -> type[WeightOnlyExperts]:
-    """The quantized subclass of the experts class ``base`` (`WeightOnlyExperts` first in its bases): one per
-    class, made once."""
-    if base not in _CLASSES:
-        name = f"WeightOnly{base.__name__}"
-        _CLASSES[base] = type(name, (WeightOnlyExperts, base), {"__module__": __name__, "__qualname__": name,
-                                                                "float_class": base,
-                                                                "per_expert_forward": eager_forward(base)})
-    return _CLASSES[base]
+def experts_class(base: type[nn.Module], kind: type | None = None) -> type[WeightOnlyExperts]:
+    """The quantized subclass of the experts class ``base`` (``kind`` - `WeightOnlyExperts` by default, or
+    `W8A8Experts` - first in its bases): one per class and kind, made once."""
+    kind = WeightOnlyExperts if kind is None else kind
+    if (base, kind) not in _CLASSES:
+        name = f"{kind.prefix}{base.__name__}"
+        _CLASSES[base, kind] = type(name, (kind, base), {"__module__": __name__, "__qualname__": name,
+                                                         "float_class": base,
+                                                         "per_expert_forward": eager_forward(base)})
+    return _CLASSES[base, kind]
 
 
 def _dispatcher_code():
@@ -274,8 +276,8 @@ def eager_forward(base: type[nn.Module]) -> Callable:
     return forward
 
 
-def _unpickle(base: type[nn.Module]) -> nn.Module:
-    return object.__new__(experts_class(base))
+def _unpickle(base: type[nn.Module], kind: type | None = None) -> nn.Module:
+    return object.__new__(experts_class(base, kind))
 
 
 class WeightOnlyExperts(nn.Module):
@@ -284,6 +286,7 @@ class WeightOnlyExperts(nn.Module):
     the float class's eager per-expert loop (`eager_forward`). Everything else of the float module (its config,
     activation, biases) is kept as it was."""
 
+    prefix: ClassVar[str] = "WeightOnly"
     float_class: ClassVar[type]
     per_expert_forward: ClassVar[Callable]
     fmt: fm.WeightFormat
@@ -360,7 +363,8 @@ class WeightOnlyExperts(nn.Module):
 
     def __reduce_ex__(self, protocol):
         # the class is made at run time: copies and pickles rebuild it from the float class
-        return _unpickle, (self.float_class,), self.__getstate__()
+        return _unpickle, (self.float_class, next(k for k in type(self).__mro__ if "prefix" in k.__dict__)), \
+            self.__getstate__()
 
     def extra_repr(self) -> str:
         shown = ", ".join(f"{m.name}={tuple(m.shape)}" for m in self.matrices)
@@ -378,10 +382,10 @@ def _layout(name: str, module: nn.Module) -> tuple[ExpertMatrix, ...]:
 
 
 def _build(module: nn.Module, layout: tuple[ExpertMatrix, ...], fmt: fm.WeightFormat,
-           tensors: dict[str, dict[str, torch.Tensor]], device) -> WeightOnlyExperts:
-    """An instance of ``module``'s quantized class holding ``tensors``, with the rest of ``module`` (attributes,
-    children, other parameters and buffers) copied; the float class's ``__init__`` is not run."""
-    new = object.__new__(experts_class(type(module)))
+           tensors: dict[str, dict[str, torch.Tensor]], device, kind: type | None = None) -> WeightOnlyExperts:
+    """An instance of ``module``'s quantized class (of ``kind``) holding ``tensors``, with the rest of ``module``
+    (attributes, children, other parameters and buffers) copied; the float class's ``__init__`` is not run."""
+    new = object.__new__(experts_class(type(module), kind))
     nn.Module.__init__(new)
     internals = set(new.__dict__)
     for key, value in module.__dict__.items():   # plain attributes: config, num_experts, activation settings ...
@@ -553,3 +557,135 @@ def coverage(model: nn.Module):
 
     rows = [(n, p, e, t, how) for n, m in model.named_modules() for p, e, t, how in getattr(m, "coverage", ())]
     return pd.DataFrame(rows, columns=["layer", "projection", "expert", "tokens", "method"])
+
+
+# --- W8A8: int8 experts computing on int8 activations ---------------------------------------------------------
+
+W8A8_WEIGHTS = fm.IntFormat(8, None, True)   # int8 per output channel, symmetric (WeightOnly(bits=8)'s format)
+
+
+class _ActQuantMatrix(torch.Tensor):
+    """One expert's dequantized int8 matrix whose products (``F.linear(x, W[e])``, ``x @ W[e]``) first quantize
+    ``x`` to int8 - per token at run time, or with the expert's calibrated scale - and compute on those values:
+    ``(q_x s_x)(q_w s_w)^T``, what W8A8's integer product gives (in fp32 here, as `W8A8Linear`'s reference path).
+    Any other operation sees the dequantized matrix; every result is a plain tensor."""
+
+    _act_scale: torch.Tensor | None
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _PRODUCTS and len(args) >= 2 and isinstance(args[1], _ActQuantMatrix) \
+                and isinstance(args[0], torch.Tensor) and not isinstance(args[0], _ActQuantMatrix):
+            x = args[0]
+            flat = x.reshape(-1, x.shape[-1])
+            act = args[1]._act_scale
+            q, scale = quantize_per_token(flat) if act is None else quantize_per_tensor(flat, act)
+            args = ((q.float() * scale).to(x.dtype).reshape(x.shape), *args[1:])
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+class _W8A8Stack(DecodedExperts):
+    """A W8A8 experts module's fused projection: indexing one expert gives its `_ActQuantMatrix`."""
+
+    act_scale: Callable[[int], torch.Tensor | None]
+
+    def _index(self, index) -> torch.Tensor | None:
+        if isinstance(index, torch.Tensor) and index.dim() == 0 and not index.is_floating_point():
+            index = int(index)
+        if isinstance(index, int) and not isinstance(index, bool):
+            matrix = super()._index(index)
+            with torch._C.DisableTorchFunctionSubclass():
+                out = matrix.as_subclass(_ActQuantMatrix)
+            out._act_scale = self.act_scale(index)
+            return out
+        return super()._index(index)
+
+
+class W8A8Experts(WeightOnlyExperts):
+    """Fused experts as W8A8 (`Dynamic` / `Static` on a mixture of experts): each expert's matrices int8 per output
+    channel (stored as `WeightOnlyExperts` stores ``WeightOnly(bits=8)``), and every product of an expert's matrix
+    quantizes its activations to int8 first - per token (dynamic) or with the expert's own calibrated scale
+    (static, buffer ``<projection>_act_scale`` (E,)). The class's eager per-expert loop runs unchanged."""
+
+    prefix: ClassVar[str] = "W8A8"
+    static: bool
+
+    def _expert_tensor(self, name: str) -> DecodedExperts:
+        m = next(x for x in self.matrices if x.name == name)
+        device = self.get_buffer(f"{name}_qweight").device
+        stack = _W8A8Stack(lambda ids: self.decode(name, ids), m.shape, self.weight_dtype, device)
+        scales = self._buffers.get(f"{name}_act_scale")
+        stack.act_scale = (lambda e: scales[e]) if scales is not None else (lambda e: None)
+        return stack
+
+    def decode(self, name: str, experts: torch.Tensor) -> torch.Tensor:
+        m = next(x for x in self.matrices if x.name == name)
+        tensors = {key: self.get_buffer(f"{name}_{key}").index_select(0, experts.to(self.get_buffer(
+            f"{name}_qweight").device)) for key in self.keys}
+        return m.decode(tensors, self.fmt, self.weight_dtype)
+
+
+def w8a8_experts(name: str, module: nn.Module, static: bool, calls=None, observer: Callable | None = None,
+                 values: bool = True) -> W8A8Experts:
+    """``module``'s experts as `W8A8Experts`. ``static``: each expert's activation scale per projection from
+    ``observer()`` (a fresh activation observer) over the tokens routed to it (`expert_inputs`, projections in
+    chain order on the int8 weights); an expert routed fewer than `MIN_EXPERT_TOKENS` tokens takes the scale of
+    all the tokens that reached the projection, and says so (``coverage``). ``values=False``: the structure only
+    (what `wb.load` fills)."""
+    layout = _layout(name, module)
+    device = module.get_parameter(layout[0].name).device
+    if not values:
+        tensors = {m.name: m.empty(W8A8_WEIGHTS, device) for m in layout}
+        if static:
+            for m in layout:
+                tensors[m.name]["act_scale"] = torch.empty(m.experts, device=device)
+        new = _build(module, layout, W8A8_WEIGHTS, tensors, device, kind=W8A8Experts)
+    else:
+        tensors = {}
+        for m in layout:
+            param = module.get_parameter(m.name)
+            fm.check_finite(f"{name}.{m.name}", param)
+            tensors[m.name] = m.encode(param, W8A8_WEIGHTS)
+        rows: list[tuple[str, int, int, str]] = []
+        if static:
+            calls = _calls(name, calls, "static W8A8")
+            dtype = module.get_parameter(layout[0].name).dtype
+            current = {m.name: m.decode(tensors[m.name], W8A8_WEIGHTS, dtype) for m in layout}
+            for m in layout:
+                inputs = expert_inputs(module, calls, m.name, current)
+                if not any(inputs):
+                    raise ValueError(f"static quantization of {name!r} needs calibration inputs, and no token "
+                                     f"reached {m.name}")
+                everything = observer()
+                for xs in inputs:
+                    for x in xs:
+                        everything.observe(x.float())
+                overall, _ = everything.qparams(8, symmetric=True)
+                scales = []
+                for e, xs in enumerate(inputs):
+                    tokens = sum(x.shape[0] for x in xs)
+                    if tokens >= MIN_EXPERT_TOKENS:
+                        own = observer()
+                        for x in xs:
+                            own.observe(x.float())
+                        scales.append(own.qparams(8, symmetric=True)[0].reshape(()))
+                        rows.append((m.name, e, tokens, "static"))
+                    else:
+                        scales.append(overall.reshape(()))
+                        rows.append((m.name, e, tokens, "all tokens"))
+                tensors[m.name]["act_scale"] = torch.stack(scales).float().to(device)
+        new = _build(module, layout, W8A8_WEIGHTS, tensors, None, kind=W8A8Experts)
+        new.coverage = rows
+    new.keys = tuple(k for k in new.keys if k != "act_scale")
+    new.static = static
+    E = layout[0].experts
+    how = "a calibrated scale per expert and projection" if static else "per token at run time"
+    new.note = (f"W8A8: {E} experts' {', '.join(m.name for m in layout)} int8 per output channel, activations int8 "
+                f"({how}); each call decodes only the experts its router selects (the class's eager per-expert loop); "
+                f"the router stays in full precision")
+    fallback = sorted({e for _, e, _, how in getattr(new, "coverage", ()) if how == "all tokens"})
+    if fallback:
+        new.note += (f"; expert(s) {fallback} saw fewer than {MIN_EXPERT_TOKENS} tokens in some projection and take "
+                     f"the scale of all its tokens there")
+    return new

@@ -49,7 +49,7 @@ Architectures of 2026 (issue 35): two mixtures of experts (Mixtral's fused 3-D e
 shared expert of Linears), fused projections (Phi-3, GPT-NeoX, Falcon's FalconLinear), look-alike embeddings
 (Gemma-2, OPT), blocks that cannot run alone (Swin), layers read by their parent (Mamba), disentangled attention
 (DeBERTa-v2) and a Hugging Face ResNet. A mixture of experts' experts are a layer family of their own
-(``experts``) that the weight formats and GPTQ must take.
+(``experts``) that the weight formats, GPTQ, AWQ, W8A8, Cast and the unstructured pruning methods must take.
 """
 from __future__ import annotations
 
@@ -137,8 +137,8 @@ TECHNIQUES = {t.name: t for t in [
     Technique("static-w8a8", 0.95, frozenset({"linear", "conv2d"}) | EXPERTS, _plan(wb.quant.Static())),
     Technique("cast-bf16", 0.99, frozenset({"linear", "conv1d", "conv2d", "embedding"}) | EXPERTS,
               _plan(wb.precision.Cast(torch.bfloat16))),
-    Technique("magnitude", 0.50, frozenset({"linear", "conv2d"}), _plan(wb.prune.Magnitude(0.5))),
-    Technique("nm-2-4", 0.50, frozenset({"linear", "conv2d"}), _plan(wb.prune.NM(2, 4))),
+    Technique("magnitude", 0.50, frozenset({"linear", "conv2d"}) | EXPERTS, _plan(wb.prune.Magnitude(0.5))),
+    Technique("nm-2-4", 0.50, frozenset({"linear", "conv2d"}) | EXPERTS, _plan(wb.prune.NM(2, 4))),
     Technique("channels", 0.50, frozenset(), _channels),
     Technique("heads", 0.50, frozenset(), _heads),
     # SVD may pass over a layer whose factorisation would not save anything; it must compress at least one.
@@ -146,8 +146,8 @@ TECHNIQUES = {t.name: t for t in [
     Technique("qat-int8", 0.98, frozenset({"linear", "conv2d"}), _qat_prepare, _qat_train, _qat_convert),
     Technique("gptq", 0.90, LINEAR | EXPERTS, _plan(wb.quant.WeightOnly(bits=4, group_size=32, method="gptq"))),
     Technique("awq", 0.90, LINEAR | EXPERTS, _plan(wb.quant.WeightOnly(bits=4, group_size=32, method="awq"))),
-    Technique("wanda", 0.50, LINEAR, _plan(wb.prune.Wanda(0.5))),
-    Technique("sparsegpt", 0.50, LINEAR, _plan(wb.prune.SparseGPT(0.5))),
+    Technique("wanda", 0.50, LINEAR | EXPERTS, _plan(wb.prune.Wanda(0.5))),
+    Technique("sparsegpt", 0.50, LINEAR | EXPERTS, _plan(wb.prune.SparseGPT(0.5))),
 ]}
 MIN_COSINE = {name: t.min_cosine for name, t in TECHNIQUES.items()}
 

@@ -165,8 +165,8 @@ def test_composing_plans_records_both(digits_mlp):
 
 def test_large_modules_passed_over_are_named_with_their_share_whatever_their_parameters_are_called():
     """A small Mixtral (transformers 5: each layer's experts one module of fused 3-D tensors, no `.weight`): "*"
-    with W8A8 (which does not take fused experts; weight-only formats do, tests/quantization/test_experts.py) takes
-    attention and the head and passes over the experts - the warning names both expert blocks first, with their
+    with SVD (which does not take fused experts; quantization, Cast and pruning do, tests/quantization/test_experts.py)
+    takes attention and the head and passes over the experts - the warning names both expert blocks first, with their
     share of the model's bytes (measured here, not assumed), and the total."""
     import re
     import warnings
@@ -181,12 +181,12 @@ def test_large_modules_passed_over_are_named_with_their_share_whatever_their_par
     experts = sum(p.numel() * p.element_size() for p in model.model.layers[0].mlp.experts.parameters())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        wb.apply(model, {"model.embed_tokens": None, "*": wb.quant.Dynamic()}, progress=False)
+        wb.apply(model, {"model.embed_tokens": None, "*": wb.lowrank.SVD(rank=8)}, progress=False)
     [message] = [str(w.message) for w in caught if "passed over" in str(w.message)]
     share = f"{experts / total:.1%}"
     assert re.search(rf"passed over 4 matched layer\(s\) holding [\d.]+% of the model's parameter bytes: "
                      rf"model\.layers\.0\.mlp\.experts \(MixtralExperts, {re.escape(share)} of the model's parameter "
-                     rf"bytes\): Dynamic does not handle MixtralExperts; model\.layers\.1\.mlp\.experts", message)
+                     rf"bytes\): SVD factorises an nn\.Linear's weight; model\.layers\.1\.mlp\.experts", message)
     assert experts / total > 0.3
 
 

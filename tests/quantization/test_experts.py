@@ -181,6 +181,7 @@ def test_forward_is_the_float_modules_on_random_routing_decoding_only_routed_exp
     reference = dequantized_float_model(model, q)
     gen = torch.Generator().manual_seed(2)
     name, packed = next(iter(experts_of(q).items()))
+    packed.set_kernel("reference")   # decode, then the class's matmuls (the CPU kernel path: the next test)
     float_experts = reference.get_submodule(name)
     T, H, k = 24, model.config.hidden_size, 2
     hidden = torch.randn(T, H, generator=gen)
@@ -485,3 +486,31 @@ def test_static_w8a8_experts_calibrate_a_scale_per_expert_on_its_routed_tokens()
     assert (table.method == "all tokens").all()
     assert "take the scale of all its tokens" in wb.applied_report(q).set_index("layer").loc[layer, "note"]
     assert torch.isfinite(logits(q)).all()
+
+
+@pytest.mark.parametrize("config", [INT4, AWQ4], ids=["int4", "awq"])
+def test_routed_experts_run_on_the_cpu_kernel_without_decoding(model, config, monkeypatch):
+    """On the CPU (default kernel "auto"), each routed expert's products run workbench.kernels.weight_only_cpu on
+    that expert's packed codes - one kernel call per routed expert and projection, nothing decoded - and give the
+    reference path's output (decode, then the class's matmul) to fp32 rounding."""
+    from workbench.kernels import weight_only_cpu
+
+    q = wb.apply(model, {"*experts": config}, calibration=CALIBRATION, progress=False)
+    name, packed = next(iter(experts_of(q).items()))
+    gen = torch.Generator().manual_seed(3)
+    T, H, k = 24, model.config.hidden_size, 2
+    hidden = torch.randn(T, H, generator=gen)
+    index = torch.stack([torch.tensor([0, 2, 3])[torch.randperm(3, generator=gen)[:k]] for _ in range(T)])
+    weights = torch.softmax(torch.randn(T, k, generator=gen), dim=-1)
+    with torch.inference_mode():
+        reference = copy.deepcopy(packed).set_kernel("reference")(hidden, index, weights)
+    calls, decoded = [], []
+    kernel = weight_only_cpu.linear_unchecked
+    monkeypatch.setattr(weight_only_cpu, "linear_unchecked",
+                        lambda x, w, b, **kw: calls.append(x.shape) or kernel(x, w, b, **kw))
+    decode = packed.decode
+    monkeypatch.setattr(packed, "decode", lambda n, ids: decoded.append(n) or decode(n, ids))
+    with torch.inference_mode():
+        out = packed(hidden, index, weights)
+    assert len(calls) == 3 * len(packed.matrices) and not decoded
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-6)

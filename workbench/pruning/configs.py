@@ -238,6 +238,7 @@ class _PruneHandler(Handler):
         calls = [tuple(c) for c in inputs or () if c] if self.needs_calibration(config) else None
         tensors, rows = prune_experts(name, module, layout, functools.partial(self.prune_expert, config), calls)
         new = _experts_copy(module, tensors)
+        new.__dict__.pop("coverage", None)   # (an earlier calibration's, if ``module`` was compressed before)
         if calls is not None:
             new.coverage = rows
         new.note = f"{self.experts_note(config, rows)}; {layout[0].experts} experts' " \
@@ -586,6 +587,9 @@ def finalize(model: nn.Module, storage: str = "dense") -> nn.Module:
     target = copy.deepcopy(model)
     replacements = {}
     for name, m in target.named_modules():
+        if storage in ("csr", "2:4") and takes_experts(m) and getattr(_config_of(plans, name), "storage", "") == "mask":
+            raise ValueError(f"{name!r}: {storage} storage replaces an nn.Linear; finalize the fused experts of "
+                             f"{type(m).__name__} as 'dense'")
         if isinstance(m, Pruned):
             if storage in ("csr", "2:4") and _linear_reason(m) is not None:
                 raise ValueError(f"{name!r}: {storage} storage replaces an nn.Linear; finalize "

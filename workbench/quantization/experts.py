@@ -236,8 +236,30 @@ class DecodedExperts(DecodedWeight):
         if isinstance(index, int) and not isinstance(index, bool):
             if not -experts <= index < experts:
                 raise IndexError(f"expert {index} is out of range for {experts} experts")
-            return self.pick(torch.tensor([index % experts]))[0]
+            one = getattr(self, "one", None)   # (the CPU kernel's view of one expert, where the module has one)
+            return one(index % experts) if one is not None else self.pick(torch.tensor([index % experts]))[0]
         return None
+
+
+class _KernelExpert(DecodedWeight):
+    """One expert's matrix on the CPU path: a product with it (``F.linear(x, W[e])``, ``x @ W[e]`` for the
+    transposed layout) runs `workbench.kernels.weight_only_cpu` on the expert's packed codes - the kernel
+    `WeightOnlyLinear` runs on the same codes - instead of decoding the matrix first; anything else decodes it."""
+
+    packed: object
+    smooth: torch.Tensor | None
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _PRODUCTS and len(args) == 2 and not kwargs and isinstance(args[1], _KernelExpert) \
+                and type(args[0]) is torch.Tensor and not (args[0].requires_grad and torch.is_grad_enabled()):
+            from workbench.kernels import weight_only_cpu
+
+            x, w = args
+            if w.smooth is not None:   # AWQ: the codes encode W * s
+                x = x / w.smooth.to(x.dtype)
+            return weight_only_cpu.linear_unchecked(x, w.packed, None)
+        return super().__torch_function__(func, types, args, kwargs)
 
 
 _CLASSES: dict[tuple[type, type], type] = {}   # (experts class, kind) -> its quantized subclass (made once)
@@ -332,7 +354,43 @@ class WeightOnlyExperts(nn.Module):
     def _expert_tensor(self, name: str) -> DecodedExperts:
         m = next(x for x in self.matrices if x.name == name)
         device = self.get_buffer(f"{name}_qweight").device
-        return DecodedExperts(lambda ids: self.decode(name, ids), m.shape, self.weight_dtype, device)
+        stack = DecodedExperts(lambda ids: self.decode(name, ids), m.shape, self.weight_dtype, device)
+        if self._on_cpu_kernel(device):
+            stack.one = lambda e: self._kernel_expert(m, e, device)
+        return stack
+
+    def _on_cpu_kernel(self, device: torch.device) -> bool:
+        """Whether one expert's products run on `workbench.kernels.weight_only_cpu` (the format has a CPU kernel,
+        the codes are on the CPU, and the module was not set to its reference path)."""
+        if self.__dict__.get("kernel", "auto") != "auto" or device.type != "cpu":
+            return False
+        from workbench.kernels import weight_only_cpu
+
+        return weight_only_cpu.supports(self.fmt)
+
+    def _kernel_expert(self, m: ExpertMatrix, e: int, device: torch.device) -> _KernelExpert:
+        """Expert ``e``'s matrix of projection ``m`` as the CPU kernel's packed view (made once, made again when
+        the stored tensors change: a state dict loaded, a move)."""
+        from workbench.kernels import weight_only_cpu
+
+        stored = {key: self.get_buffer(f"{m.name}_{key}") for key in self.keys}
+        key = tuple((t.data_ptr(), None if t.is_inference() else t._version) for t in stored.values())
+        cache = self.__dict__.setdefault("_cpu_packed", {})
+        if cache.get((m.name, e), (None,))[0] != key:
+            codes = {k: t[e] for k, t in stored.items() if k != SMOOTH}
+            cache[m.name, e] = (key, weight_only_cpu.pack(codes, self.fmt, m.K))
+        t = _KernelExpert.__new__(_KernelExpert, lambda: self.decode(m.name, torch.tensor([e]))[0],
+                                  m.shape[1:], self.weight_dtype, device)
+        t.packed, t.smooth = cache[m.name, e][1], stored[SMOOTH][e] if SMOOTH in stored else None
+        return t
+
+    def set_kernel(self, kernel: str) -> "WeightOnlyExperts":
+        """"auto" (default): one expert's products on the CPU kernel where the format has one, else decode and
+        matmul; "reference": always decode and matmul."""
+        if kernel not in ("auto", "reference"):
+            raise ValueError(f"{type(self).__name__}: kernel must be 'auto' or 'reference', got {kernel!r}")
+        self.kernel = kernel
+        return self
 
     gate_up_proj = property(lambda self: self._matrix("gate_up_proj"))
     gate_proj = property(lambda self: self._matrix("gate_proj"))
@@ -363,8 +421,8 @@ class WeightOnlyExperts(nn.Module):
 
     def __reduce_ex__(self, protocol):
         # the class is made at run time: copies and pickles rebuild it from the float class
-        return _unpickle, (self.float_class, next(k for k in type(self).__mro__ if "prefix" in k.__dict__)), \
-            self.__getstate__()
+        state = {k: v for k, v in self.__getstate__().items() if k != "_cpu_packed"}   # (the kernel's cache)
+        return _unpickle, (self.float_class, next(k for k in type(self).__mro__ if "prefix" in k.__dict__)), state
 
     def extra_repr(self) -> str:
         shown = ", ".join(f"{m.name}={tuple(m.shape)}" for m in self.matrices)

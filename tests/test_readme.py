@@ -148,6 +148,8 @@ PARSED_ONLY = {   # command -> why it is not run; its arguments are parsed by th
     "python -m workbench.benchmarks.ui": "MiniLM in the workbench: a minute",
     "python -m workbench.benchmarks.fold": "EfficientNet-Lite0 timing rounds: a minute",
     "python -m workbench.benchmarks.recurrent": "LSTM / GRU timing rounds: a minute",
+    "python -m workbench.benchmarks.experts": "1024-wide experts x 3 paths x 15 interleaved rounds: half a minute "
+                                              "(tests/benchmarks/test_benchmarks_arch.py runs it small)",
     "python -m workbench.benchmarks.honest": "five models x interleaved rounds: a minute",
     "python -m workbench.kernels.bench": "every kernel at Llama sizes (GPU) or MiniLM W8A8 (CPU): minutes",
     "python -m workbench.kernels.bench --cpu": "MiniLM W8A8 at 32 x 128 tokens, one thread, 8 interleaved runs: "

@@ -16,3 +16,13 @@ def test_bench_fold_smoke():
     df = bench_fold("tiny", batches=(2,), threads=1, warmup=1, rounds=2)
     assert df.loc[0, "bn_folded"] == df.loc[0, "bn_total"] == 3 and df.loc[0, "method"] == "fx"
     assert df.loc[0, "max_abs_err"] < 1e-4 and df.loc[0, "top1_agree"] == 1.0 and df.loc[0, "folded_ms"] > 0
+
+
+def test_bench_experts_smoke():
+    """The mixture-of-experts decode benchmark runs and its CPU kernel path computes the reference path's output."""
+    from workbench.benchmarks.experts import bench_experts
+
+    df = bench_experts(hidden=64, intermediate=96, experts=4, tokens=(2,), threads=1, warmup=1, rounds=2)
+    assert list(df.path) == ["fp32", "int4 reference", "int4 cpu kernel"]
+    kernel = df[df.path == "int4 cpu kernel"].iloc[0]
+    assert kernel.max_abs_diff_to_reference < 1e-4 and (df.median_ms > 0).all()

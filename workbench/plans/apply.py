@@ -353,7 +353,7 @@ def _not_called(model: nn.Module, names: Sequence[str], batch) -> list[str]:
     """Which of ``names`` the model does not call (as a module) on ``batch``: a layer whose parent reads its
     weight directly (Mamba's ``dt_proj``, a causal convolution run by a fused function) never sees an input, so
     a technique calibrated on inputs has nothing to work on. Stops as soon as every layer was called."""
-    from workbench.plans.layers import _call, _describe
+    from workbench.plans.layers import _call, batch_error
     from workbench.plans.sequential import _Stop
 
     waiting = set(names)
@@ -372,9 +372,7 @@ def _not_called(model: nn.Module, names: Sequence[str], batch) -> list[str]:
     except _Stop:
         pass
     except Exception as e:
-        shown = _describe(batch) if isinstance(batch, tuple) else type(batch).__name__
-        raise ValueError(f"calibration batch 0 ({shown}) could not be run through {type(model).__name__}: "
-                         f"{type(e).__name__}: {e}") from e
+        raise batch_error(0, batch, model, e) from e
     finally:
         for h in handles:
             h.remove()

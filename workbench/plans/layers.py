@@ -93,6 +93,13 @@ def _call(model: nn.Module, batch):
     return model(*batch)
 
 
+def batch_error(i: int, batch, model: nn.Module, error: Exception) -> ValueError:
+    """The error for calibration batch ``i`` failing inside ``model`` (its shapes, the model, the cause)."""
+    shown = _describe(batch) if isinstance(batch, tuple) else type(batch).__name__
+    return ValueError(f"calibration batch {i} ({shown}) could not be run through {type(model).__name__}: "
+                      f"{type(error).__name__}: {error}")
+
+
 def capture_inputs(model: nn.Module, names: Sequence[str], batches: Iterable[Batch],
                    progress: bool = True) -> dict[str, list[Batch]]:
     """Run ``batches`` through ``model`` (eval mode, inference mode) once and record, per named layer, the
@@ -111,10 +118,7 @@ def capture_inputs(model: nn.Module, names: Sequence[str], batches: Iterable[Bat
                 try:
                     _call(model, batch)
                 except Exception as e:
-                    shown = _describe(batch) if isinstance(batch, tuple) else type(batch).__name__
-                    raise ValueError(
-                        f"calibration batch {i} ({shown}) could not be run through "
-                        f"{type(model).__name__}: {type(e).__name__}: {e}") from e
+                    raise batch_error(i, batch, model, e) from e
     finally:
         for h in handles:
             h.remove()

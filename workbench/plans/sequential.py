@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from workbench.plans.layers import _call, _describe
+from workbench.plans.layers import _call, batch_error
 
 __all__ = ["Pipeline", "BlockList", "find_blocks", "runs_as_chain", "capture_block_inputs", "BlockInputs",
            "run_block", "block_output"]
@@ -158,9 +158,7 @@ def capture_block_inputs(model: nn.Module, block: str, batches: Sequence, progre
                 except _Stop:
                     pass
                 except Exception as e:
-                    shown = _describe(batch) if isinstance(batch, tuple) else type(batch).__name__
-                    raise ValueError(f"calibration batch {i} ({shown}) could not be run through "
-                                     f"{type(model).__name__}: {type(e).__name__}: {e}") from e
+                    raise batch_error(i, batch, model, e) from e
                 if len(records) != n + 1:
                     raise ValueError(f"calibration batch {i} did not reach block {block!r} (it ran "
                                      f"{len(records) - n} times); this model cannot be calibrated block by block: "

@@ -300,10 +300,12 @@ def test_resnet_bottleneck_convolutions(tmp_path):
         torch.testing.assert_close(small(PIXELS).logits, dead(PIXELS).logits, rtol=1e-5, atol=1e-5)
 
 
-def test_resnet_block_output_is_refused_naming_the_layer():
-    with pytest.raises(ValueError, match=r"'resnet.encoder.stages.0.layers.0.layer.2.convolution' \(Conv2d\) is not "
-                                         r"the input projection of a block"):
-        wb.prune.channels(_resnet(), {"resnet.encoder.stages.0.layers.0.layer.2.convolution": 0.25})
+def test_resnet_block_output_alone_is_refused_naming_the_rest_of_its_stream():
+    # a block's output channels are a residual stream's: cut only with every block writing it (see
+    # tests/pruning/test_structured_resnet_hf.py)
+    with pytest.raises(ValueError, match=r"'resnet.encoder.stages.1.layers.0.layer.2.convolution' writes a residual "
+                                         r"stream that \['resnet.encoder.stages.1.layers.1.layer.2.convolution'\]"):
+        wb.prune.channels(_resnet(), {"resnet.encoder.stages.1.layers.0.layer.2.convolution": 0.25})
 
 
 # ---------------------------------------------------------------- unknown layouts name the layer

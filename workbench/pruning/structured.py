@@ -27,8 +27,12 @@ form the core's canonicalisation gives it), Llama (SwiGLU: producers that feed t
 projections - are cut together, like a residual group), Phi-3 (gate and up fused in one ``gate_up_proj`` split by
 ``.chunk(2)``: channel j is rows j and I + j), T5, ViT, GPT-NeoX and Falcon (``FalconLinear``, a Linear subclass
 whose own forward computes nn.Linear's, checked on a probe input) and nn.TransformerEncoderLayer; and Hugging Face
-ResNet's conv -> BatchNorm -> activation layers. A selected layer outside them is refused, naming it and the module
-that reads it. A pattern that selects a mixture of experts' fused experts module (transformers 5's
+ResNet's conv -> BatchNorm -> activation layers and its residual streams (`workbench.pruning.streams`): a stream's
+channels are cut from every layer writing it - the blocks' last convolutions, the shortcut projection, the embedder
+where identity shortcuts carry its output on - with their BatchNorms, ranked by their summed importance, and from
+the input of every layer reading it (the next blocks' first convolutions and projections, the classifier); a
+selection must name every writer but the projections (cut along), else it is refused naming the missing ones. A
+selected layer outside them is refused, naming it and the module that reads it. A pattern that selects a mixture of experts' fused experts module (transformers 5's
 ``MixtralExperts`` ...) cuts every expert's intermediate channels (`workbench.pruning.moe`). Attention heads: see
 `workbench.pruning.heads`. Calibration batches may be tensors, tuples, or dicts of keyword inputs; a Hugging Face
 ModelOutput is read through its logits / last_hidden_state (`main_output`).
@@ -40,7 +44,7 @@ from __future__ import annotations
 
 import copy
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -52,6 +56,7 @@ from workbench.plans.lookalike import computation
 from workbench.plans.plan import Plan, _matcher
 from workbench.plans.registry import Config, Handler, register_config
 from workbench.pruning import moe
+from workbench.pruning.streams import resnet_streams
 
 __all__ = ["Kept", "Layout", "BLOCK_LAYOUTS", "channels", "channel_importance", "transformer_ffn_consumers",
            "main_output", "run", "out_in", "hf_conv1d"]
@@ -71,6 +76,8 @@ class _Dependents:
     consumers: list[tuple[str, int]]  # (consumer module name, features per channel at its input)
     chunks: int = 1                   # the producers' output is this many equal consecutive blocks, read channel
                                       # by channel (Phi-3's gate_up_proj = [gate; up]): channel j is row j of each
+    required: list[str] = field(default_factory=list)   # producers the selection must name (a residual stream)
+    refusal: str = ""                 # why these channels cannot be cut at all (they are the model's output)
 
 
 _ADDS = {operator.add, operator.iadd, torch.add}
@@ -399,6 +406,13 @@ def channels(model: nn.Module, amounts: dict[str, float], criterion: str = "l1",
         if name in plans:
             continue
         deps = group_of(name)
+        if deps.refusal:
+            raise ValueError(f"cannot cut the output channels of {name!r}: {deps.refusal}")
+        missing = [p for p in deps.required if p not in chosen]
+        if missing:
+            raise ValueError(f"{name!r} writes a residual stream that {missing} write too (the block outputs added "
+                             f"into it, or passed through by identity shortcuts), so its channels can only be cut "
+                             f"from all of them at once: select them too")
         amounts_in_group = {chosen[p] for p in deps.producers if p in chosen}
         if len(amounts_in_group) > 1:
             raise ValueError(f"{deps.producers} are cut together (their outputs are added, or read channel by "
@@ -503,7 +517,7 @@ def _unknown_block(model: nn.Module, name: str) -> str:
     known = "; ".join(lay.describe() for lay in BLOCK_LAYOUTS)
     return (f"{name!r} ({type(model.get_submodule(name)).__name__}) is not the input projection of a block whose "
             f"layout structured pruning knows: its output is read inside {reader}, which matches none of the "
-            f"known layouts ({known}) with matching shapes")
+            f"known layouts ({known}) with matching shapes, nor writes a Hugging Face ResNet residual stream")
 
 
 @dataclass(frozen=True)
@@ -572,7 +586,29 @@ def _blocks(model: nn.Module) -> dict[str, _Dependents]:
                                 [(prefix + lay.consumer, 1)], lay.chunks)
             for p in block.producers:
                 out[p] = block
+    for stream in resnet_streams(model):
+        block = _stream_block(model, stream)
+        for p in block.producers if block is not None else ():
+            out[p] = block
     return out
+
+
+def _stream_block(model: nn.Module, stream) -> _Dependents | None:
+    """A Hugging Face ResNet residual stream (`workbench.pruning.streams`) as a channel group: every writer cut
+    alike with its BatchNorm, every reader's input channels; None if its layers are not all plain ungrouped
+    convolutions / Linear layers of one width."""
+    layers = [model.get_submodule(x) for x in (*stream.producers, *stream.consumers)]
+    norms = [model.get_submodule(x) for x in stream.norms]
+    if not all(_is_layer(x) and _ungrouped(x) for x in layers):
+        return None
+    widths = {out_in(model.get_submodule(x))[0] for x in stream.producers}
+    if len(widths) > 1 or not all(isinstance(b, _BATCHNORMS) and b.num_features in widths for b in norms):
+        return None
+    refusal = "" if stream.output is None else (
+        f"they are a residual stream that leaves the model as the output of {stream.output}, which nothing inside "
+        f"it reads to fix (written by {stream.producers})")
+    return _Dependents(list(stream.producers), list(stream.norms), [(c, 1) for c in stream.consumers],
+                       required=list(stream.required), refusal=refusal)
 
 
 def transformer_ffn_consumers(model: nn.Module) -> dict[str, list[str]]:
@@ -586,7 +622,7 @@ def transformer_ffn_consumers(model: nn.Module) -> dict[str, list[str]]:
         known = "; ".join(lay.describe() for lay in BLOCK_LAYOUTS)
         raise ValueError(f"found no transformer feed-forward block in {type(model).__name__} (known layouts: "
                          f"{known}); pass consumers= to wb.prune.channels yourself")
-    return {p: [c for c, _ in block.consumers] for p, block in found.items()}
+    return {p: [c for c, _ in block.consumers] for p, block in found.items() if not block.refusal}
 
 
 class _KeptHandler(Handler):

@@ -32,10 +32,11 @@ channels are cut from every layer writing it - the blocks' last convolutions, th
 where identity shortcuts carry its output on - with their BatchNorms, ranked by their summed importance, and from
 the input of every layer reading it (the next blocks' first convolutions and projections, the classifier); a
 selection must name every writer but the projections (cut along), else it is refused naming the missing ones. A
-selected layer outside them is refused, naming it and the module that reads it. A pattern that selects a mixture of experts' fused experts module (transformers 5's
-``MixtralExperts`` ...) cuts every expert's intermediate channels (`workbench.pruning.moe`). Attention heads: see
-`workbench.pruning.heads`. Calibration batches may be tensors, tuples, or dicts of keyword inputs; a Hugging Face
-ModelOutput is read through its logits / last_hidden_state (`main_output`).
+selected layer outside them is refused, naming it and the module that reads it. A pattern that selects a mixture of
+experts' fused experts module (transformers 5's ``MixtralExperts`` ...) cuts every expert's intermediate channels
+(`workbench.pruning.moe`). Attention heads: see `workbench.pruning.heads`. Calibration batches may be tensors,
+tuples, or dicts of keyword inputs; a Hugging Face ModelOutput is read through its logits / last_hidden_state
+(`main_output`).
 
 The remaining channel counts are recorded on the result as a plan of `Kept` (and `moe.KeptExperts`) entries, so
 `wb.save` / `wb.load` restore a structurally pruned model (the counts rebuild the shapes; the file holds the values).

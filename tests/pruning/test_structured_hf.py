@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import workbench as wb
-from workbench.pruning.heads import LAYOUTS, _out_view
+from workbench.pruning.head_layouts import LAYOUTS, _out_view
 from workbench.pruning.structured import out_in, run
 
 T = pytest.importorskip("transformers")

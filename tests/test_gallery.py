@@ -84,7 +84,8 @@ class Technique:
 
 def _plan(config) -> Callable:
     def run(model, inputs, arch, read):
-        return wb.apply(model, wb.Plan({"*": config}), calibration=[inputs], progress=False)
+        calibration = arch.calibration() if arch.calibration is not None else [inputs]
+        return wb.apply(model, wb.Plan({"*": config}), calibration=calibration, progress=False)
     run.plan = wb.Plan({"*": config})
     return run
 

@@ -274,3 +274,20 @@ def test_inplace_success_leaves_no_spill_files_and_no_meta_tensors(monkeypatch, 
     out = wb.apply(model, PLAN, calibration=batches(2), inplace=True, progress=False)
     assert out is model and list(tmp_path.iterdir()) == []
     assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+
+
+def test_a_model_in_train_mode_is_still_calibrated_block_by_block():
+    """The chain check runs the model as the pipeline does (eval: dropout off), so a model left in train mode with
+    dropout is not sent to the original-model pipeline by a replay that dropout made differ."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=96, n_positions=32,
+                                       resid_pdrop=0.5, attn_pdrop=0.5, embd_pdrop=0.5)).train()
+    data = [(torch.randint(0, 96, (2, 12)),)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)   # (no "cannot be calibrated block by block" warning)
+        small = wb.apply(model, {"transformer.h.*": wb.quant.WeightOnly(bits=4, group_size=16, method="gptq")},
+                         calibration=data, progress=False)
+    report = wb.applied_report(small)
+    assert set(report[report.status == "compressed"].calibration) == {"sequential"} and model.training

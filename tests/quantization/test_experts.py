@@ -465,3 +465,46 @@ def test_routed_experts_run_on_the_cpu_kernel_without_decoding(model, config, mo
         out = packed(hidden, index, weights)
     assert len(calls) == 3 * len(packed.matrices) and not decoded
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("model_dtype, cast", [(torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16)],
+                         ids=["bf16-model-fp16-cast", "fp16-model-bf16-cast"])
+def test_cast_experts_of_a_low_precision_model_compute_in_its_dtype(model_dtype, cast, tmp_path):
+    """A bf16 / fp16 model: each expert's slice is read in the model's dtype (the weight's source dtype), not the
+    default fp32 (which failed at forward with a dtype mismatch); a pickled copy keeps the eager loop."""
+    model = mixtral().to(model_dtype)
+    q = wb.apply(model, {"re:.*mlp\\.experts": wb.precision.Cast(cast)}, progress=False)
+    out = logits(q)
+    assert out.dtype == model_dtype and torch.isfinite(out).all()
+    assert relative(out.float(), logits(model).float()) < 0.05
+    torch.save(q, tmp_path / "m.pt")
+    again = torch.load(tmp_path / "m.pt", weights_only=False)
+    experts = again.model.layers[0].mlp.experts
+    assert experts.forward.module is experts
+    assert torch.equal(logits(again), out)
+
+
+def test_the_cpu_kernel_cache_follows_a_state_dict_loaded_in_inference_mode():
+    """The packed views the CPU path caches are made again when other values are loaded, even into inference
+    tensors written in place (no version counter to compare)."""
+    model = mixtral()
+    with torch.inference_mode():
+        q = wb.apply(model, {"*experts": INT4}, progress=False)
+        before = logits(q)                                         # fills the cache
+        other = wb.apply(mixtral_with_seed(5), {"*experts": INT4}, progress=False)
+        q.load_state_dict(other.state_dict())
+        got = logits(q)
+    for name in experts_of(q):
+        q.get_submodule(name).set_kernel("reference")
+    want = logits(q)
+    assert relative(before, want) > 1e-2   # (other values: a stale cache would be this far off)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def mixtral_with_seed(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    model = mixtral()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return model

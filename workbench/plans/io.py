@@ -250,8 +250,10 @@ def load(path: str | os.PathLike, base: nn.Module | str | None = None) -> nn.Mod
         for key, t in expected.items():   # each tensor read once from the mapped file, straight into its place
             if id(t) not in filled:
                 value = aligned(f.get_tensor(next(k for k in by_object[id(t)] if k in stored)))
-                kind = type(t) if isinstance(t, nn.Parameter) else None   # (a CastParameter stays one)
-                filled[id(t)] = kind(value, t.requires_grad) if kind is not None else value
+                if isinstance(t, nn.Parameter):   # a Parameter subclass (CastParameter) stays one, with its attributes
+                    value = nn.Parameter(value, t.requires_grad) if type(t) is nn.Parameter else \
+                        _same_kind(t, value)
+                filled[id(t)] = value
             owner, _, attr = key.rpartition(".")
             module = model.get_submodule(owner)
             slots: dict = module._parameters if attr in module._parameters else module._buffers
@@ -265,6 +267,14 @@ def load(path: str | os.PathLike, base: nn.Module | str | None = None) -> nn.Mod
         if getattr(m, "kernel_request", None) == "auto" and callable(set_kernel):
             set_kernel("auto")
     return model.eval() if not base.training else model
+
+
+def _same_kind(like: nn.Parameter, value: torch.Tensor) -> nn.Parameter:
+    """``value`` as a parameter of ``like``'s class (a subclass the base model holds, e.g. `CastParameter`) with
+    its Python attributes (``source_dtype``)."""
+    new = type(like)(value, like.requires_grad)
+    new.__dict__.update(getattr(like, "__dict__", {}))
+    return new
 
 
 _ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",

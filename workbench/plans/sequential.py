@@ -219,16 +219,26 @@ def runs_as_chain(model: nn.Module, blocks: BlockList, batch) -> str | None:
                 raise _Stop   # what follows the blocks (e.g. an LM head's logits) need not run
         m = model.get_submodule(name)
         handles += [m.register_forward_pre_hook(pre, with_kwargs=True), m.register_forward_hook(post, with_kwargs=True)]
+    was_training = model.training
+    model.eval()   # as the pipeline runs it (dropout off): a replay must be able to give the same output
     try:
         with torch.inference_mode():
             _call(model, batch)
     except _Stop:
         pass
     except Exception as e:
+        model.train(was_training)
         return f"a calibration batch could not be run through {type(model).__name__}: {type(e).__name__}: {e}"
     finally:
         for h in handles:
             h.remove()
+    try:
+        return _checked_chain(model, blocks, seen, calls)
+    finally:
+        model.train(was_training)
+
+
+def _checked_chain(model: nn.Module, blocks: BlockList, seen: list, calls: list) -> str | None:
     order = [i for i, _ in seen]
     if order != [i for i in range(len(blocks.names)) for _ in (0, 1)]:
         return f"the children of {blocks.container!r} do not each run once, in order"

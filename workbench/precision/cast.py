@@ -15,7 +15,6 @@ with a dtype error). The price is one Python call per operation on the weight (s
 from __future__ import annotations
 
 import copy
-import types
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -36,14 +35,30 @@ CAST_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 class CastParameter(nn.Parameter):
     """A parameter whose ``__torch_function__`` is on (plain parameters turn it off), so
     ``torch.overrides.has_torch_function`` is true for it and fused fast paths leave the layer's forward to run.
-    Every operation returns plain tensors.
+    Every operation returns plain tensors. ``source_dtype``: the dtype the weight had before the cast (the dtype
+    the model computes in around the cast layer), kept through copies, pickles and `wb.load`.
 
     Outside its layer's forward, a model may compute with the weight directly (Mamba's ``dt_proj.weight @ x``,
-    DeBERTa-v2's slice of ``rel_embeddings.weight``): there, an operation that meets a floating tensor of another
-    dtype reads the stored low-precision values in that dtype (as the cast layer's own output returns in its
-    caller's dtype), and a view or slice of the weight alone (`_READS`) reads them in the default dtype, instead of
-    failing later with a dtype mismatch. The layer's own forward casts its input to the weight's dtype first, so
-    it never converts; in-place operations and attribute reads (``dtype``, sizes) are left alone."""
+    DeBERTa-v2's slice of ``rel_embeddings.weight``, a mixture of experts' ``W[e]``): there, an operation that
+    meets a floating tensor of another dtype reads the stored low-precision values in that dtype (as the cast
+    layer's own output returns in its caller's dtype), and a view or slice of the weight alone (`_READS`) is taken
+    in the stored dtype and returned in ``source_dtype`` (only the slice is converted), instead of failing later
+    with a dtype mismatch. The layer's own forward casts its input to the weight's dtype first, so it never
+    converts; in-place operations and attribute reads (``dtype``, sizes) are left alone."""
+
+    def __new__(cls, data=None, requires_grad: bool = True, source_dtype: torch.dtype | None = None):
+        p = super().__new__(cls, data, requires_grad)
+        p.source_dtype = source_dtype if source_dtype is not None else torch.get_default_dtype()
+        return p
+
+    def __deepcopy__(self, memo):
+        if id(self) not in memo:
+            memo[id(self)] = type(self)(self.data.clone(memory_format=torch.preserve_format), self.requires_grad,
+                                        self.source_dtype)
+        return memo[id(self)]
+
+    def __reduce_ex__(self, protocol):   # (nn.Parameter's own rebuilds a plain Parameter: the subclass is kept)
+        return _rebuild_cast_parameter, (self.data, self.requires_grad, self.source_dtype)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -51,18 +66,24 @@ class CastParameter(nn.Parameter):
         with torch._C.DisableTorchFunctionSubclass():
             if getattr(func, "__name__", "") != "__get__" and "out" not in kwargs and not _in_place(func):
                 target = _other_floating_dtype(args, kwargs)
-                if target is None and getattr(func, "__name__", "") in _READS:   # a slice of the weight, alone
-                    target = torch.get_default_dtype()
-                    if all(t.dtype == target for t in tree_leaves((args, kwargs)) if isinstance(t, CastParameter)):
-                        target = None
                 if target is not None:
                     args, kwargs = tree_map(lambda t: t.to(target) if isinstance(t, CastParameter) else t,
                                             (args, kwargs))
+                elif getattr(func, "__name__", "") in _READS:   # a slice of the weight, alone: the slice converted
+                    source = next((t.source_dtype for t in tree_leaves((args, kwargs))
+                                   if isinstance(t, CastParameter)), None)
+                    out = func(*args, **kwargs)
+                    return tree_map(lambda t: t.to(source) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                                    and source is not None else t, out)
             return func(*args, **kwargs)
 
 
+def _rebuild_cast_parameter(data: torch.Tensor, requires_grad: bool, source_dtype: torch.dtype) -> CastParameter:
+    return CastParameter(data, requires_grad, source_dtype)
+
+
 # Views and slices a model takes of a weight it then computes with (DeBERTa-v2 slices ``rel_embeddings.weight``,
-# Mamba squeezes ``conv1d.weight``): read in the default dtype, the dtype the model computes in around cast layers.
+# Mamba squeezes ``conv1d.weight``, an experts loop takes ``W[e]``): returned in the weight's source dtype.
 _READS = frozenset({"__getitem__", "view", "reshape", "transpose", "t", "permute", "unsqueeze", "squeeze", "narrow",
                     "select", "index_select", "expand", "flatten", "repeat", "contiguous", "split", "chunk"})
 
@@ -136,7 +157,7 @@ def _new_param(t: torch.Tensor | None, dtype: torch.dtype, values: bool) -> nn.P
     if t is None:
         return None
     data = t.detach().to(dtype).clone() if values else torch.empty(t.shape, dtype=dtype, device=t.device)
-    return CastParameter(data, requires_grad=t.requires_grad)
+    return CastParameter(data, requires_grad=t.requires_grad, source_dtype=t.dtype)
 
 
 def _layer_kind(name: str, module: nn.Module) -> tuple[type, object]:
@@ -153,19 +174,33 @@ def _layer_kind(name: str, module: nn.Module) -> tuple[type, object]:
     return found.parent, found.padding
 
 
+class _EagerForward:
+    """A cast experts module's ``forward``: its class's eager per-expert loop (`eager_forward`), as an instance
+    attribute that copies and pickles as one (a bound method would unpickle as the class's own dispatcher)."""
+
+    def __init__(self, base: type, module: nn.Module):
+        self.base, self.module = base, module
+
+    def __call__(self, *args, **kwargs):
+        from workbench.quantization.experts import eager_forward
+
+        return eager_forward(self.base)(self.module, *args, **kwargs)
+
+    def __reduce__(self):
+        return _EagerForward, (self.base, self.module)
+
+
 def cast_experts(module: nn.Module, dtype: torch.dtype, values: bool = True) -> nn.Module:
     """A copy of a mixture of experts' fused experts module (`workbench.quantization.experts`) whose own floating
     parameters (the 3-D expert tensors, their biases) are `CastParameter`s in ``dtype``: the class's forward runs
     unchanged, and each expert's matrix it slices out is read in the caller's dtype (see `CastParameter`)."""
-    from workbench.quantization.experts import eager_forward
-
     own = dict(module.named_parameters(recurse=False))
     new = copy.deepcopy(module, {id(p): p for p in own.values()})   # (its own tensors are replaced below)
     for key, p in own.items():
         new._parameters[key] = _new_param(p, dtype, values) if p.is_floating_point() else p
     # transformers' grouped / batched experts paths cast the activations to the weights' dtype: the class's eager
     # per-expert loop runs instead (as for quantized experts), so every expert computes in the caller's dtype
-    new.forward = types.MethodType(eager_forward(type(module)), new)
+    new.forward = _EagerForward(type(module), new)
     new.note = (f"the experts' {', '.join(k for k, p in own.items() if p.dim() == 3)} stored in {dtype} and read "
                 f"in the caller's dtype (each expert's slice, the class's eager per-expert loop); the router stays "
                 f"in full precision")
@@ -219,7 +254,7 @@ class _CastHandler(Handler):
 
     def apply(self, name: str, module: nn.Module, config: "Cast",
               inputs: Sequence[tuple[torch.Tensor, ...]] | None) -> nn.Module:
-        weights = [p for p in module.parameters(recurse=False) if p.dim() == 3] if takes_experts(module) \
+        weights = [p for p in module.parameters(recurse=False) if p.is_floating_point()] if takes_experts(module) \
             else [module.weight]
         finfo = torch.finfo(config.dtype)
         for w in weights:

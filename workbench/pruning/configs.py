@@ -52,7 +52,13 @@ from workbench.plans.plan import Plan
 from workbench.plans.registry import Config, Handler, register_config
 from workbench.pruning import masks
 from workbench.pruning.modules import PRUNABLE, Pruned, SemiStructuredLinear, SparseLinear, freeze_zeros, pruned_class
-from workbench.quantization.experts import MIN_EXPERT_TOKENS, experts_layout, experts_refusal, takes_experts
+from workbench.quantization.experts import (
+    MIN_EXPERT_TOKENS,
+    experts_layout,
+    experts_refusal,
+    experts_shell,
+    takes_experts,
+)
 
 __all__ = ["Magnitude", "Random", "NM", "Wanda", "SparseGPT", "global_plan", "finalize", "STORAGES", "sparsity_of"]
 
@@ -269,22 +275,11 @@ class _PruneHandler(Handler):
 
 
 def _experts_copy(module: nn.Module, tensors: dict[str, torch.Tensor]) -> nn.Module:
-    """An instance of ``module``'s own class holding ``tensors`` as its expert projections, its other parameters
-    and buffers cloned, its children copied and its plain attributes (config, sizes) shared; neither the class's
-    ``__init__`` is run nor the float projections copied."""
-    new = object.__new__(type(module))
-    nn.Module.__init__(new)
-    internals = set(new.__dict__)
-    new.__dict__.update({k: v for k, v in module.__dict__.items() if k not in internals})
-    new.training = module.training
-    for key, child in module._modules.items():
-        new._modules[key] = copy.deepcopy(child)
-    for key, p in module._parameters.items():
-        value = tensors[key] if key in tensors else None if p is None else p.detach().clone()
-        new._parameters[key] = None if value is None else nn.Parameter(value, p.requires_grad)
-    for key, b in module._buffers.items():
-        new.register_buffer(key, None if b is None else b.clone(),
-                            persistent=key not in module._non_persistent_buffers_set)
+    """An instance of ``module``'s own class holding ``tensors`` as its expert projections (`experts_shell`: the
+    rest cloned or shared, neither ``__init__`` run nor the float projections copied)."""
+    new = experts_shell(module, type(module), set(tensors))
+    for key, value in tensors.items():
+        new._parameters[key] = nn.Parameter(value, module.get_parameter(key).requires_grad)
     return new
 
 

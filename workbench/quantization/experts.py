@@ -53,7 +53,7 @@ from workbench.quantization.primitives import quantize_per_tensor, quantize_per_
 
 __all__ = ["EXPERT_MATRICES", "ExpertMatrix", "DecodedExperts", "WeightOnlyExperts", "experts_layout",
            "experts_refusal", "takes_experts", "router_note", "experts_class", "eager_forward", "calibrated_experts",
-           "expert_inputs", "coverage", "MIN_EXPERT_TOKENS", "W8A8Experts", "w8a8_experts"]
+           "expert_inputs", "coverage", "MIN_EXPERT_TOKENS", "W8A8Experts", "w8a8_experts", "experts_shell"]
 
 # the names transformers gives an experts module's fused projections (gate and up fused, or apart)
 EXPERT_MATRICES = ("gate_up_proj", "gate_proj", "up_proj", "down_proj")
@@ -374,9 +374,14 @@ class WeightOnlyExperts(nn.Module):
         from workbench.kernels import weight_only_cpu
 
         stored = {key: self.get_buffer(f"{m.name}_{key}") for key in self.keys}
-        key = tuple((t.data_ptr(), None if t.is_inference() else t._version) for t in stored.values())
+        # the key holds the stored tensors themselves (compared by identity: no freed address can be reused while
+        # the entry lives) and their version counters; a state dict load or a move clears the cache (inference
+        # tensors, written in place, have no version to compare)
+        key = tuple((t, None if t.is_inference() else t._version) for t in stored.values())
         cache = self.__dict__.setdefault("_cpu_packed", {})
-        if cache.get((m.name, e), (None,))[0] != key:
+        held = cache.get((m.name, e))
+        if held is None or len(held[0]) != len(key) or any(
+                a is not b or va != vb for (a, va), (b, vb) in zip(held[0], key)):
             codes = {k: t[e] for k, t in stored.items() if k != SMOOTH}
             cache[m.name, e] = (key, weight_only_cpu.pack(codes, self.fmt, m.K))
         t = _KernelExpert.__new__(_KernelExpert, lambda: self.decode(m.name, torch.tensor([e]))[0],
@@ -402,7 +407,12 @@ class WeightOnlyExperts(nn.Module):
             raise AttributeError(f"{type(self).__name__} has no {name!r}")
         return self._expert_tensor(name)
 
+    def _load_from_state_dict(self, *args, **kwargs):
+        self.__dict__.pop("_cpu_packed", None)   # new stored tensors: the CPU kernel's views are made again
+        super()._load_from_state_dict(*args, **kwargs)
+
     def _apply(self, fn, recurse=True):
+        self.__dict__.pop("_cpu_packed", None)
         # moves take the stored tensors along, but a dtype conversion (model.half(), .to(torch.bfloat16)) changes
         # only what they decode to: the codes and fp16 scales are the format's and stay as they are
         packed = {f"{m.name}_{key}": self.get_buffer(f"{m.name}_{key}") for m in self.matrices for key in self.keys}
@@ -439,26 +449,38 @@ def _layout(name: str, module: nn.Module) -> tuple[ExpertMatrix, ...]:
     return layout
 
 
-def _build(module: nn.Module, layout: tuple[ExpertMatrix, ...], fmt: fm.WeightFormat,
-           tensors: dict[str, dict[str, torch.Tensor]], device, kind: type | None = None) -> WeightOnlyExperts:
-    """An instance of ``module``'s quantized class (of ``kind``) holding ``tensors``, with the rest of ``module``
-    (attributes, children, other parameters and buffers) copied; the float class's ``__init__`` is not run."""
-    new = object.__new__(experts_class(type(module), kind))
+_CALIBRATION_STATE = ("coverage", "note", "_cpu_packed")   # what one compression leaves that the next must not inherit
+
+
+def experts_shell(module: nn.Module, cls: type, without: set[str]) -> nn.Module:
+    """An instance of ``cls`` (``module``'s class or a subclass) built without running ``__init__``: ``module``'s
+    plain attributes (config, sizes, activation settings) shared, its children deep-copied, its parameters other
+    than ``without`` and its buffers cloned (biases and the like stay in floating point); the caller adds the
+    expert projections. What an earlier compression recorded on ``module`` (coverage, note, kernel caches) is not
+    carried over."""
+    new = object.__new__(cls)
     nn.Module.__init__(new)
     internals = set(new.__dict__)
-    for key, value in module.__dict__.items():   # plain attributes: config, num_experts, activation settings ...
-        if key not in internals:
+    for key, value in module.__dict__.items():
+        if key not in internals and key not in _CALIBRATION_STATE:
             new.__dict__[key] = value
     new.training = module.training
     for key, child in module._modules.items():
         new._modules[key] = copy.deepcopy(child)
-    names = {m.name for m in layout}
-    for key, p in module._parameters.items():   # biases and the like stay in floating point
-        if key not in names:
+    for key, p in module._parameters.items():
+        if key not in without:
             new._parameters[key] = None if p is None else nn.Parameter(p.detach().clone(), p.requires_grad)
     for key, b in module._buffers.items():
         new.register_buffer(key, None if b is None else b.clone(),
                             persistent=key not in module._non_persistent_buffers_set)
+    return new
+
+
+def _build(module: nn.Module, layout: tuple[ExpertMatrix, ...], fmt: fm.WeightFormat,
+           tensors: dict[str, dict[str, torch.Tensor]], device, kind: type | None = None) -> WeightOnlyExperts:
+    """An instance of ``module``'s quantized class (of ``kind``) holding ``tensors``, with the rest of ``module``
+    (attributes, children, other parameters and buffers) copied; the float class's ``__init__`` is not run."""
+    new = experts_shell(module, experts_class(type(module), kind), {m.name for m in layout})
     for m in layout:
         for key, t in tensors[m.name].items():
             new.register_buffer(f"{m.name}_{key}", t)
@@ -590,7 +612,7 @@ def calibrated_experts(name: str, module: nn.Module, fmt: fm.WeightFormat, calls
             else:
                 per_expert.append(fm.encode(w, fmt))
                 if smooth:   # (factors of one: the plain rounded weight)
-                    per_expert[-1][SMOOTH] = torch.ones(m.K)
+                    per_expert[-1][SMOOTH] = torch.ones(m.K, device=w.device)
                 rows.append((m.name, e, tokens, "rtn"))
         keys = set(per_expert[0])
         if any(set(t) != keys for t in per_expert):

@@ -26,7 +26,8 @@ is twice as wide as ``down_proj``'s input: only one orientation fits). Anything 
 refused with the reason (`experts_refusal`): a glob passes it over, an exact name fails. Biases and any other
 parameters (1-D or 2-D) stay in floating point. The router is a separate module and is never quantized here.
 
-Calibrated methods (GPTQ) run per expert on the tokens the router sent to it (`calibrated_experts`): the class's
+Calibrated methods (GPTQ, AWQ) run per expert on the tokens the router sent to it
+(`workbench.quantization.experts_calibration`, W8A8 in `workbench.quantization.experts_w8a8`): the class's
 own forward runs on the recorded calls with each expert's matrix standing in as a tensor that records what it is
 multiplied with (so whatever the layout - ``F.linear(x, W[e])`` or ``x @ W[e]``, a gate interleaved or fused -
 each expert's matrix is calibrated on exactly its inputs), projection after projection (``down_proj`` sees the
@@ -34,8 +35,10 @@ outputs of the already-quantized ``gate_up_proj``). An expert that received fewe
 is rounded to nearest instead - never a scale from no data - and says so: `coverage(model)` is the table of tokens
 per expert and the method each got, and the layer's note in `wb.applied_report` sums it up.
 
-Only the reference path exists (decode the routed experts, then the class's float matmuls); a fused CPU / Triton
-path over routed experts is future work.
+On the CPU (``kernel="auto"``, the default) each routed expert's products run `workbench.kernels.weight_only_cpu` on
+its packed codes (`_KernelExpert`: nothing decoded); elsewhere, and with ``set_kernel("reference")``, the routed
+experts are decoded and the class's float matmuls run. One fused kernel over all the routed experts of a call (and a
+Triton path) is future work.
 """
 from __future__ import annotations
 
@@ -49,7 +52,6 @@ from torch import nn
 
 from workbench.quantization import formats as fm
 from workbench.quantization.modules import DecodedWeight
-from workbench.quantization.primitives import quantize_per_tensor, quantize_per_token
 
 __all__ = ["EXPERT_MATRICES", "ExpertMatrix", "DecodedExperts", "WeightOnlyExperts", "experts_layout",
            "experts_refusal", "takes_experts", "router_note", "experts_class", "eager_forward", "calibrated_experts",
@@ -260,6 +262,9 @@ class _KernelExpert(DecodedWeight):
                 x = x / w.smooth.to(x.dtype)
             return weight_only_cpu.linear_unchecked(x, w.packed, None)
         return super().__torch_function__(func, types, args, kwargs)
+
+
+_PRODUCTS = (F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)   # a matrix's uses in a loop
 
 
 _CLASSES: dict[tuple[type, type], type] = {}   # (experts class, kind) -> its quantized subclass (made once)
@@ -495,277 +500,6 @@ def _build(module: nn.Module, layout: tuple[ExpertMatrix, ...], fmt: fm.WeightFo
     return new
 
 
-# --- calibration per expert, on its routed tokens -------------------------------------------------------------
-
-MIN_EXPERT_TOKENS = 16   # an expert routed fewer calibration tokens than this is rounded to nearest, and said so
-
-_PRODUCTS = (F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
-
-
-class _Tap(torch.Tensor):
-    """One expert's matrix during calibration: a product with it (``F.linear(x, W[e])``, ``x @ W[e]``) records
-    ``x`` (as rows) under its key; every result is a plain tensor."""
-
-    _key: tuple[str, int]
-    _sink: dict
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if len(args) >= 2:
-            # x @ W[e] reaches here as W[e].__rmatmul__(x): Python asks the subclass on the right first
-            x, tap = (args[1], args[0]) if func is torch.Tensor.__rmatmul__ else (args[0], args[1])
-            if (func in _PRODUCTS or func is torch.Tensor.__rmatmul__) and isinstance(tap, _Tap) \
-                    and isinstance(x, torch.Tensor) and not isinstance(x, _Tap):
-                tap._sink.setdefault(tap._key, []).append(x.detach().reshape(-1, x.shape[-1]))
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
-
-
-class _TapExperts(torch.Tensor):
-    """A fused projection during calibration: indexing one expert (what the eager per-expert loop does) gives a
-    `_Tap` of that expert's matrix."""
-
-    _name: str
-    _sink: dict
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **(kwargs or {}))
-        if func is torch.Tensor.__getitem__ and isinstance(args[0], _TapExperts) and not kwargs:
-            index = args[1]
-            if isinstance(index, torch.Tensor) and index.dim() == 0 and not index.is_floating_point():
-                index = int(index)
-            if isinstance(index, int) and not isinstance(index, bool):
-                tap = out.as_subclass(_Tap)
-                tap._key, tap._sink = (args[0]._name, index % args[0].shape[0]), args[0]._sink
-                return tap
-        return out
-
-
-def _tapped(tensor: torch.Tensor, name: str, sink: dict) -> _TapExperts:
-    t = tensor.detach().as_subclass(_TapExperts)
-    t._name, t._sink = name, sink
-    return t
-
-
-def _shadow(module: nn.Module, tensors: dict[str, torch.Tensor]) -> nn.Module:
-    """A shallow stand-in for ``module`` whose expert projections are ``tensors`` (the module is not changed)."""
-    shadow = object.__new__(type(module))
-    shadow.__dict__.update(module.__dict__)
-    shadow.__dict__["_parameters"] = {**module._parameters, **tensors}
-    return shadow
-
-
-def _calls(name: str, calls, method: str) -> list[tuple]:
-    calls = [tuple(c) for c in calls or () if c]
-    if not calls:
-        raise ValueError(f"{method} needs calibration inputs for {name!r}, and none were recorded (no token reached "
-                         f"its experts)")
-    return calls
-
-
-def expert_inputs(module: nn.Module, calls, projection: str,
-                  tensors: dict[str, torch.Tensor] | None = None) -> list[list[torch.Tensor]]:
-    """Per expert, the inputs (each (tokens, K)) its matrix of ``projection`` is multiplied with when the class's
-    eager forward runs on ``calls`` (the experts module's recorded positional arguments) - exactly the tokens the
-    router sent to it, whatever the layout. ``tensors``: the fused projections to compute with (default: the
-    module's own), e.g. earlier projections already compressed. The module is not changed."""
-    current = tensors if tensors is not None else {
-        n: p.detach() for n, p in module.named_parameters(recurse=False) if n in EXPERT_MATRICES}
-    sink: dict = {}
-    shadow = _shadow(module, {n: _tapped(t, n, sink) if n == projection else t for n, t in current.items()})
-    forward = eager_forward(type(module))
-    with torch.inference_mode():
-        for call in calls:
-            forward(shadow, *call)
-    experts = current[projection].shape[0]
-    return [sink.get((projection, e), []) for e in range(experts)]
-
-
-def calibrated_experts(name: str, module: nn.Module, fmt: fm.WeightFormat, calls, quantize: Callable,
-                       method: str, smooth: bool = False) -> "WeightOnlyExperts":
-    """``module``'s experts quantized one by one with ``quantize(label, weight (out, in), inputs)`` (e.g. GPTQ) on
-    the tokens routed to each, recorded by running the class's eager forward on ``calls`` (the experts module's
-    recorded positional arguments, e.g. ``(hidden_states, top_k_index, top_k_weights)``). Projections are taken in
-    chain order, each calibrated on the outputs of the ones already quantized; an expert with fewer than
-    `MIN_EXPERT_TOKENS` routed tokens is rounded to nearest. ``smooth``: ``quantize`` also returns AWQ's factors
-    (key ``"smooth"``, (K,)). The result's ``coverage`` lists (projection, expert, tokens, method) and its note sums
-    it up."""
-    layout = _layout(name, module)
-    calls = _calls(name, calls, method)
-    dtype = module.get_parameter(layout[0].name).dtype
-    current = {m.name: module.get_parameter(m.name).detach() for m in layout}
-    tensors: dict[str, dict[str, torch.Tensor]] = {}
-    rows: list[tuple[str, int, int, str]] = []
-    for m in layout:
-        inputs = expert_inputs(module, calls, m.name, current)
-        per_expert = []
-        for e in range(m.experts):
-            xs = inputs[e]
-            tokens = sum(x.shape[0] for x in xs)
-            w = current[m.name][e]
-            w = w.t() if m.transposed else w                             # (rows, K): the Linear weight it is
-            if tokens >= MIN_EXPERT_TOKENS:
-                per_expert.append(quantize(f"{name}.{m.name}[{e}]", w, [(x,) for x in xs]))
-                rows.append((m.name, e, tokens, method))
-            else:
-                per_expert.append(fm.encode(w, fmt))
-                if smooth:   # (factors of one: the plain rounded weight)
-                    per_expert[-1][SMOOTH] = torch.ones(m.K, device=w.device)
-                rows.append((m.name, e, tokens, "rtn"))
-        keys = set(per_expert[0])
-        if any(set(t) != keys for t in per_expert):
-            raise ValueError(f"{name!r}: {method} and round to nearest store different tensors for {m.name}")
-        tensors[m.name] = {k: torch.stack([t[k] for t in per_expert]) for k in per_expert[0]}
-        current[m.name] = m.decode(tensors[m.name], fmt, dtype)         # the next projection sees these weights
-    new = _build(module, layout, fmt, tensors, device=None)
-    new.coverage = rows
-    fallback = sorted({e for _, e, _, how in rows if how == "rtn"})
-    first = [t for n, _, t, _ in rows if n == layout[0].name]
-    new.note = (f"{method} per expert on its routed calibration tokens ({layout[0].name}: {first} tokens per "
-                f"expert); " + (f"expert(s) {fallback} saw fewer than {MIN_EXPERT_TOKENS} tokens in some projection "
-                                f"and were rounded to nearest there; " if fallback else "") + new.note)
-    return new
-
-
-def coverage(model: nn.Module):
-    """The experts' calibration coverage of a compressed model: one row per (layer, projection, expert) with the
-    tokens routed to it during calibration and the method it got ("rtn" where too few arrived) (a DataFrame; empty
-    when no experts module was calibrated)."""
-    import pandas as pd
-
-    rows = [(n, p, e, t, how) for n, m in model.named_modules() for p, e, t, how in getattr(m, "coverage", ())]
-    return pd.DataFrame(rows, columns=["layer", "projection", "expert", "tokens", "method"])
-
-
-# --- W8A8: int8 experts computing on int8 activations ---------------------------------------------------------
-
-W8A8_WEIGHTS = fm.IntFormat(8, None, True)   # int8 per output channel, symmetric (WeightOnly(bits=8)'s format)
-
-
-class _ActQuantMatrix(torch.Tensor):
-    """One expert's dequantized int8 matrix whose products (``F.linear(x, W[e])``, ``x @ W[e]``) first quantize
-    ``x`` to int8 - per token at run time, or with the expert's calibrated scale - and compute on those values:
-    ``(q_x s_x)(q_w s_w)^T``, what W8A8's integer product gives (in fp32 here, as `W8A8Linear`'s reference path).
-    Any other operation sees the dequantized matrix; every result is a plain tensor."""
-
-    _act_scale: torch.Tensor | None
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func in _PRODUCTS and len(args) >= 2 and isinstance(args[1], _ActQuantMatrix) \
-                and isinstance(args[0], torch.Tensor) and not isinstance(args[0], _ActQuantMatrix):
-            x = args[0]
-            flat = x.reshape(-1, x.shape[-1])
-            act = args[1]._act_scale
-            q, scale = quantize_per_token(flat) if act is None else quantize_per_tensor(flat, act)
-            args = ((q.float() * scale).to(x.dtype).reshape(x.shape), *args[1:])
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
-
-
-class _W8A8Stack(DecodedExperts):
-    """A W8A8 experts module's fused projection: indexing one expert gives its `_ActQuantMatrix`."""
-
-    act_scale: Callable[[int], torch.Tensor | None]
-
-    def _index(self, index) -> torch.Tensor | None:
-        if isinstance(index, torch.Tensor) and index.dim() == 0 and not index.is_floating_point():
-            index = int(index)
-        if isinstance(index, int) and not isinstance(index, bool):
-            matrix = super()._index(index)
-            with torch._C.DisableTorchFunctionSubclass():
-                out = matrix.as_subclass(_ActQuantMatrix)
-            out._act_scale = self.act_scale(index)
-            return out
-        return super()._index(index)
-
-
-class W8A8Experts(WeightOnlyExperts):
-    """Fused experts as W8A8 (`Dynamic` / `Static` on a mixture of experts): each expert's matrices int8 per output
-    channel (stored as `WeightOnlyExperts` stores ``WeightOnly(bits=8)``), and every product of an expert's matrix
-    quantizes its activations to int8 first - per token (dynamic) or with the expert's own calibrated scale
-    (static, buffer ``<projection>_act_scale`` (E,)). The class's eager per-expert loop runs unchanged."""
-
-    prefix: ClassVar[str] = "W8A8"
-    static: bool
-
-    def _expert_tensor(self, name: str) -> DecodedExperts:
-        m = next(x for x in self.matrices if x.name == name)
-        device = self.get_buffer(f"{name}_qweight").device
-        stack = _W8A8Stack(lambda ids: self.decode(name, ids), m.shape, self.weight_dtype, device)
-        scales = self._buffers.get(f"{name}_act_scale")
-        stack.act_scale = (lambda e: scales[e]) if scales is not None else (lambda e: None)
-        return stack
-
-    def decode(self, name: str, experts: torch.Tensor) -> torch.Tensor:
-        m = next(x for x in self.matrices if x.name == name)
-        tensors = {key: self.get_buffer(f"{name}_{key}").index_select(0, experts.to(self.get_buffer(
-            f"{name}_qweight").device)) for key in self.keys}
-        return m.decode(tensors, self.fmt, self.weight_dtype)
-
-
-def w8a8_experts(name: str, module: nn.Module, static: bool, calls=None, observer: Callable | None = None,
-                 values: bool = True) -> W8A8Experts:
-    """``module``'s experts as `W8A8Experts`. ``static``: each expert's activation scale per projection from
-    ``observer()`` (a fresh activation observer) over the tokens routed to it (`expert_inputs`, projections in
-    chain order on the int8 weights); an expert routed fewer than `MIN_EXPERT_TOKENS` tokens takes the scale of
-    all the tokens that reached the projection, and says so (``coverage``). ``values=False``: the structure only
-    (what `wb.load` fills)."""
-    layout = _layout(name, module)
-    device = module.get_parameter(layout[0].name).device
-    if not values:
-        tensors = {m.name: m.empty(W8A8_WEIGHTS, device) for m in layout}
-        if static:
-            for m in layout:
-                tensors[m.name]["act_scale"] = torch.empty(m.experts, device=device)
-        new = _build(module, layout, W8A8_WEIGHTS, tensors, device, kind=W8A8Experts)
-    else:
-        tensors = {}
-        for m in layout:
-            param = module.get_parameter(m.name)
-            fm.check_finite(f"{name}.{m.name}", param)
-            tensors[m.name] = m.encode(param, W8A8_WEIGHTS)
-        rows: list[tuple[str, int, int, str]] = []
-        if static:
-            calls = _calls(name, calls, "static W8A8")
-            dtype = module.get_parameter(layout[0].name).dtype
-            current = {m.name: m.decode(tensors[m.name], W8A8_WEIGHTS, dtype) for m in layout}
-            for m in layout:
-                inputs = expert_inputs(module, calls, m.name, current)
-                if not any(inputs):
-                    raise ValueError(f"static quantization of {name!r} needs calibration inputs, and no token "
-                                     f"reached {m.name}")
-                everything = observer()
-                for xs in inputs:
-                    for x in xs:
-                        everything.observe(x.float())
-                overall, _ = everything.qparams(8, symmetric=True)
-                scales = []
-                for e, xs in enumerate(inputs):
-                    tokens = sum(x.shape[0] for x in xs)
-                    if tokens >= MIN_EXPERT_TOKENS:
-                        own = observer()
-                        for x in xs:
-                            own.observe(x.float())
-                        scales.append(own.qparams(8, symmetric=True)[0].reshape(()))
-                        rows.append((m.name, e, tokens, "static"))
-                    else:
-                        scales.append(overall.reshape(()))
-                        rows.append((m.name, e, tokens, "all tokens"))
-                tensors[m.name]["act_scale"] = torch.stack(scales).float().to(device)
-        new = _build(module, layout, W8A8_WEIGHTS, tensors, None, kind=W8A8Experts)
-        new.coverage = rows
-    new.keys = tuple(k for k in new.keys if k != "act_scale")
-    new.static = static
-    E = layout[0].experts
-    how = "a calibrated scale per expert and projection" if static else "per token at run time"
-    new.note = (f"W8A8: {E} experts' {', '.join(m.name for m in layout)} int8 per output channel, activations int8 "
-                f"({how}); each call decodes only the experts its router selects (the class's eager per-expert loop); "
-                f"the router stays in full precision")
-    fallback = sorted({e for _, e, _, how in getattr(new, "coverage", ()) if how == "all tokens"})
-    if fallback:
-        new.note += (f"; expert(s) {fallback} saw fewer than {MIN_EXPERT_TOKENS} tokens in some projection and take "
-                     f"the scale of all its tokens there")
-    return new
+# (calibration per expert and W8A8 experts live beside this module; their public names are reachable from here)
+from workbench.quantization.experts_calibration import MIN_EXPERT_TOKENS, calibrated_experts, coverage, expert_inputs  # noqa: E402
+from workbench.quantization.experts_w8a8 import W8A8Experts, w8a8_experts  # noqa: E402

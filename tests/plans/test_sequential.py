@@ -164,15 +164,69 @@ class ScaledStages(nn.Module):
         return self.head(x)
 
 
-def test_blocks_that_cannot_run_alone_fall_back_to_the_original_pipeline():
-    """Issue 35: the pipeline replays each block alone on the first batch; a block whose other arguments differ
-    from the first block's is caught before anything is compressed (no crash inside the model, no silently
-    mis-calibrated block), and the model is calibrated from the original activations, said in the warning and
-    the report - the same result as asking for pipeline='original'."""
+def test_blocks_taking_their_own_arguments_are_calibrated_with_them():
+    """Blocks whose other arguments differ from block to block (a scale here; alternating sliding-window and full
+    attention masks in Gemma-2 / GPT-OSS) replay right with their own: the pipeline keeps each block's arguments
+    and stays sequential (before issue 35 every block got the first block's, silently)."""
     model = ScaledStages().eval()
     data = [torch.randn(8, 16) for _ in range(2)]
     plan = {"*": wb.quant.WeightOnly(bits=4, group_size=16, method="gptq")}
-    with pytest.warns(UserWarning, match=r"'stages.1' run alone with the arguments 'stages.0' received"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        small = wb.apply(model, plan, calibration=data, progress=False)
+    report = wb.applied_report(small)
+    assert set(report.calibration) == {"sequential"}
+
+
+def test_sliding_window_blocks_equal_the_block_by_block_reference():
+    """Gemma-2 (its layers alternate a sliding-window and a full attention mask): the sequential pipeline with each
+    block's own mask gives what block-by-block GPTQ written by hand gives (whole-model forwards)."""
+    torch.manual_seed(0)
+    cfg = transformers.Gemma2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                    max_position_embeddings=64, sliding_window=4)
+    model = transformers.Gemma2ForCausalLM(cfg).eval()
+    data = batches(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        seq = wb.apply(model, PLAN, calibration=data, progress=False)
+    ref = reference_sequential_gptq(model, data)
+    for name, m in ref.named_modules():
+        if isinstance(m, nn.Linear) and name.startswith("model.layers."):
+            torch.testing.assert_close(seq.get_submodule(name).effective_weight(), m.weight, rtol=0, atol=1e-6,
+                                       msg=f"{name} differs from the reference")
+
+
+class StatefulStage(Stage):
+    outside = 1.0   # set by the parent before each call
+
+    def forward(self, x):
+        return torch.relu(self.fc(x)) * self.outside
+
+
+class Stateful(nn.Module):
+    """Blocks reading state their parent sets before calling them (not an argument): no replay can be right."""
+
+    def __init__(self):
+        super().__init__()
+        self.stages = nn.ModuleList(StatefulStage() for _ in range(3))
+
+    def forward(self, x):
+        for i, stage in enumerate(self.stages):
+            StatefulStage.outside = float(i + 1)
+            x = stage(x)
+        return x
+
+
+def test_blocks_that_cannot_run_alone_fall_back_to_the_original_pipeline():
+    """Issue 35: the pipeline replays each block alone on the first batch; a block that gives another output alone
+    (it reads state outside its arguments) is caught before anything is compressed (no crash inside the model, no
+    silently mis-calibrated block): the model is calibrated from the original activations, said in the warning and
+    the report - the same result as asking for pipeline='original'."""
+    model = Stateful().eval()
+    data = [torch.randn(8, 16) for _ in range(2)]
+    plan = {"*": wb.quant.WeightOnly(bits=4, group_size=16, method="gptq")}
+    with pytest.warns(UserWarning, match=r"'stages.0' run alone with the arguments 'stages.0' received"):
         small = wb.apply(model, plan, calibration=data, progress=False)
     report = wb.applied_report(small)
     assert set(report.calibration) == {"original"} and report.note.str.contains("run alone").all()

@@ -159,6 +159,7 @@ def apply(model: nn.Module, plan: Plan | Mapping[str, Config | None], calibratio
     swapped: list[dict[str, nn.Module]] = []   # what the sequential pipeline already put in place, in order
     spill = Spill(target) if inplace else None   # in place, what the blocks replaced waits on disk, not in memory
     fallback = ""
+    own_arguments: list = []   # (True when the blocks take different arguments: each block's are kept)
     try:
         canonicalize_for(target, plan)   # the Linear-in-disguise layers the plan reaches, as survey saw them
         if needing:   # a calibrated layer its model never calls (its parent reads its weight) has no inputs
@@ -170,7 +171,7 @@ def apply(model: nn.Module, plan: Plan | Mapping[str, Config | None], calibratio
         if needing and pipeline is Pipeline.SEQUENTIAL:
             blocks = find_blocks(target, [a.name for a in needing])
             why = "no block list (an nn.ModuleList holding the calibrated layers) was found" if blocks is None \
-                else runs_as_chain(target, blocks, batches[0])
+                else runs_as_chain(target, blocks, batches[0], own_arguments)
             if why is not None:
                 blocks = None
                 if len(assignments) > 1:   # (one layer alone: nothing before it to compress, both are the same)
@@ -179,7 +180,8 @@ def apply(model: nn.Module, plan: Plan | Mapping[str, Config | None], calibratio
                                   f"its layers are calibrated from the original model's activations "
                                   f"(pipeline='original')", stacklevel=2)
         if blocks is not None:
-            done = _apply_sequential(target, assignments, needing, blocks, batches, progress, swapped, spill)
+            done = _apply_sequential(target, assignments, needing, blocks, batches, progress, swapped, spill,
+                                     bool(own_arguments))
         else:
             inputs = capture_inputs(target, [a.name for a in needing], batches, progress) if needing else {}
             done = {}
@@ -223,13 +225,15 @@ def apply(model: nn.Module, plan: Plan | Mapping[str, Config | None], calibratio
 
 
 def _apply_sequential(target: nn.Module, assignments, needing, blocks: BlockList, batches, progress: bool,
-                      swapped: list[dict[str, nn.Module]], spill: Spill | None = None) -> dict[str, Transformed]:
+                      swapped: list[dict[str, nn.Module]], spill: Spill | None = None,
+                      own_arguments: bool = False) -> dict[str, Transformed]:
     """Transform ``assignments`` block by block (see `workbench.plans.sequential`): each block's layers are
     calibrated on the outputs of the compressed blocks before it and put in place at once (what they replaced
     is appended to ``swapped``, for the caller's rollback, and its tensors moved to ``spill`` when given).
     Layers whose statistics can be shared and that read the very same input tensor (a decoder's q / k / v,
     gate / up) share one accumulator (`_Feed`). Layers outside the blocks come last, calibrated in one pass of
-    the model with every block compressed."""
+    the model with every block compressed. ``own_arguments``: each block runs with the other arguments it took in
+    the original model (recorded in one pass), not the first block's."""
     calibrated = {a.name for a in needing}
     per_block: dict[str, list] = {b: [] for b in blocks.names}
     outside: list = []
@@ -240,7 +244,8 @@ def _apply_sequential(target: nn.Module, assignments, needing, blocks: BlockList
     was_training = target.training
     target.eval()
     try:
-        states = capture_block_inputs(target, blocks.names[0], batches, progress)
+        states = capture_block_inputs(target, blocks.names[0], batches, progress,
+                                      every=blocks if own_arguments else None)
         last = max((i for i, b in enumerate(blocks.names) if any(a.name in calibrated for a in per_block[b])),
                    default=-1)
         for i, b in enumerate(tqdm(blocks.names, desc="apply: blocks", leave=False, disable=not progress)):
@@ -254,7 +259,7 @@ def _apply_sequential(target: nn.Module, assignments, needing, blocks: BlockList
                     lambda mod, args, _n=n: feed(_n, args)) for n in inputs]
                 try:
                     for s in states:
-                        run_block(block, s)
+                        run_block(block, s.for_block(i))
                         feed.next_batch()
                 finally:
                     for h in handles:
@@ -269,7 +274,7 @@ def _apply_sequential(target: nn.Module, assignments, needing, blocks: BlockList
                     spill.stash(swapped[-1])
             if i < last:   # the next calibrated block's inputs: this (compressed) block's outputs
                 for s in states:
-                    s.hidden = run_block(block, s)
+                    s.hidden = run_block(block, s.for_block(i))
         del states
         names = [a.name for a in outside if a.name in calibrated]
         inputs = capture_inputs(target, names, batches, progress) if names else {}

@@ -200,7 +200,7 @@ def _sequential_blocks(model: nn.Module, needing, batches, pipeline):
     if blocks is None:
         return None, 0
     why: list = []
-    peak = peak_allocated_during(lambda: why.append(runs_as_chain(model, blocks, batches[0])))
+    peak = peak_allocated_during(lambda: why.append(runs_as_chain(model, blocks, batches[0], [])))
     return (blocks, peak) if why[0] is None else (None, 0)
 
 

@@ -97,15 +97,33 @@ class _Stop(Exception):
     """Raised by the first block's pre-hook: the rest of the model need not run."""
 
 
+class _Handles:
+    def __init__(self, handles: list):
+        self.handles = handles
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
 @dataclass
 class BlockInputs:
     """One calibration batch at a block boundary: the hidden states (the argument that flows from block to
-    block) and the other arguments, which are the same for every block."""
+    block) and the other arguments - the same for every block, or (``per_block``) each block's own, for models
+    whose blocks take different ones (alternating sliding-window and full attention masks)."""
 
     hidden: torch.Tensor
     args: tuple                    # the positional arguments after the hidden states
     kwargs: dict[str, Any]
     hidden_key: str | None = None  # the keyword the hidden states came in (None: first positional argument)
+    per_block: list | None = None  # blocks 1.. : (args, kwargs, hidden_key) each (the tensors shared, not copied)
+
+    def for_block(self, i: int) -> "BlockInputs":
+        """The arguments block ``i`` takes, with these hidden states."""
+        if i == 0 or self.per_block is None:
+            return self
+        args, kwargs, key = self.per_block[i - 1]
+        return BlockInputs(self.hidden, args, kwargs, key)
 
 
 def _is_cache(value: Any) -> bool:
@@ -138,16 +156,32 @@ def _block_inputs(block: str, args: tuple, kwargs: dict) -> BlockInputs:
 
 
 def capture_block_inputs(model: nn.Module, block: str, batches: Sequence, progress: bool = True,
-                         on_batch: Callable[[int], None] | None = None) -> list[BlockInputs]:
+                         on_batch: Callable[[int], None] | None = None,
+                         every: BlockList | None = None) -> list[BlockInputs]:
     """Run each batch through ``model`` up to ``block`` and record that block's arguments (the rest of the
-    model does not run). ``on_batch(i)`` is called after batch ``i`` was recorded."""
+    model does not run). ``every``: the model's blocks, whose own other arguments are recorded too (`BlockInputs`'s
+    ``per_block``; the original model then runs through its last block, each block's hidden states dropped).
+    ``on_batch(i)`` is called after batch ``i`` was recorded."""
     records: list[BlockInputs] = []
 
     def hook(mod, args, kwargs):
         records.append(_block_inputs(block, args, kwargs))
-        raise _Stop
+        if every is None:
+            raise _Stop
+        records[-1].per_block = []
 
-    handle = model.get_submodule(block).register_forward_pre_hook(hook, with_kwargs=True)
+    handles = [model.get_submodule(block).register_forward_pre_hook(hook, with_kwargs=True)]
+    for name in (every.names[1:] if every is not None else ()):
+        def other(mod, args, kwargs, _name=name):
+            found = _block_inputs(_name, args, kwargs)   # (its hidden states are not kept)
+            records[-1].per_block.append((found.args, found.kwargs, found.hidden_key))
+
+        handles.append(model.get_submodule(name).register_forward_pre_hook(other, with_kwargs=True))
+    if every is not None:
+        def last(mod, args, kwargs, out):
+            raise _Stop
+        handles.append(model.get_submodule(every.names[-1]).register_forward_hook(last, with_kwargs=True))
+    handle = _Handles(handles)
     try:
         with torch.inference_mode():
             for i, batch in enumerate(tqdm(batches, desc="calibration: first block inputs", leave=False,
@@ -159,10 +193,10 @@ def capture_block_inputs(model: nn.Module, block: str, batches: Sequence, progre
                     pass
                 except Exception as e:
                     raise batch_error(i, batch, model, e) from e
-                if len(records) != n + 1:
+                if len(records) != n + 1 or (every is not None and len(records[-1].per_block) != len(every.names) - 1):
                     raise ValueError(f"calibration batch {i} did not reach block {block!r} (it ran "
-                                     f"{len(records) - n} times); this model cannot be calibrated block by block: "
-                                     f"use pipeline='original'")
+                                     f"{len(records) - n} times) or its blocks once each; this model cannot be "
+                                     f"calibrated block by block: use pipeline='original'")
                 if on_batch is not None:
                     on_batch(i)
     finally:
@@ -191,7 +225,7 @@ def run_block(block: nn.Module, inputs: BlockInputs) -> torch.Tensor:
     return block_output(out)
 
 
-def runs_as_chain(model: nn.Module, blocks: BlockList, batch) -> str | None:
+def runs_as_chain(model: nn.Module, blocks: BlockList, batch, own_arguments: list | None = None) -> str | None:
     """Check on one batch that the blocks can be calibrated one after the other; returns why not, or None.
 
     Each block must run once, in order, and take the previous block's output as its hidden states (a list of
@@ -199,8 +233,11 @@ def runs_as_chain(model: nn.Module, blocks: BlockList, batch) -> str | None:
     states it received, with the *first* block's other arguments - and must give the output it gave inside the
     model: a block whose other arguments differ from the first block's (a Swin stage's spatial size, a
     downsampling stage) or that reads state from outside its arguments is caught here, before anything is
-    compressed, instead of crashing or silently mis-calibrating later. The model stops after the last block (an
-    LM head's logits for a whole batch can outweigh a block)."""
+    compressed, instead of crashing or silently mis-calibrating later. With ``own_arguments`` (a list), a model
+    whose blocks replay right with their *own* other arguments (alternating sliding-window and full attention
+    masks) runs as a chain too, and True is appended to the list: the pipeline must then keep each block's
+    arguments (`capture_block_inputs`'s ``every``). The model stops after the last block (an LM head's logits for
+    a whole batch can outweigh a block)."""
     seen: list[tuple[int, torch.Tensor | None]] = []
     calls: list[BlockInputs | str] = []
     handles = []
@@ -233,12 +270,16 @@ def runs_as_chain(model: nn.Module, blocks: BlockList, batch) -> str | None:
         for h in handles:
             h.remove()
     try:
-        return _checked_chain(model, blocks, seen, calls)
+        why = _checked_chain(model, blocks, seen, calls)
+        if why is not None and own_arguments is not None and _checked_chain(model, blocks, seen, calls, True) is None:
+            own_arguments.append(True)
+            return None
+        return why
     finally:
         model.train(was_training)
 
 
-def _checked_chain(model: nn.Module, blocks: BlockList, seen: list, calls: list) -> str | None:
+def _checked_chain(model: nn.Module, blocks: BlockList, seen: list, calls: list, own: bool = False) -> str | None:
     order = [i for i, _ in seen]
     if order != [i for i in range(len(blocks.names)) for _ in (0, 1)]:
         return f"the children of {blocks.container!r} do not each run once, in order"
@@ -246,10 +287,11 @@ def _checked_chain(model: nn.Module, blocks: BlockList, seen: list, calls: list)
         out, nxt = seen[2 * i - 1][1], seen[2 * i][1]
         if out is None or not isinstance(nxt, torch.Tensor) or out.shape != nxt.shape or not torch.equal(out, nxt):
             return f"{blocks.names[i]!r} does not take the output of {blocks.names[i - 1]!r} as its input"
-    return _replays(model, blocks, calls, [seen[2 * i + 1][1] for i in range(len(blocks.names))])
+    return _replays(model, blocks, calls, [seen[2 * i + 1][1] for i in range(len(blocks.names))], own)
 
 
-def _replays(model: nn.Module, blocks: BlockList, calls: list, outputs: list[torch.Tensor]) -> str | None:
+def _replays(model: nn.Module, blocks: BlockList, calls: list, outputs: list[torch.Tensor],
+             own: bool = False) -> str | None:
     """Why some block, run alone on its recorded hidden states with the first block's other arguments, does not
     give its output inside the model (None: every block does)."""
     first = calls[0]
@@ -258,7 +300,7 @@ def _replays(model: nn.Module, blocks: BlockList, calls: list, outputs: list[tor
     for name, call, expected in zip(blocks.names, calls, outputs):
         if isinstance(call, str):
             return call
-        alone = BlockInputs(call.hidden, first.args, first.kwargs, first.hidden_key)
+        alone = call if own else BlockInputs(call.hidden, first.args, first.kwargs, first.hidden_key)
         try:
             got = run_block(model.get_submodule(name), alone)
         except Exception as e:

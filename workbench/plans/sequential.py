@@ -174,7 +174,10 @@ def capture_block_inputs(model: nn.Module, block: str, batches: Sequence, progre
     for name in (every.names[1:] if every is not None else ()):
         def other(mod, args, kwargs, _name=name):
             found = _block_inputs(_name, args, kwargs)   # (its hidden states are not kept)
-            records[-1].per_block.append((found.args, found.kwargs, found.hidden_key))
+            per_block = records[-1].per_block
+            if per_block is None:
+                raise ValueError(f"block {_name!r} ran before {block!r}")
+            per_block.append((found.args, found.kwargs, found.hidden_key))
 
         handles.append(model.get_submodule(name).register_forward_pre_hook(other, with_kwargs=True))
     if every is not None:
@@ -193,7 +196,8 @@ def capture_block_inputs(model: nn.Module, block: str, batches: Sequence, progre
                     pass
                 except Exception as e:
                     raise batch_error(i, batch, model, e) from e
-                if len(records) != n + 1 or (every is not None and len(records[-1].per_block) != len(every.names) - 1):
+                others = len(records[-1].per_block or ()) if records else 0
+                if len(records) != n + 1 or (every is not None and others != len(every.names) - 1):
                     raise ValueError(f"calibration batch {i} did not reach block {block!r} (it ran "
                                      f"{len(records) - n} times) or its blocks once each; this model cannot be "
                                      f"calibrated block by block: use pipeline='original'")

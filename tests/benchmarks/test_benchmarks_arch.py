@@ -23,6 +23,6 @@ def test_bench_experts_smoke():
     from workbench.benchmarks.experts import bench_experts
 
     df = bench_experts(hidden=64, intermediate=96, experts=4, tokens=(2,), threads=1, warmup=1, rounds=2)
-    assert list(df.path) == ["fp32", "int4 reference", "int4 cpu kernel"]
+    assert list(df.path) == ["fp32", "int4 reference", "int4 cpu kernel", "w8a8 dynamic cpu kernel"]
     kernel = df[df.path == "int4 cpu kernel"].iloc[0]
     assert kernel.max_abs_diff_to_reference < 1e-4 and (df.median_ms > 0).all()

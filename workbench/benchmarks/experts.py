@@ -5,7 +5,8 @@ One experts module of a Mixtral-style model (transformers' ``MixtralExperts``: `
 routed to 2 experts at random with a fixed seed), side by side in one process: the float module (the class's eager
 per-expert loop, fp32), and the same experts as int4 (groups of 32) weight-only - on the reference path (decode each
 routed expert's matrices, then the class's matmuls) and on the CPU kernel path (each routed expert's products on
-`workbench.kernels.weight_only_cpu`, reading its packed codes). Rounds are interleaved after warm-up, one thread by
+`workbench.kernels.weight_only_cpu`, reading its packed codes), and as Dynamic W8A8 (int8 codes on the same kernel,
+the activations rounded to int8 per token first). Rounds are interleaved after warm-up, one thread by
 default; reports medians, their spread, the ratios to fp32, the bytes of the experts read per call (the routed
 experts' matrices only) and the largest difference of the outputs to the reference path.
 """
@@ -47,13 +48,15 @@ def bench_experts(hidden: int = 1024, intermediate: int = 2048, experts: int = 8
     holder.experts = float_module
     quantized = wb.apply(holder, {"experts": wb.quant.WeightOnly(bits=4, group_size=32)}, progress=False).experts
     reference = copy.deepcopy(quantized).set_kernel("reference")
+    w8a8 = wb.apply(holder, {"experts": wb.quant.Dynamic()}, progress=False).experts
     gen = torch.Generator().manual_seed(1)
     rows = []
     for t in tokens:
         x = torch.randn(t, hidden, generator=gen)
         ids = torch.stack([torch.randperm(experts, generator=gen)[:2] for _ in range(t)])
         w = torch.softmax(torch.randn(t, 2, generator=gen), dim=-1)
-        fns = {"fp32": float_module, "int4 reference": reference, "int4 cpu kernel": quantized}
+        fns = {"fp32": float_module, "int4 reference": reference, "int4 cpu kernel": quantized,
+               "w8a8 dynamic cpu kernel": w8a8}
         times = {n: [] for n in fns}
         with num_threads(threads), torch.inference_mode():
             for _ in range(warmup):
@@ -73,9 +76,11 @@ def bench_experts(hidden: int = 1024, intermediate: int = 2048, experts: int = 8
                          "median_ms": round(med[n] * 1e3, 3),
                          "spread_ms": f"{min(v) * 1e3:.3f}-{max(v) * 1e3:.3f}",
                          "speedup_vs_fp32": round(med["fp32"] / med[n], 2),
-                         "weight_MB_read": round(routed * per_expert_fp32 / (8 if n != "fp32" else 1) / 1e6, 2),
+                         "weight_MB_read": round(routed * per_expert_fp32 / {"fp32": 1, "w8a8 dynamic cpu kernel": 4}
+                                                 .get(n, 8) / 1e6, 2),
                          "max_abs_diff_to_reference": (out - ref).abs().max().item() if n == "int4 cpu kernel"
-                         else (base - ref).abs().max().item() if n == "fp32" else 0.0})
+                         else (base - ref).abs().max().item() if n == "fp32"
+                         else 0.0 if n == "int4 reference" else float("nan")})   # (W8A8: other numbers)
     return pd.DataFrame(rows)
 
 

@@ -250,6 +250,7 @@ class _KernelExpert(DecodedWeight):
 
     packed: object
     smooth: torch.Tensor | None
+    quantize_input: Callable[[torch.Tensor], torch.Tensor] | None = None   # (W8A8: the activations' int8 values)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -260,6 +261,8 @@ class _KernelExpert(DecodedWeight):
             x, w = args
             if w.smooth is not None:   # AWQ: the codes encode W * s
                 x = x / w.smooth.to(x.dtype)
+            if w.quantize_input is not None:
+                x = w.quantize_input(x)
             return weight_only_cpu.linear_unchecked(x, w.packed, None)
         return super().__torch_function__(func, types, args, kwargs)
 

@@ -13,7 +13,7 @@ from workbench.quantization.experts import _PRODUCTS, DecodedExperts, WeightOnly
 from workbench.quantization.experts_calibration import MIN_EXPERT_TOKENS, _calls, expert_inputs
 from workbench.quantization.primitives import quantize_per_tensor, quantize_per_token
 
-__all__ = ["W8A8Experts", "w8a8_experts", "W8A8_WEIGHTS"]
+__all__ = ["W8A8Experts", "w8a8_experts", "W8A8_WEIGHTS", "quantized_input"]
 
 
 W8A8_WEIGHTS = fm.IntFormat(8, None, True)   # int8 per output channel, symmetric (WeightOnly(bits=8)'s format)
@@ -31,24 +31,28 @@ class _ActQuantMatrix(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if func in _PRODUCTS and len(args) >= 2 and isinstance(args[1], _ActQuantMatrix) \
                 and isinstance(args[0], torch.Tensor) and not isinstance(args[0], _ActQuantMatrix):
-            x = args[0]
-            flat = x.reshape(-1, x.shape[-1])
-            act = args[1]._act_scale
-            q, scale = quantize_per_token(flat) if act is None else quantize_per_tensor(flat, act)
-            args = ((q.float() * scale).to(x.dtype).reshape(x.shape), *args[1:])
+            args = (quantized_input(args[0], args[1]._act_scale), *args[1:])
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **(kwargs or {}))
 
 
+def quantized_input(x: torch.Tensor, act_scale: torch.Tensor | None) -> torch.Tensor:
+    """``x``'s int8 values (per token, or with the calibrated ``act_scale``), dequantized in ``x``'s dtype."""
+    flat = x.reshape(-1, x.shape[-1])
+    q, scale = quantize_per_token(flat) if act_scale is None else quantize_per_tensor(flat, act_scale)
+    return (q.float() * scale).to(x.dtype).reshape(x.shape)
+
+
 class _W8A8Stack(DecodedExperts):
-    """A W8A8 experts module's fused projection: indexing one expert gives its `_ActQuantMatrix`."""
+    """A W8A8 experts module's fused projection: indexing one expert gives its `_ActQuantMatrix` (or, on the CPU
+    kernel path, its `_KernelExpert` quantizing the activations first)."""
 
     act_scale: Callable[[int], torch.Tensor | None]
 
     def _index(self, index) -> torch.Tensor | None:
         if isinstance(index, torch.Tensor) and index.dim() == 0 and not index.is_floating_point():
             index = int(index)
-        if isinstance(index, int) and not isinstance(index, bool):
+        if isinstance(index, int) and not isinstance(index, bool) and getattr(self, "one", None) is None:
             matrix = super()._index(index)
             with torch._C.DisableTorchFunctionSubclass():
                 out = matrix.as_subclass(_ActQuantMatrix)
@@ -72,6 +76,13 @@ class W8A8Experts(WeightOnlyExperts):
         stack = _W8A8Stack(lambda ids: self.decode(name, ids), m.shape, self.weight_dtype, device)
         scales = self._buffers.get(f"{name}_act_scale")
         stack.act_scale = (lambda e: scales[e]) if scales is not None else (lambda e: None)
+        if self._on_cpu_kernel(device):   # the int8 codes on the CPU kernel, on the activations' int8 values
+            def one(e: int):
+                t = self._kernel_expert(m, e, device)
+                act = stack.act_scale(e)
+                t.quantize_input = lambda x: quantized_input(x, act)
+                return t
+            stack.one = one
         return stack
 
     def decode(self, name: str, experts: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,10 @@
    Interleaved rounds after a warm-up, one thread by default: the median, the
    fastest and slowest round (spread), the speedup over fp32 and bf16, and the roofline ceiling of each path
    against fp32 at small M: fp32 weight bytes / the path's weight bytes.
-2. `decode_tokens_per_s`: greedy generation of ``new_tokens`` tokens at batch 1 from a causal LM of the zoo (any
+2. `gemv_table` (``--gemv``): decode-sized products (M = 1) of LLM layer shapes, the exact CPU kernel against
+   ``kernel="cpu-int8"`` (int8-rounded activations on integer dot products) for int4 g32 / g128 and int8 g32,
+   beside fp32 / bf16 and the read bandwidth measured in the same rounds.
+3. `decode_tokens_per_s`: greedy generation of ``new_tokens`` tokens at batch 1 from a causal LM of the zoo (any
    name: ``wb.models.load(name)``) or a model given as is (`workbench.measurement.decode.greedy`): Hugging Face
    models run ``generate`` with their KV cache; the zoo's own TinyLM (no KV cache) runs its forward over the
    whole context for each new token. Paths:
@@ -29,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["decode_tokens_per_s", "interleaved", "main", "split_table", "weight_only_table"]
+__all__ = ["decode_tokens_per_s", "gemv_table", "interleaved", "main", "read_bandwidth", "split_table",
+           "weight_only_table"]
 
 
 def interleaved(calls: dict, rounds: int, warmup: int = 1, min_ms: float = 0.0) -> dict[str, list[float]]:
@@ -114,6 +118,60 @@ def weight_only_table(K: int = 4096, N: int = 4096, ms=(1, 16, 256), threads: in
                              "ms_min": min(t), "ms_max": max(t), "vs_fp32": med["fp32"] / med[p],
                              "vs_bf16": med["bf16"] / med[p], "weight_bytes": weight_bytes[p],
                              "ceiling_vs_fp32": 4 * N * K / weight_bytes[p], "threads": threads, "rounds": rounds})
+    return pd.DataFrame(rows)
+
+
+GEMV_SHAPES = ((4096, 4096), (2048, 5632), (5632, 2048), (32000, 2048))   # (N, K): a 7 B layer; TinyLlama's FFN, head
+
+
+def read_bandwidth(gib: float = 1.0):
+    """A call that reads ``gib`` GiB (``torch.sum`` over an fp32 tensor: the read-bandwidth ceiling of a decode step
+    on this machine, at the current thread count) and the bytes it reads."""
+    big = torch.ones(int(gib * (1 << 28)))
+    return (lambda: big.sum()), big.numel() * 4
+
+
+def gemv_table(shapes=GEMV_SHAPES, formats=((4, 32), (4, 128), (8, 32)), threads: int = 1, rounds: int = 7,
+               bandwidth_gib: float = 1.0):
+    """Decode-sized products (M = 1) of each (N, K) weight: fp32 and bf16 ``F.linear``, and per integer format
+    (bits, group) the package's layer on ``kernel="auto"`` (the exact CPU kernel) and ``kernel="cpu-int8"``
+    (activations rounded to int8, `workbench.kernels.act_int8_cpu`), interleaved with a read of ``bandwidth_gib``
+    GiB (`read_bandwidth`). One row per (shape, path): median / min / max ms, the weight's bytes, GB/s of them
+    (bytes / median time), that as a share of the bandwidth measured in the same rounds, and the speedup over fp32.
+    A weight smaller than the CPU's last-level cache is read from it after the first round (the GB/s of such rows
+    can exceed the memory's)."""
+    import pandas as pd
+
+    import workbench as wb
+    from workbench.measurement import num_threads
+
+    rows = []
+    with num_threads(threads), torch.inference_mode():
+        read, read_bytes = read_bandwidth(bandwidth_gib)
+        for N, K in shapes:
+            torch.manual_seed(0)
+            lin = nn.Sequential(nn.Linear(K, N, bias=False))
+            w32, wbf = lin[0].weight.detach(), lin[0].weight.detach().bfloat16()
+            x = torch.randn(1, K)
+            calls = {"fp32": functools.partial(F.linear, x, w32),
+                     "bf16": functools.partial(F.linear, x.bfloat16(), wbf)}
+            nbytes = {"fp32": 4 * N * K, "bf16": 2 * N * K}
+            for bits, group in formats:
+                for kernel in ("auto", "cpu-int8"):
+                    m = wb.apply(lin, {"0": wb.quant.WeightOnly(bits, group, kernel=kernel)}, progress=False)
+                    name = f"int{bits} g{group} {m[0].kernel}"
+                    calls[name], nbytes[name] = functools.partial(m, x), wb.size_bytes(m)
+            calls["read bandwidth"] = read
+            times = interleaved(calls, rounds)
+            med = {p: statistics.median(t) for p, t in times.items()}
+            gbs = read_bytes / med["read bandwidth"] / 1e6
+            for p, t in times.items():
+                if p == "read bandwidth":
+                    continue
+                rows.append({"N": N, "K": K, "path": p, "ms": med[p], "ms_min": min(t), "ms_max": max(t),
+                             "weight_bytes": nbytes[p], "GB_s": nbytes[p] / med[p] / 1e6,
+                             "bandwidth_GB_s": gbs, "share_of_bandwidth": nbytes[p] / med[p] / 1e6 / gbs,
+                             "vs_fp32": med["fp32"] / med[p], "threads": threads, "rounds": rounds})
     return pd.DataFrame(rows)
 
 
@@ -286,10 +344,17 @@ def main(argv=None) -> None:
     p.add_argument("--skip-layer", action="store_true")
     p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--split", action="store_true", help="only the split path's table (fp32 x, AMX)")
+    p.add_argument("--gemv", action="store_true",
+                   help="only the decode-sized table: exact vs int8-activation kernels against the read bandwidth")
     a = p.parse_args(argv)
     print(environment())
     def fmt(v):
         return f"{v:.3g}"
+
+    if a.gemv:
+        print(gemv_table(threads=a.threads, rounds=a.rounds).drop(columns=["threads", "rounds"])
+              .to_string(index=False, float_format=fmt))
+        return
 
     if a.split:
         print(split_table(threads=a.threads, rounds=a.rounds).drop(columns=["threads", "rounds"])

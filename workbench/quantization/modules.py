@@ -253,6 +253,7 @@ class KernelPath(enum.StrEnum):
 
     REFERENCE = "reference"   # PyTorch ops: decode / quantize, then a float matmul; runs anywhere
     CPU = "cpu"               # the C++ CPU kernels (`workbench.kernels.*_cpu`)
+    CPU_INT8 = "cpu-int8"     # weight-only: activations rounded to int8 per 32 on the CPU (`workbench.kernels.act_int8_cpu`)
     TRITON = "triton"         # the Triton kernels (CUDA, or TRITON_INTERPRET=1)
 
 
@@ -283,8 +284,8 @@ def choose_kernel(owner: str, kernel: str, supported: tuple[str, ...], device: t
         return KernelPath.REFERENCE
     if kernel not in supported:
         raise ValueError(f"{owner} has no {kernel!r} kernel; it supports {supported}")
-    if kernel == "cpu" and device.type not in ("cpu", "meta"):
-        raise ValueError(f"{owner}: kernel='cpu' needs the module on the CPU, it is on {device}")
+    if kernel in ("cpu", "cpu-int8") and device.type not in ("cpu", "meta"):
+        raise ValueError(f"{owner}: kernel={kernel!r} needs the module on the CPU, it is on {device}")
     if kernel == "triton" and device.type != "meta":
         from workbench.kernels._common import triton_available
 
@@ -363,6 +364,13 @@ def _weight_only_cpu():
     return weight_only_cpu
 
 
+def _act_int8_cpu():
+    """`workbench.kernels.act_int8_cpu`, imported on first use (it is not needed off the CPU path)."""
+    from workbench.kernels import act_int8_cpu
+
+    return act_int8_cpu
+
+
 def _w8a8_cpu():
     """`workbench.kernels.w8a8_cpu`, imported on first use (it is not needed off the CPU path)."""
     from workbench.kernels import w8a8_cpu
@@ -436,6 +444,14 @@ class WeightOnlyLinear(_FollowsDevice, _PackedWeight):
         whole_groups = self.K % fm.groups(self.fmt, self.K)[0] == 0   # the Triton kernels need whole groups
         supported = ("reference",) + (("cpu",) if weight_only_cpu.supports(self.fmt) else ()) + (
             ("triton",) if self.fmt.triton_kind and whole_groups else ())
+        if kernel == "cpu-int8":
+            from workbench.kernels import act_int8_cpu
+
+            reason = (act_int8_cpu.unsupported_reason(self.fmt.slot_bits, self.fmt.group_size, self.K)
+                      if isinstance(self.fmt, fm.IntFormat) else f"{self.fmt} has no integer codes")
+            if reason is not None:
+                raise ValueError(f"WeightOnlyLinear({self.fmt}) has no 'cpu-int8' kernel: {reason}")
+            supported += ("cpu-int8",)
         self.kernel = choose_kernel(f"WeightOnlyLinear({self.fmt})", kernel, supported, self.qweight.device)
         self.kernel_request = kernel
         return self
@@ -493,6 +509,16 @@ class WeightOnlyLinear(_FollowsDevice, _PackedWeight):
         if perm is not None:   # every path below computes with the stored (permuted) K order
             x = x.index_select(-1, perm)
         bias = self._parameters.get("bias")
+        if self.kernel is KernelPath.CPU_INT8 and not (x.requires_grad and torch.is_grad_enabled()):
+            # activations rounded to int8 per 32 whatever the rows: the int8 dot product for decode-sized calls,
+            # the exact kernel on the rounded activations for longer ones (prefill: the same numbers)
+            fmt, buffers = self.fmt, self._buffers
+            if x.numel() <= _act_int8_cpu().rows_for(self.out_features, self.K, fmt.slot_bits) * self.K:
+                return _act_int8_cpu().linear_unchecked(
+                    x, buffers["qweight"], buffers["scale"], buffers.get("zero"), float(1 << (fmt.bits - 1)),
+                    fmt.slot_bits, self.K if fmt.group_size is None else fmt.group_size, self.K, bias)
+            rounded = _act_int8_cpu().round_activations_cpu(x)
+            return _weight_only_cpu().linear_unchecked(rounded, self._cpu_weight(), bias).to(x.dtype)
         if self.kernel is KernelPath.CPU and not (x.requires_grad and torch.is_grad_enabled()):
             # an inference kernel (result in x's dtype, the bias taken in it; records no autograd graph); when
             # autograd needs the input's gradient (training through the layer) the reference's differentiable

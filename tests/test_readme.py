@@ -139,6 +139,9 @@ PARSED_ONLY = {   # command -> why it is not run; its arguments are parsed by th
     "python -m workbench.benchmarks.quantization --models tiny-lm --calib 32 --threads 1 --methods rtn gptq awq "
     "--pipelines sequential original": "tiny-lm x 3 methods x 2 pipelines: two minutes",
     "python -m workbench.kernels.bench_cpu": "4096-wide layers and a decode loop, interleaved rounds: a minute",
+    "python -m workbench.kernels.bench_cpu --gemv": "four LLM layer shapes x 8 paths with a 1 GiB read, interleaved "
+                                                    "rounds: a minute (tests/kernels/test_act_int8_cpu.py runs it "
+                                                    "small)",
     "python -m workbench.benchmarks.memory --arch llama-200m --load": "in-place GPTQ of a 254 M Llama: a minute "
     "(tests/plans/test_memory_bound.py runs it)",
     "python -m workbench.benchmarks.quantization --models tiny-llama --calib 32 --threads 1 --methods rtn gptq awq "

@@ -311,45 +311,6 @@ WB_TARGET("avx512f") void gemv_row_avx512(const uint8_t* q, const float* s, cons
   }
 }
 
-// One row of x (decode, M = 1) against R weight rows at once: R streams of codes in flight instead of one (a single
-// row's stream measured ~10 GB/s on a weight in L3 where the fp32 GEMV read 15 GB/s). Per row and group the
-// unscaled sums in two chains, scaled once at the group's end; the zero points through x's group sums, as in
-// gemv_row_avx512.
-template <int BITS, int R>
-WB_TARGET("avx512f") void gemv_wrows_avx512(const uint8_t* q, int64_t row_bytes, const float* s, const float* z,
-                                            const float* x, int64_t K, int64_t group, int64_t G, const float* xsum,
-                                            float* out) {
-  __m512 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
-    const int64_t k0 = g * group, k1 = std::min(K, k0 + group);
-    __m512 a[R][2];
-    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
-    for (int64_t k = k0; k < k1; k += 32) {
-      const __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
-      const bool line = ((k * BITS / 8) & 63) == 0;
-      for (int r = 0; r < R; ++r) {
-        const uint8_t* qr = q + r * row_bytes;
-        if (line) _mm_prefetch(reinterpret_cast<const char*>(qr + k * BITS / 8 + kPrefetchBytes), _MM_HINT_T0);
-        __m512 w0, w1;
-        codes32_avx512<BITS>(qr, k, w0, w1);
-        a[r][0] = _mm512_fmadd_ps(w0, x0, a[r][0]);
-        a[r][1] = _mm512_fmadd_ps(w1, x1, a[r][1]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m512 vs = _mm512_set1_ps(s[r * G + g]);
-      acc[r][0] = _mm512_fmadd_ps(a[r][0], vs, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(a[r][1], vs, acc[r][1]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    float zsum = 0.f;
-    for (int64_t g = 0; g < G; ++g) zsum += s[r * G + g] * z[r * G + g] * xsum[g];
-    out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1])) - zsum;
-  }
-}
-
 // Row n of the weight decoded straight from its 4- or 8-bit codes (whole 32-value groups) into fp32 - the
 // reference's (u - z) * s, bit for bit (no FMA contraction) - or, for the bf16 prefill, rounded to bf16 to nearest
 // even as PyTorch rounds (no fp32 row written in between). The bf16 variant runs only where the CPU has AVX512_BF16.
@@ -539,7 +500,13 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& q, const torch::
   float* op = out.data_ptr<float>();
 #if WB_X86
   // Whole 32-value chunks of 4- or 8-bit integer codes: decoded in registers (gemv_row_avx512 / _avx2).
-  const Isa use = parse_isa(isa);
+  const Isa asked = parse_isa(isa);
+  // One row of x on an AVX-512 CPU: the AVX2 row kernels for 8-bit codes and 4-bit codes in groups of 32, which
+  // stream a weight from L3 / memory faster (bench_cpu-style interleaved medians, one thread, Xeon with AMX, 4096^2
+  // and 32000 x 2048 with and without a 1 GiB read between calls: int4 g32 1.9-4.1 -> 1.9-2.1 ms / 14.7-15.8 ->
+  // 7.5-7.7 ms; int8 g32 2.9 -> 2.2 ms cold, 10.9-11.4 -> 8.0-8.2 ms; only a hot 4096^2 int8 weight ran faster on
+  // AVX-512, 1.36 vs 1.61 ms); 4-bit codes in groups of 64 and more stay on AVX-512 (equal at g64, faster at g128).
+  const Isa use = asked == Isa::Avx512 && M == 1 && (W.bits == 8 || W.group < 64) ? Isa::Avx2 : asked;
   if (use >= Isa::Avx2 && W.whole32()) {
     const RowFn* row_fns = use == Isa::Avx512 ? (W.bits == 4 ? kAvx512Rows<4> : kAvx512Rows<8>)
                                               : (W.bits == 4 ? kAvx2Rows<4> : kAvx2Rows<8>);
@@ -555,17 +522,7 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& q, const torch::
     }
     at::parallel_for(0, N, rows_grain(K * M, 16), [&](int64_t n0, int64_t n1) {
       float d[4];
-      int64_t n = n0;
-      // one row of x, 8-bit codes: four weight rows at a time (4096^2, one thread: 2.48-2.53x -> 2.85x fp32 in
-      // two runs each; 4-bit codes measured slower this way, 3.45x -> 3.0x, and keep the one-row kernel)
-      if (use == Isa::Avx512 && M == 1 && W.bits == 8) {
-        for (; n + 4 <= n1; n += 4) {
-          gemv_wrows_avx512<8, 4>(W.q + n * W.row_bytes, W.row_bytes, W.scale + n * W.G, W.zero + n * W.G, xs, K,
-                                  W.group, W.G, xsum.data(), d);
-          for (int i = 0; i < 4; ++i) op[n + i] = bp ? d[i] + bp[n + i] : d[i];
-        }
-      }
-      for (; n < n1; ++n) {
+      for (int64_t n = n0; n < n1; ++n) {
         for (int64_t m = 0; m < M; m += 4) {
           const int rows = static_cast<int>(std::min<int64_t>(4, M - m));
           row_fns[rows - 1](W.q + n * W.row_bytes, W.scale + n * W.G, W.zero + n * W.G, xs + m * K, K, W.group,

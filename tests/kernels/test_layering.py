@@ -10,7 +10,8 @@ import workbench.kernels as kernels_pkg
 
 KERNELS = Path(kernels_pkg.__file__).parent
 ALLOWED = {"workbench.quantization.primitives", "workbench.quantization.packing", "workbench.kernels._common",
-           "workbench.kernels.w8a8_cpu", "workbench.kernels.isa"}
+           "workbench.kernels.w8a8_cpu", "workbench.kernels.isa",
+           "workbench.kernels"}   # ops.py: the custom ops over its sibling kernels (from workbench.kernels import ...)
 
 
 def _imports(path: Path) -> set[str]:

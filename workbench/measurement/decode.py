@@ -1,43 +1,77 @@
 """Generation speed of a causal LM: ``tokens_per_second(model, task_or_prompt, new_tokens=64)``.
 
-Hugging Face ``generate`` with its KV cache, batch 1, greedy, exactly ``new_tokens`` new tokens (no early stop
-at an end-of-text token). Each timed run is one whole ``generate`` call (prefill of the prompt + decode); the
-prefill alone is timed separately (``generate`` of one token), so the decode rate excludes it:
-``decode_tokens_per_s = (new_tokens - 1) / (median total - median prefill)``. One untimed warm-up run first.
+Greedy, batch 1, exactly ``new_tokens`` new tokens (no early stop at an end-of-text token), by one of the paths of
+`DecodePath`, picked per model and recorded in the result:
+
+- **compiled** (default for Hugging Face causal LMs that support a static KV cache): gpt-fast's decode loop. The
+  prompt runs eagerly through the model into a `transformers.StaticCache` (its tensors are allocated once, so
+  every decode step has the same shapes), then each token is one call of the decode step - the model's forward on
+  one token, the end-of-text logits masked, argmax - compiled once per model by ``torch.compile`` (inductor;
+  `workbench.kernels.ops` keeps the workbench's CPU kernels in the graph as custom ops). No ``generate``: its
+  per-token Python (logits processors, stopping criteria, cache bookkeeping) costs more than a small model's
+  forward. The tokens are ``generate``'s: the loop applies what ``generate(min_new_tokens=n)`` applies - the
+  end-of-text tokens masked, argmax (tests: identical on tiny-llama, fp32, int8 and int4 weight-only). A model
+  whose compile fails falls back to the eager loop with a warning that names the reason.
+- **static-cache**: the same loop with the decode step eager (``compile=False``, or after a failed compile).
+- **generate**: Hugging Face ``generate`` with its KV cache, for Hugging Face models the loop cannot take (no static
+  cache support, an encoder-decoder, a generation config that asks for logits processors: `lean_unsupported` says
+  why).
+- **forward**: other causal LMs - the zoo's TinyLM: ``model(ids) -> (B, T, vocab)`` logits - run their forward over
+  the whole context, cut to ``model.cfg.block_size``, for each new token.
+
+Compiled steps are cached per model (and thread count, which inductor's kernels are built for), so repeated timing
+calls compile once; every timing function runs one untimed warm-up first, so compile time is never timed as decode.
+
+Each timed run of `tokens_per_second` is one whole generation (prefill of the prompt + decode); the prefill
+alone is timed separately (generation of one token), so the decode rate excludes it:
+``decode_tokens_per_s = (new_tokens - 1) / (median total - median prefill)``.
 The prompt is a string (tokenised with ``tokenizer``, by default the task's or tiny-llama's), a (1, T) tensor of
 ids, or a task with ``prompt`` and ``tokenizer`` attributes (`workbench.tasks.llama.TinyLlamaTask`).
-A model that cannot ``generate`` (not a Hugging Face ``GenerationMixin``) gets a TypeError.
+A model that cannot ``generate`` (not a Hugging Face ``GenerationMixin``) gets a TypeError there.
 
 Two entry points: `tokens_per_second` (Hugging Face models, prefill and decode rates separately, used by the
-tiny-llama task and its tests) and `tokens_per_s` (any causal LM, one number: Hugging Face models through
-``generate``; other causal LMs - the zoo's TinyLM: ``model(ids) -> (B, T, vocab)`` logits - run their forward over
-the whole context, cut to ``model.cfg.block_size``, for each new token). `wb.measure(..., generate_tokens=n)`
-records `tokens_per_s` as ``Metrics.tokens_per_s``; `workbench.kernels.bench_cpu` compares paths with it.
+tiny-llama task and its tests) and `tokens_per_s` (any causal LM, one number). `wb.measure(...,
+generate_tokens=n)` records `tokens_per_s` as ``Metrics.tokens_per_s``; `workbench.kernels.bench_cpu` compares
+paths with `greedy`.
 """
 from __future__ import annotations
 
+import enum
 import statistics
 import time
+import types
+import warnings
+import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from workbench.measurement.latency import num_threads
 
-__all__ = ["DecodeSpeed", "greedy", "is_causal_lm", "prompt_ids", "tokens_per_s", "tokens_per_second", "vocab_size"]
+__all__ = ["DecodePath", "DecodeSpeed", "greedy", "is_causal_lm", "lean_unsupported", "prompt_ids", "tokens_per_s",
+           "tokens_per_second", "vocab_size"]
+
+
+class DecodePath(enum.Enum):
+    """How `greedy` generates (see the module docstring)."""
+    COMPILED = "compiled"           # static KV cache, the decode step compiled by torch.compile
+    STATIC_CACHE = "static-cache"   # static KV cache, the decode step eager
+    GENERATE = "generate"           # Hugging Face generate
+    FORWARD = "forward"             # no KV cache: the forward over the whole context for each token
 
 
 @dataclass(frozen=True)
 class DecodeSpeed:
-    tokens_per_s: float          # new tokens / median wall time of a whole generate call
+    tokens_per_s: float          # new tokens / median wall time of a whole generation
     decode_tokens_per_s: float   # tokens after the first / (median total - median prefill)
-    prefill_ms: float            # median time of generate(max_new_tokens=1)
+    prefill_ms: float            # median time of a generation of one token
     new_tokens: int
     prompt_tokens: int
     runs: int
     threads: int
+    path: DecodePath = DecodePath.GENERATE   # the path that ran
 
 
 def prompt_ids(task_or_prompt: Any, tokenizer=None) -> torch.Tensor:
@@ -67,8 +101,9 @@ def prompt_ids(task_or_prompt: Any, tokenizer=None) -> torch.Tensor:
 
 
 def tokens_per_second(model: nn.Module, task_or_prompt: Any, new_tokens: int = 64, *, tokenizer=None,
-                      repeats: int = 3, threads: int | None = None) -> DecodeSpeed:
-    """Greedy batch-1 generation speed of ``model`` with its KV cache (see the module docstring)."""
+                      repeats: int = 3, threads: int | None = None, compile: bool = True) -> DecodeSpeed:
+    """Greedy batch-1 generation speed of ``model`` with its KV cache (see the module docstring). ``compile``:
+    whether the decode step of the static-cache loop is compiled (models that take that loop)."""
     from workbench.tasks.base import eval_mode, model_device
 
     if not callable(getattr(model, "generate", None)):
@@ -79,24 +114,25 @@ def tokens_per_second(model: nn.Module, task_or_prompt: Any, new_tokens: int = 6
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be a positive int, got {repeats!r}")
     ids = prompt_ids(task_or_prompt, tokenizer).to(model_device(model))   # (1, T)
-    mask = torch.ones_like(ids)
     cuda = ids.device.type == "cuda"
 
-    def run(n: int) -> float:
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             use_cache=True, pad_token_id=0)
-        if cuda:
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - t0
-        if out.shape[1] != ids.shape[1] + n:
-            raise RuntimeError(f"generate returned {out.shape[1] - ids.shape[1]} new tokens, expected {n}")
-        return elapsed
-
     with num_threads(threads) as used, eval_mode(model), torch.inference_mode():
-        run(new_tokens)                                        # warm-up (allocations, cache set-up)
+        generate = _generator(model, compile)
+
+        def run(n: int) -> float:
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = generate(ids, n)
+            if cuda:
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - t0
+            if out.shape[1] != ids.shape[1] + n:
+                raise RuntimeError(f"{type(model).__name__} generated {out.shape[1] - ids.shape[1]} new tokens, "
+                                   f"expected {n}")
+            return elapsed
+
+        run(new_tokens)                                        # warm-up (compile, allocations, cache set-up)
         totals, prefills = [], []
         for _ in range(repeats):                               # interleaved, so drift hits both alike
             prefills.append(run(1))
@@ -105,7 +141,7 @@ def tokens_per_second(model: nn.Module, task_or_prompt: Any, new_tokens: int = 6
     return DecodeSpeed(tokens_per_s=new_tokens / total,
                        decode_tokens_per_s=(new_tokens - 1) / max(total - prefill, 1e-9),
                        prefill_ms=prefill * 1e3, new_tokens=new_tokens, prompt_tokens=int(ids.shape[1]),
-                       runs=repeats, threads=int(used))
+                       runs=repeats, threads=int(used), path=_path(model, compile))
 
 
 def vocab_size(model: nn.Module) -> int:
@@ -134,23 +170,158 @@ def is_causal_lm(model: nn.Module) -> bool:
     return isinstance(out, torch.Tensor) and tuple(out.shape) == (1, 2, vocab)
 
 
-def greedy(model: nn.Module, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    """``prompt`` (1, T) int64 followed by ``new_tokens`` greedily chosen tokens: (1, T + new_tokens)."""
+def lean_unsupported(model: Any) -> str | None:   # (Any: a Hugging Face model's attributes)
+    """Why `greedy` cannot run ``model`` by its static-cache loop (None: it can)."""
+    if not (hasattr(model, "generate") and hasattr(model, "config")):
+        return f"{type(model).__name__} is not a Hugging Face causal LM"
+    if getattr(model.config, "is_encoder_decoder", False):
+        return f"{type(model).__name__} is an encoder-decoder"
+    if not getattr(model, "_can_compile_fullgraph", False):
+        return f"{type(model).__name__} does not support a static KV cache in transformers"
+    extra = sorted(set(model.generation_config.to_diff_dict()) - _NEUTRAL_GENERATION_KEYS)
+    if extra:
+        return (f"its generation config sets {extra}, which generate may apply as logits processors; the loop "
+                f"applies none")
+    return None
+
+
+# keys of a generation config that change nothing in greedy decoding of exactly n tokens (the sampling ones are
+# ignored with do_sample=False; the lengths are given per call)
+_NEUTRAL_GENERATION_KEYS = frozenset({
+    "bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "use_cache", "output_attentions",
+    "output_hidden_states", "output_scores", "output_logits", "return_dict_in_generate", "_from_model_config",
+    "transformers_version", "max_length", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p",
+    "typical_p", "min_p", "num_beams", "num_return_sequences", "cache_implementation"})
+# the static cache's length is a multiple of this, so prompts and lengths within one bucket share a compiled step
+_CACHE_BUCKET = 128
+
+
+class _LeanDecoder:
+    """The static-cache greedy loop of one model (see the module docstring): its caches, one per length bucket,
+    and its decode step, compiled on first use or eager."""
+
+    def __init__(self, model: Any, compile: bool):   # (Any: a Hugging Face model's attributes)
+        # (no reference to the model: decoders live in a WeakKeyDictionary keyed by it; it is passed to each call)
+        self.name, self.config = type(model).__name__, model.config
+        self.compile, self.checked = compile, False
+        eos = model.generation_config.eos_token_id
+        self.eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        self.caches: dict[int, Any] = {}
+        self.step: Callable = _decode_step
+        if compile:
+            # a fresh code object per model: dynamo keeps compiled code per code object, up to its recompile limit
+            # (8), after which it runs eagerly - one per model, so no model's step evicts another's
+            code = _decode_step.__code__.replace()
+            self.step = torch.compile(types.FunctionType(code, _decode_step.__globals__, "decode_step"),
+                                      fullgraph=True, dynamic=False)
+
+    @property
+    def path(self) -> DecodePath:
+        return DecodePath.COMPILED if self.compile else DecodePath.STATIC_CACHE
+
+    def _cache(self, length: int):
+        from transformers import StaticCache
+
+        size = -(-length // _CACHE_BUCKET) * _CACHE_BUCKET
+        cache = self.caches.get(size)
+        if cache is None:
+            cache = self.caches[size] = StaticCache(config=self.config, max_cache_len=size)
+        else:
+            cache.reset()
+        return cache
+
+    def __call__(self, model: nn.Module, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
+        if self.compile and not self.checked and new_tokens > 1:
+            try:   # the first call that decodes compiles; its tokens must be the eager loop's
+                out = self._run(model, prompt, new_tokens, self.step)
+                eager = self._run(model, prompt, new_tokens, _decode_step)
+                if not torch.equal(out, eager):
+                    diff = int((out != eager).nonzero()[0, 1]) - prompt.shape[1]
+                    raise RuntimeError(f"the compiled decode step's tokens differ from the eager one's from new "
+                                       f"token {diff} on")
+                self.checked = True
+                return out
+            except Exception as e:  # noqa: BLE001 - any compile failure: the eager loop, saying why
+                warnings.warn(f"workbench.measurement.decode: torch.compile of {self.name}'s decode "
+                              f"step failed ({type(e).__name__}: {' '.join(str(e).split())[:300]}); decoding "
+                              f"with the eager step instead", RuntimeWarning, stacklevel=3)
+                self.compile, self.step = False, _decode_step
+        return self._run(model, prompt, new_tokens, self.step)
+
+    def _run(self, model: nn.Module, prompt: torch.Tensor, new_tokens: int, step: Callable) -> torch.Tensor:
+        T = prompt.shape[1]
+        cache = self._cache(T + new_tokens)
+        # prefill, eager (one call per prompt length; generate's logits: the last position's, in fp32)
+        logits = model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        tok = _masked_argmax(logits.float(), self.eos)                          # (1, 1)
+        out, pos = [prompt, tok], torch.tensor([T], device=prompt.device)
+        for _ in range(new_tokens - 1):
+            tok = step(model, tok, pos, cache, self.eos)
+            out.append(tok)
+            pos += 1
+        return torch.cat(out, dim=1)                                            # (1, T + new_tokens)
+
+
+def _masked_argmax(logits: torch.Tensor, eos: list[int]) -> torch.Tensor:  # (1, vocab) -> (1, 1)
+    # generate(min_new_tokens=n) masks the end-of-text tokens until n tokens are out: every token here
+    if eos:
+        logits[:, eos] = -float("inf")
+    return logits.argmax(-1, keepdim=True)
+
+
+def _decode_step(model: nn.Module, tok: torch.Tensor, pos: torch.Tensor, cache, eos: list[int]) -> torch.Tensor:
+    """One greedy token: ``tok`` (1, 1) at position ``pos`` (1,) through the model into ``cache`` -> (1, 1)."""
+    logits = model(input_ids=tok, past_key_values=cache, cache_position=pos, position_ids=pos.unsqueeze(0),
+                   use_cache=True).logits[:, -1]                               # (1, vocab)
+    return _masked_argmax(logits.float(), eos)
+
+
+_DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> {(compile, threads): _LeanDecoder}
+
+
+def _decoder(model: nn.Module, compile: bool) -> _LeanDecoder:
+    key = (bool(compile), torch.get_num_threads())   # inductor's CPU kernels are built for the thread count
+    per_model = _DECODERS.setdefault(model, {})
+    if key not in per_model:
+        per_model[key] = _LeanDecoder(model, bool(compile))
+    return per_model[key]
+
+
+def _path(model: nn.Module, compile: bool) -> DecodePath:
+    if lean_unsupported(model) is None:
+        return _decoder(model, compile).path
+    return DecodePath.GENERATE if hasattr(model, "generate") else DecodePath.FORWARD
+
+
+def _generator(model: Any, compile: bool) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """``(prompt (1, T), n) -> (1, T + n)`` ids by ``model``'s path (see the module docstring)."""
+    if lean_unsupported(model) is None:
+        decoder = _decoder(model, compile)
+        return lambda ids, n: decoder(model, ids, n)
     if hasattr(model, "generate") and hasattr(model, "config"):
-        return model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                              use_cache=True, pad_token_id=0)
+        return lambda ids, n: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                             min_new_tokens=n, do_sample=False, use_cache=True, pad_token_id=0)
     block = getattr(getattr(model, "cfg", None), "block_size", None)
-    ids = prompt
-    for _ in range(new_tokens):
-        logits = model(ids if block is None else ids[:, -block:])             # (1, T, vocab)
-        ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return ids
+
+    def forward(ids: torch.Tensor, n: int) -> torch.Tensor:
+        for _ in range(n):
+            logits = model(ids if block is None else ids[:, -block:])          # (1, T, vocab)
+            ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        return ids
+    return forward
+
+
+def greedy(model: nn.Module, prompt: torch.Tensor, new_tokens: int, *, compile: bool = True) -> torch.Tensor:
+    """``prompt`` (1, T) int64 followed by ``new_tokens`` greedily chosen tokens: (1, T + new_tokens), by the
+    model's path (see the module docstring; ``compile``: whether the static-cache loop's step is compiled)."""
+    with torch.inference_mode():
+        return _generator(model, compile)(prompt, new_tokens)
 
 
 def tokens_per_s(model: nn.Module, new_tokens: int = 16, prompt_tokens: int = 8, runs: int = 3,
-                 seed: int = 0) -> float:
-    """Median tokens per second of `greedy` generation over ``runs`` timed runs (after one warm-up run), batch 1,
-    from a random prompt of ``prompt_tokens`` tokens."""
+                 seed: int = 0, *, compile: bool = True) -> float:
+    """Median tokens per second of `greedy` generation over ``runs`` timed runs (after one warm-up run, which
+    compiles where the path does), batch 1, from a random prompt of ``prompt_tokens`` tokens."""
     if not isinstance(new_tokens, int) or isinstance(new_tokens, bool) or new_tokens < 1:
         raise ValueError(f"new_tokens must be a positive int, got {new_tokens!r}")
     from workbench.tasks.base import model_device
@@ -160,9 +331,10 @@ def tokens_per_s(model: nn.Module, new_tokens: int = 16, prompt_tokens: int = 8,
     prompt = torch.randint(1, vocab_size(model), (1, prompt_tokens), generator=gen).to(device)
     times = []
     with torch.inference_mode():
+        generate = _generator(model, compile)
         for i in range(runs + 1):
             t0 = time.perf_counter()
-            out = greedy(model, prompt, new_tokens)
+            out = generate(prompt, new_tokens)
             if i:
                 times.append(time.perf_counter() - t0)
     if out.shape[1] != prompt_tokens + new_tokens:

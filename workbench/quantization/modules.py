@@ -459,6 +459,14 @@ class WeightOnlyLinear(_FollowsDevice, _PackedWeight):
     def _kernel_device(self) -> torch.device:
         return self.qweight.device
 
+    def _packed_for_compile(self):
+        """The packed weight the last eager call made (`_cpu_weight` reads data pointers, which dynamo cannot)."""
+        packed = self.__dict__.get("_cpu_packed")
+        if packed is None:
+            raise RuntimeError("WeightOnlyLinear: run the model once eagerly before torch.compile traces it "
+                               "(the CPU kernel's packed weight is made by an eager call)")
+        return packed[1]
+
     def _cpu_weight(self):
         """The stored weight as `workbench.kernels.weight_only_cpu` reads it (fp32 scales / zeros), made once and made
         again only when the stored tensors change (loading a state dict, ``copy_``, moving the module)."""
@@ -509,14 +517,31 @@ class WeightOnlyLinear(_FollowsDevice, _PackedWeight):
         if perm is not None:   # every path below computes with the stored (permuted) K order
             x = x.index_select(-1, perm)
         bias = self._parameters.get("bias")
+        if self.kernel is KernelPath.CPU and torch.compiler.is_compiling() and not (
+                x.requires_grad and torch.is_grad_enabled()):
+            # the same kernel as a custom op, a node of the compiled graph (dynamo cannot trace the pybind call
+            # below); it reads the packed weight the last eager call made (made on demand, _cpu_weight reads data
+            # pointers, which dynamo cannot): a compiled caller runs the model eagerly first
+            from workbench.kernels.ops import weight_only_linear_cpu
+
+            return weight_only_linear_cpu(x, self._packed_for_compile(), bias)
         if self.kernel is KernelPath.CPU_INT8 and not (x.requires_grad and torch.is_grad_enabled()):
             # activations rounded to int8 per 32 whatever the rows: the int8 dot product for decode-sized calls,
             # the exact kernel on the rounded activations for longer ones (prefill: the same numbers)
             fmt, buffers = self.fmt, self._buffers
             if x.numel() <= _act_int8_cpu().rows_for(self.out_features, self.K, fmt.slot_bits) * self.K:
-                return _act_int8_cpu().linear_unchecked(
-                    x, buffers["qweight"], buffers["scale"], buffers.get("zero"), float(1 << (fmt.bits - 1)),
-                    fmt.slot_bits, self.K if fmt.group_size is None else fmt.group_size, self.K, bias)
+                args = (x, buffers["qweight"], buffers["scale"], buffers.get("zero"), float(1 << (fmt.bits - 1)),
+                        fmt.slot_bits, self.K if fmt.group_size is None else fmt.group_size, self.K, bias)
+                if torch.compiler.is_compiling():   # the same call as a custom op, a node of the compiled graph
+                    from workbench.kernels.ops import act_int8_linear_cpu
+
+                    return act_int8_linear_cpu(*args)
+                return _act_int8_cpu().linear_unchecked(*args)
+            if torch.compiler.is_compiling():   # the rounding in PyTorch ops (the same numbers), the exact kernel's op
+                from workbench.kernels.ops import weight_only_linear_cpu
+
+                rounded = _act_int8_cpu().round_activations(x)
+                return weight_only_linear_cpu(rounded, self._packed_for_compile(), bias).to(x.dtype)
             rounded = _act_int8_cpu().round_activations_cpu(x)
             return _weight_only_cpu().linear_unchecked(rounded, self._cpu_weight(), bias).to(x.dtype)
         if self.kernel is KernelPath.CPU and not (x.requires_grad and torch.is_grad_enabled()):

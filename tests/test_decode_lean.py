@@ -1,0 +1,160 @@
+"""The lean decode path of `workbench.measurement.decode`: the static-cache greedy loop gives `generate`'s tokens
+(eager and compiled, fp32 and int8 / int4 weight-only), the weight-only CPU kernel's custom op computes what the
+eager kernel does, models the loop cannot take keep their path, a failed compile falls back saying so, and the
+README's ``wb.measurement.decode`` resolves after ``import workbench``. Compiled fp32 and int8 runs are marked
+``slow`` (a compile takes 5-25 s on the 2-core machine)."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import workbench as wb
+from workbench.kernels import ops, weight_only_cpu
+from workbench.measurement import decode as D
+from workbench.measurement.latency import num_threads
+from workbench.quantization.modules import WeightOnlyLinear
+
+CONFIGS = {"fp32": None, "int8": wb.quant.WeightOnly(bits=8, group_size=32),
+           "int4 g32": wb.quant.WeightOnly(bits=4, group_size=32)}
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return wb.models.load("tiny-llama").eval()
+
+
+@pytest.fixture(scope="module")
+def variants(llama):
+    return {name: llama if cfg is None else wb.apply(llama, {"model.layers.*": cfg}, progress=False)
+            for name, cfg in CONFIGS.items()}
+
+
+def _generate(model, ids, n):
+    with torch.inference_mode():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False, use_cache=True, pad_token_id=0)
+
+
+def _prompt(T: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(1, 4096, (1, T), generator=torch.Generator().manual_seed(seed))
+
+
+def test_readme_attribute_access_after_import_workbench():
+    code = "import workbench as wb; assert callable(wb.measurement.decode.tokens_per_second)"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_static_cache_loop_gives_generates_tokens(variants, name):
+    model, ids = variants[name], _prompt(11)
+    assert D.lean_unsupported(model) is None
+    out = D.greedy(model, ids, 24, compile=False)
+    assert torch.equal(out, _generate(model, ids, 24))
+    assert D._path(model, False) is D.DecodePath.STATIC_CACHE
+
+
+# int4 (the custom op in the graph) in the fast tier: its compile takes ~4-12 s; fp32's ~25 s on a cold cache
+@pytest.mark.parametrize("name", [pytest.param("fp32", marks=pytest.mark.slow),
+                                  pytest.param("int8", marks=pytest.mark.slow), "int4 g32"])
+def test_compiled_loop_gives_generates_tokens_and_compiles_once(variants, name):
+    model = variants[name]
+    with num_threads(1):
+        for T, n in ((9, 30), (20, 17)):   # two prompts and lengths in one cache bucket: one compiled step
+            ids = _prompt(T, seed=T)
+            assert torch.equal(D.greedy(model, ids, n), _generate(model, ids, n))
+            if T == 9:
+                frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames   # no recompile
+        speed = D.tokens_per_second(model, _prompt(6), new_tokens=8, repeats=1, threads=1)
+    assert speed.path is D.DecodePath.COMPILED and speed.decode_tokens_per_s > 0
+
+
+def test_a_failed_compile_falls_back_to_the_eager_loop_with_a_warning(llama, monkeypatch):
+    def broken(fn, **kwargs):
+        def fail(*args, **kw):
+            raise RuntimeError("no compiler here")
+        return fail
+
+    model = wb.apply(llama, {}, progress=False)   # a model of its own: decoders are cached per model
+    monkeypatch.setattr(torch, "compile", broken)
+    ids = _prompt(7)
+    with pytest.warns(RuntimeWarning, match="torch.compile of LlamaForCausalLM's decode step failed.*no compiler"):
+        out = D.greedy(model, ids, 12)
+    assert torch.equal(out, _generate(model, ids, 12)) and D._path(model, True) is D.DecodePath.STATIC_CACHE
+
+
+def test_models_the_loop_cannot_take_keep_their_path(llama):
+    tiny_lm = wb.models.load("tiny-lm").eval()
+    assert "not a Hugging Face causal LM" in D.lean_unsupported(tiny_lm)
+    ids = torch.randint(1, 50, (1, 5), generator=torch.Generator().manual_seed(0))
+    out = D.greedy(tiny_lm, ids, 6)
+    want = ids
+    with torch.inference_mode():
+        for _ in range(6):   # the whole context each token, no cache
+            want = torch.cat([want, tiny_lm(want)[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(out, want) and D._path(tiny_lm, True) is D.DecodePath.FORWARD
+    assert D.tokens_per_s(tiny_lm, new_tokens=2, runs=1) > 0
+
+    penalised = wb.apply(llama, {}, progress=False)
+    penalised.generation_config.repetition_penalty = 1.3   # a logits processor the loop does not apply
+    assert "repetition_penalty" in D.lean_unsupported(penalised)
+    ids = _prompt(8)
+    assert torch.equal(D.greedy(penalised, ids, 10), _generate(penalised, ids, 10))
+    assert D._path(penalised, True) is D.DecodePath.GENERATE
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, None), (4, 64)])
+def test_the_custom_op_computes_what_the_eager_kernel_does(bits, group):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(200, 77)   # K not a multiple of the group
+    layer = WeightOnlyLinear.from_float(linear, wb.quant.WeightOnly(bits=bits, group_size=group).format(),
+                                        kernel="cpu")
+    w = weight_only_cpu.pack(layer._tensors(), layer.fmt, layer.K)
+    args = (w.qweight, w.scale, w.zero, w.lut, linear.bias.detach(), w.bits, w.group_size, w.K,
+            [int(r) for r in w.call_rules])
+    for shape in ((1, 200), (3, 5, 200), (40, 200)):
+        x = torch.randn(shape)
+        want = weight_only_cpu.linear_unchecked(x, w, linear.bias.detach())
+        assert torch.equal(torch.ops.workbench.weight_only_linear_cpu.default(x, *args), want)
+        assert torch.equal(ops.weight_only_linear_cpu(x, w, linear.bias.detach()), want)
+    torch.library.opcheck(torch.ops.workbench.weight_only_linear_cpu.default, (torch.randn(2, 200), *args),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_a_compiled_weight_only_layer_runs_the_kernel_in_its_graph():
+    torch.manual_seed(0)
+    layer = WeightOnlyLinear.from_float(torch.nn.Linear(96, 40), wb.quant.WeightOnly(bits=4, group_size=32)
+                                        .format(), kernel="cpu")
+    x = torch.randn(1, 96)
+    with torch.inference_mode():
+        eager = layer(x)   # packs the weight for the CPU kernel
+        torch._dynamo.reset()
+        compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)   # fullgraph: no pybind break
+    assert torch.equal(compiled, eager)
+
+
+def test_cpu_int8_layers_compile_into_the_graph_with_the_eager_numbers():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(96, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+    q = wb.apply(model, {"*": wb.quant.WeightOnly(bits=4, group_size=32, kernel="cpu-int8")}, progress=False)
+    with torch.inference_mode():
+        x, many = torch.randn(1, 96), torch.randn(40, 96)   # 40 rows: rounded in PyTorch ops, the exact kernel's op
+        eager, eager_many = q(x), q(many)
+        torch._dynamo.reset()
+        step = torch.compile(q, fullgraph=True, backend="aot_eager")
+        assert torch.equal(step(x), eager)
+        torch.testing.assert_close(step(many), eager_many, rtol=1e-5, atol=1e-5)
+    args = (q[0].qweight, q[0].scale, None, 8.0, 4, 32, 96, q[0].bias.detach())
+    torch.library.opcheck(torch.ops.workbench.act_int8_linear_cpu.default, (torch.randn(2, 96), *args),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_compiled_decode_of_a_cpu_int8_llama_gives_its_eager_tokens(llama):
+    model = wb.apply(llama, {"model.layers.*": wb.quant.WeightOnly(bits=4, group_size=32, kernel="cpu-int8")},
+                     progress=False)
+    ids = _prompt(9, seed=3)
+    with num_threads(1), torch.inference_mode():
+        compiled = D.greedy(model, ids, 20)
+    assert D._path(model, True) is D.DecodePath.COMPILED
+    assert torch.equal(compiled, D.greedy(model, ids, 20, compile=False))

@@ -115,7 +115,66 @@ struct RowX {
   std::vector<int32_t> zq;   // fold_zero: z * (sum of the q each lane multiplies), per lane
 };
 
-void quantize_row(const float* x, const Weight& W, const Chunks& ch, RowX& r) {
+// One block of 32 values of x rounded to int8: q (32 bytes), returns d = max|x| / 127 and the sum of q in *sum.
+// q = round(x * (127 / max|x|)) to nearest, ties to even (the default rounding mode); 0 for an all-zero block.
+float quantize_block32_scalar(const float* x, int8_t* q, int32_t* sum) {
+  float amax = 0.f;
+  for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  int32_t s = 0;
+  for (int i = 0; i < 32; ++i) {
+    const float v = std::min(127.f, std::max(-127.f, std::nearbyint(x[i] * inv)));
+    q[i] = static_cast<int8_t>(v);
+    s += static_cast<int32_t>(v);
+  }
+  *sum = s;
+  return amax / 127.f;
+}
+
+#if WB_X86
+// The same with AVX2: vcvtps2dq rounds as nearbyint does (MXCSR's default mode), the products are the same fp32
+// products, so q is bit for bit the scalar loop's.
+WB_TARGET("avx2,fma") float quantize_block32_avx2(const float* x, int8_t* q, int32_t* sum) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4];
+  __m256 m = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  const float amax = _mm_cvtss_f32(h);
+  const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+  __m256i r[4], acc = _mm256_setzero_si256();
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_min_epi32(hi, _mm256_max_epi32(lo, _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv))));
+    acc = _mm256_add_epi32(acc, r[i]);
+  }
+  // packs work within 128-bit halves: [r0 0-3, r1 0-3, r2 0-3, r3 0-3 | r0 4-7, ...] -> back to order
+  const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  __m128i a = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+  a = _mm_add_epi32(a, _mm_shuffle_epi32(a, 0x4E));
+  a = _mm_add_epi32(a, _mm_shuffle_epi32(a, 0xB1));
+  *sum = _mm_cvtsi128_si32(a);
+  return amax / 127.f;
+}
+#endif
+
+using QuantizeBlock = float (*)(const float*, int8_t*, int32_t*);
+QuantizeBlock quantize_block32(bool vector) {
+#if WB_X86
+  if (vector) return quantize_block32_avx2;
+#endif
+  (void)vector;
+  return quantize_block32_scalar;
+}
+
+void quantize_row(const float* x, const Weight& W, const Chunks& ch, RowX& r, QuantizeBlock quantize) {
   const int64_t K = W.K, nb = K / 32;
   const int64_t xbytes = ch.CB * (W.bits == 4 ? 2 : 1);
   r.xq.assign(ch.C * xbytes, 0);
@@ -125,17 +184,8 @@ void quantize_row(const float* x, const Weight& W, const Chunks& ch, RowX& r) {
   std::vector<int8_t> q(K);
   std::vector<float> d(nb);
   for (int64_t b = 0; b < nb; ++b) {
-    float amax = 0.f;
-    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[b * 32 + i]));
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    d[b] = amax / 127.f;
     int32_t sum = 0;
-    for (int i = 0; i < 32; ++i) {
-      float v = std::nearbyint(x[b * 32 + i] * inv);   // the default rounding mode: to nearest, ties to even
-      v = std::min(127.f, std::max(-127.f, v));
-      q[b * 32 + i] = static_cast<int8_t>(v);
-      sum += static_cast<int32_t>(v);
-    }
+    d[b] = quantize(x + b * 32, q.data() + b * 32, &sum);
     r.T[b * 32 / W.group] += d[b] * static_cast<float>(sum);
   }
   for (int64_t c = 0; c < ch.C; ++c) {
@@ -489,7 +539,8 @@ torch::Tensor linear(const torch::Tensor& x_in, const torch::Tensor& q, const to
   Chunks ch(W, isa == Isa::Avx2 ? 32 : 64);
   if (isa == Isa::Avx2 && bits == 8) ch.offset = 128;
   std::vector<RowX> xs(M);
-  for (int64_t m = 0; m < M; ++m) quantize_row(x.data_ptr<float>() + m * K, W, ch, xs[m]);
+  const QuantizeBlock quantize = quantize_block32(isa >= Isa::Avx2);
+  for (int64_t m = 0; m < M; ++m) quantize_row(x.data_ptr<float>() + m * K, W, ch, xs[m], quantize);
   torch::Tensor y = torch::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
   // ~64 k codes of work per share: below that a second thread's wake-up costs more than it saves
@@ -530,14 +581,12 @@ torch::Tensor round_activations(const torch::Tensor& x_in) {
   torch::Tensor out = torch::empty_like(x);
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  const QuantizeBlock quantize = quantize_block32(best_isa() >= Isa::Avx2);
+  int8_t q[32];
   for (int64_t b = 0; b < x.numel() / 32; ++b) {
-    float amax = 0.f;
-    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xp[b * 32 + i]));
-    const float inv = amax > 0.f ? 127.f / amax : 0.f, d = amax / 127.f;
-    for (int i = 0; i < 32; ++i) {
-      const float v = std::min(127.f, std::max(-127.f, std::nearbyint(xp[b * 32 + i] * inv)));
-      op[b * 32 + i] = v * d;
-    }
+    int32_t sum = 0;
+    const float d = quantize(xp + b * 32, q, &sum);
+    for (int i = 0; i < 32; ++i) op[b * 32 + i] = static_cast<float>(q[i]) * d;
   }
   return out;
 }

@@ -157,9 +157,9 @@ PARSED_ONLY = {   # command -> why it is not run; its arguments are parsed by th
     "python -m workbench.kernels.bench": "every kernel at Llama sizes (GPU) or MiniLM W8A8 (CPU): minutes",
     "python -m workbench.kernels.bench --cpu": "MiniLM W8A8 at 32 x 128 tokens, one thread, 8 interleaved runs: "
                                                "minutes",
-    "python -m workbench.export.llama_cpp": "tiny-llama decode in llama.cpp and the workbench, 2 thread counts x 7 "
-                                            "interleaved rounds: half a minute (decode_table runs in "
-                                            "tests/export/test_llama_cpp.py)",
+    "python -m workbench.export.llama_cpp": "tiny-llama decode in llama.cpp and the workbench at f32 / q8_0 / q4_0, "
+                                            "2 thread counts x 7 interleaved rounds: a minute and a half "
+                                            "(decode_table runs in tests/export/test_llama_cpp.py)",
 }
 
 EXCLUDED = {   # command -> why it is neither run nor parsed here

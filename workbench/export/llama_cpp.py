@@ -7,8 +7,11 @@
     runtime.greedy([1, 2, 3], 16)        # 16 new token ids, argmax decoding with llama.cpp's KV cache
     runtime.threads = 1                  # from the next call on (llama_set_n_threads: no reload)
 
-`decode_table` times greedy decoding of the same weights in llama.cpp and in the workbench's own CPU kernels side by
-side (interleaved rounds, one thread count at a time): ``python -m workbench.export.llama_cpp``.
+`decode_table` is the yardstick: greedy decoding of the same weights in llama.cpp and in the workbench side by side
+(fp32 / Q8_0 / Q4_0, interleaved rounds, one thread count at a time), each figure beside the read-bandwidth ceiling
+measured in the same rounds (``torch.sum`` over 1 GiB) and the share of it the path reaches, on a zoo model or the
+built-in random-init ``llama-480m`` (TinyLlama-1.1B's shape with 8 layers):
+``python -m workbench.export.llama_cpp [--model llama-480m] [--formats f32 q8_0 q4_0] [--rounds 5]``.
 
 llama-cpp-python is compiled from source by ``make install`` (it is published as a source package only): llama.cpp
 for this machine's CPU (``GGML_NATIVE``) without its AMX matrix kernels, whose int8 path crashes (SIGSEGV in
@@ -24,18 +27,21 @@ the remaining difference is fp32 rounding order (tests/export/test_llama_cpp.py 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 
 from workbench.export.gguf import FILE_NAME
 
-__all__ = ["LlamaCpp", "decode_table", "main"]
+__all__ = ["LlamaCpp", "BUILT_IN", "FORMATS", "built_in_model", "decode_table", "gguf_bytes_per_token",
+           "kv_bytes_per_token", "main", "weight_bytes_per_token"]
 
 KV_TYPES = {"f32": 0, "f16": 1}   # ggml_type of the KV cache (GGML_TYPE_F32, GGML_TYPE_F16)
 
@@ -149,22 +155,134 @@ class LlamaCpp:
         return self._llm.tokenize(text.encode(), add_bos=False, special=special)
 
 
+# --- the yardstick: decode speed of the same weights in llama.cpp and the workbench ------------------------------
+
+LLAMA_480M: dict = {   # TinyLlama-1.1B's shape with 8 layers: 483 M parameters, untied head (as TinyLlama)
+    "vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 8,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+}
+BUILT_IN = {"llama-480m": LLAMA_480M}   # model name -> Llama config of a random-init model built in code
+FORMATS: dict[str, int | None] = {"f32": None, "q8_0": 8, "q4_0": 4}   # format -> WeightOnly bits (None: fp32)
+GROUP = 32                  # WeightOnly(group_size=32): one ggml block per group
+BANDWIDTH_BYTES = 1 << 30   # the read-bandwidth probe: torch.sum over 1 GiB of fp32
+BASELINE = "fp32 (PyTorch)"
+
+
+def built_in_model(name: str, seed: int = 0) -> nn.Module:
+    """The random-init fp32 ``LlamaForCausalLM`` named ``name`` in `BUILT_IN` (seeded; torch's global RNG is left
+    as it was). Nothing is downloaded."""
+    from workbench.models.llama import build
+
+    if name not in BUILT_IN:
+        raise ValueError(f"no built-in model {name!r}; built in: {sorted(BUILT_IN)}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build(BUILT_IN[name])
+
+
+def weight_bytes_per_token(model: nn.Module) -> int:
+    """Bytes of the model's tensors one decode step reads: every module's own parameters and buffers as stored
+    (each Linear - the head included, tied or not - quantized codes with their scales, norms, biases), except that
+    an embedding contributes one row (``bytes / num_embeddings``)."""
+    from workbench.quantization.modules import WeightOnlyEmbedding
+
+    total = 0
+    for m in model.modules():
+        own = {id(t): t for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]}
+        n = sum(t.numel() * t.element_size() for t in own.values())
+        total += n // m.num_embeddings if isinstance(m, (nn.Embedding, WeightOnlyEmbedding)) else n
+    return total
+
+
+def gguf_bytes_per_token(path: str | os.PathLike) -> int:
+    """`weight_bytes_per_token` of a GGUF file, from its tensor sizes: every tensor whole, ``token_embd`` one row,
+    plus ``token_embd`` whole when the file has no ``output`` (llama.cpp then reads it as the head)."""
+    from gguf import GGUFReader
+
+    path = Path(path)
+    reader = GGUFReader(path / FILE_NAME if path.is_dir() else path)
+    tensors = {t.name: (int(t.n_bytes), int(t.shape[-1])) for t in reader.tensors}   # ggml shape: (row length, rows)
+    del reader
+    total = sum(n for name, (n, _) in tensors.items() if name != "token_embd.weight")
+    embd, rows = tensors["token_embd.weight"]
+    return total + embd // rows + (embd if "output.weight" not in tensors else 0)
+
+
+def kv_bytes_per_token(config, context: float, element_bytes: int) -> float:
+    """Bytes of keys and values one decode step reads at ``context`` cached positions (all layers, batch 1)."""
+    from workbench.quantization.kvcache import bytes_per_position
+
+    return bytes_per_position(config, None, element_bytes) * context
+
+
+@dataclasses.dataclass(frozen=True)
+class _Path:
+    """One timed decoder: ``run(n)`` generates ``n`` tokens after the prompt."""
+
+    label: str
+    format: str
+    runtime: str               # "PyTorch", "workbench" or "llama.cpp"
+    kernel: str | None         # the workbench rows' WeightOnly(kernel=...)
+    run: Callable[[int], list[int]] | None   # None: the format's file in llama.cpp (made per thread count)
+    bytes_per_token: float     # weights + KV cache read per decode step
+
+
 def _greedy_workbench(model, prompt: torch.Tensor, new_tokens: int) -> list[int]:
     from workbench.measurement.decode import greedy
 
     return greedy(model, prompt, new_tokens)[0, prompt.shape[1]:].tolist()
 
 
-def decode_table(model: str = "tiny-llama", formats: Sequence[str] = ("q8_0", "q4_0"),
-                 threads: Sequence[int] = (1, 2), new_tokens: int = 64, prompt_tokens: int = 8, rounds: int = 5,
-                 folder: str | os.PathLike | None = None):
-    """Tokens per second of greedy batch-1 decoding of the same weights in llama.cpp (from the workbench's GGUF) and
-    in the workbench's own CPU kernels (``kernel="auto"``), and fp32 in PyTorch as the baseline: for each thread count
-    the paths run in interleaved rounds (`workbench.kernels.bench_cpu.interleaved`), median / min / max.
+def _read_bandwidth_probe(x: torch.Tensor) -> float:
+    return float(torch.sum(x))
 
-    ``formats``: ``q8_0`` = ``WeightOnly(bits=8, group_size=32)``, ``q4_0`` = ``WeightOnly(bits=4, group_size=32)``
-    on every decoder layer's Linear (embedding and head stay fp32 in both runtimes). Each row also says whether the
-    two runtimes generated the same tokens (they need not: llama.cpp also quantizes the activations)."""
+
+def _vocabulary_folder(model: nn.Module, tmp: Path) -> Path | None:
+    """None for a zoo model (the exporter has its tokenizer); else a folder with tiny-llama's tokenizer.json, which
+    the exporter pads to the model's vocabulary with unused ids - timing feeds token ids, it never tokenizes text."""
+    import shutil
+
+    from workbench.models import llama, source_of
+    from workbench.paths import data_dir
+
+    if source_of(model) is not None:
+        return None
+    folder = tmp / "vocabulary"
+    folder.mkdir()
+    shutil.copy(data_dir() / llama.TOKENIZER_FILE, folder / "tokenizer.json")
+    return folder
+
+
+def decode_table(model: str | nn.Module = "tiny-llama", formats: Sequence[str] = ("f32", "q8_0", "q4_0"),
+                 threads: Sequence[int] = (1, 2), new_tokens: int = 64, prompt_tokens: int = 32, rounds: int = 5,
+                 folder: str | os.PathLike | None = None, workbench_kernels: Sequence[str] = ("auto",),
+                 head: str | None = None):
+    """Tokens per second of greedy batch-1 decoding of the same weights in llama.cpp (from the workbench's GGUF) and
+    in the workbench, and fp32 in PyTorch as the baseline, beside the machine's read-bandwidth ceiling: for each
+    thread count every path and the bandwidth probe run in interleaved rounds (`workbench.kernels.bench_cpu.
+    interleaved`; the untimed first call of each is its warm-up), median / min / max.
+
+    ``model``: a zoo name (``"tiny-llama"``), a `BUILT_IN` name (``"llama-480m"``: TinyLlama-1.1B's shape with 8
+    layers, random-init, seeded), or a Hugging Face Llama-style ``nn.Module``. ``formats``: ``f32`` = the
+    unquantized model (the GGUF holds F32 tensors; its workbench row is the fp32 baseline), ``q8_0`` / ``q4_0`` =
+    ``WeightOnly(bits=8 / 4, group_size=32, kernel=k)`` on every decoder layer's Linear (embedding and head stay
+    fp32 in both runtimes), one workbench row per ``k`` in ``workbench_kernels`` (passed through as is), labelled
+    ``"q4_0 workbench (auto)"``. ``head="q8_0"``: the quantized formats' ``lm_head`` in ``WeightOnly(bits=8,
+    group_size=32, kernel=k)`` too (Q8_0 in the GGUF; llama.cpp's own quantized files keep the head above the
+    layers' bits, Q6_K for Q4_0), for a model whose head is not tied to its embedding.
+
+    Columns: ``tokens_per_s`` = new tokens / the whole call (prompt included, as a user sees it);
+    ``decode_tokens_per_s`` = ``(new_tokens - 1) / (median call - median prefill call)``, the prefill call (prompt
+    + one token) timed in the same rounds; ``vs_fp32`` and ``vs_llama_cpp`` (workbench / llama.cpp, same format
+    and threads) on ``tokens_per_s``; ``bandwidth_GBps`` = 1 GiB / the median time of ``torch.sum`` over a 1 GiB
+    fp32 tensor at the same thread count; ``bytes_per_token`` = the weights one decode step reads
+    (`weight_bytes_per_token` of the model, `gguf_bytes_per_token` of the file: every Linear's stored bytes incl.
+    the head, an embedding one row, norms) + the KV cache read at the mean context ``prompt_tokens + (new_tokens -
+    1) / 2`` (`kv_bytes_per_token`: fp32 in the workbench, fp16 in llama.cpp); ``percent_of_ceiling`` = 100 *
+    ``bytes_per_token * decode_tokens_per_s / bandwidth``. Each row also says whether the two runtimes generated
+    the same tokens (they need not: llama.cpp also quantizes the activations)."""
+    import gc
     import tempfile
 
     import pandas as pd
@@ -173,46 +291,112 @@ def decode_table(model: str = "tiny-llama", formats: Sequence[str] = ("q8_0", "q
     from workbench.kernels.bench_cpu import interleaved
     from workbench.measurement import num_threads
     from workbench.measurement.decode import vocab_size
+    from workbench.models import source_of
 
-    configs = {"q8_0": wb.quant.WeightOnly(bits=8, group_size=32), "q4_0": wb.quant.WeightOnly(bits=4, group_size=32)}
-    unknown = [f for f in formats if f not in configs]
+    unknown = [f for f in formats if f not in FORMATS]
     if unknown:
-        raise ValueError(f"formats {unknown} unknown; known: {sorted(configs)}")
-    base = wb.models.load(model)
-    layers = "model.layers.*" if hasattr(base, "model") and hasattr(base.model, "layers") else None
-    if layers is None:
-        raise TypeError(f"decode_table needs a Llama-style zoo model (model.layers.*); {model!r} is a "
+        raise ValueError(f"formats {unknown} unknown; known: {sorted(FORMATS)}")
+    for name, v, low in (("new_tokens", new_tokens, 2), ("prompt_tokens", prompt_tokens, 1), ("rounds", rounds, 1)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
+    if isinstance(model, nn.Module):
+        base, label = model, source_of(model) or type(model).__name__
+    elif model in BUILT_IN:
+        base, label = built_in_model(model), model
+    elif model in wb.models.names():
+        base, label = wb.models.load(model), model
+    else:
+        raise ValueError(f"model {model!r} unknown: a zoo name ({wb.models.names()}), a built-in one "
+                         f"({sorted(BUILT_IN)}) or an nn.Module")
+    if not (hasattr(base, "model") and hasattr(base.model, "layers") and hasattr(base, "config")):
+        raise TypeError(f"decode_table needs a Hugging Face Llama-style model (model.layers.*); {label!r} is a "
                         f"{type(base).__name__}")
-    smalls = {f: wb.apply(base, {layers: configs[f]}, progress=False) for f in formats}
+    if head not in (None, "q8_0"):
+        raise ValueError(f"head must be None (fp32) or 'q8_0', got {head!r}")
+    if head is not None and getattr(base.config, "tie_word_embeddings", False):
+        raise ValueError(f"head={head!r} needs a head of its own; {label!r} ties it to its embedding")
+    bits = {f: b for f in formats if (b := FORMATS[f]) is not None}
+
+    def plan(b: int, k: str) -> dict:
+        entries = {"model.layers.*": wb.quant.WeightOnly(bits=b, group_size=GROUP, kernel=k)}
+        if head is not None:
+            entries["lm_head"] = wb.quant.WeightOnly(bits=8, group_size=GROUP, kernel=k)
+        return entries
+
+    smalls = {(f, k): wb.apply(base, plan(b, k), progress=False) for f, b in bits.items() for k in workbench_kernels}
     prompt = torch.randint(1, vocab_size(base), (1, prompt_tokens), generator=torch.Generator().manual_seed(0))
+    context = prompt_tokens + new_tokens
+    kv_ours, kv_theirs = (kv_bytes_per_token(base.config, prompt_tokens + (new_tokens - 1) / 2, b) for b in (4, 2))
     rows = []
-    with tempfile.TemporaryDirectory(dir=folder) as tmp:
-        paths = {f: wb.export(s, Path(tmp) / f, format="gguf") for f, s in smalls.items()}
-        for n in threads:
-            runtimes = {f: LlamaCpp(p, threads=n, context=prompt_tokens + new_tokens) for f, p in paths.items()}
-            try:
-                calls = {"fp32 (PyTorch)": functools.partial(_greedy_workbench, base, prompt, new_tokens)}
-                for f in formats:
-                    calls[f"{f} workbench"] = functools.partial(_greedy_workbench, smalls[f], prompt, new_tokens)
-                    calls[f"{f} llama.cpp"] = functools.partial(runtimes[f].greedy, prompt[0].tolist(), new_tokens)
-                with num_threads(n), torch.inference_mode():
-                    tokens = {p: c() for p, c in calls.items()}
-                    times = interleaved(calls, rounds, warmup=1)
-            finally:
-                for r in runtimes.values():
-                    r.close()
-            for p, t in times.items():
-                tps = [new_tokens / (v * 1e-3) for v in t]
-                f = p.split()[0]
-                other = f"{f} workbench" if p.endswith("llama.cpp") else f"{f} llama.cpp"
-                rows.append({"model": model, "threads": n, "path": p, "tokens_per_s": statistics.median(tps),
-                             "tokens_per_s_min": min(tps), "tokens_per_s_max": max(tps),
-                             "same_tokens_as_other_runtime": tokens[p] == tokens[other] if other in tokens else None,
-                             "new_tokens": new_tokens, "rounds": rounds})
+    try:
+        with tempfile.TemporaryDirectory(dir=folder) as tmp:
+            vocabulary = _vocabulary_folder(base, Path(tmp))
+            exported = {f: wb.export(smalls[f, workbench_kernels[0]] if f in bits else base, Path(tmp) / f,
+                                     format="gguf", base_folder=vocabulary) for f in formats}
+            paths = [_Path(BASELINE, "f32", "PyTorch", None, functools.partial(_greedy_workbench, base, prompt),
+                           weight_bytes_per_token(base) + kv_ours)]
+            for f in formats:
+                paths += [_Path(f"{f} workbench ({k})", f, "workbench", k,
+                                functools.partial(_greedy_workbench, smalls[f, k], prompt),
+                                weight_bytes_per_token(smalls[f, k]) + kv_ours) for k in workbench_kernels
+                          if f in bits]
+                paths.append(_Path(f"{f} llama.cpp", f, "llama.cpp", None, None,
+                                   gguf_bytes_per_token(exported[f]) + kv_theirs))
+            for n in threads:
+                rows += _time_paths(paths, exported, prompt, new_tokens, n, rounds, context, interleaved, num_threads)
+    finally:
+        smalls.clear()
+        del base
+        gc.collect()
     df = pd.DataFrame(rows)
-    fp32 = df[df["path"] == "fp32 (PyTorch)"].set_index("threads")["tokens_per_s"]
+    df.insert(0, "model", label)
+    df["new_tokens"], df["prompt_tokens"], df["rounds"] = new_tokens, prompt_tokens, rounds
+    fp32 = df[df["path"] == BASELINE].set_index("threads")["tokens_per_s"]
     df["vs_fp32"] = df["tokens_per_s"] / df["threads"].map(fp32)
+    theirs = df[df["runtime"] == "llama.cpp"].set_index(["threads", "format"])["tokens_per_s"]
+    keys = pd.MultiIndex.from_frame(df[["threads", "format"]])
+    df["vs_llama_cpp"] = (df["tokens_per_s"].to_numpy() / theirs.reindex(keys).to_numpy())
+    df.loc[df["runtime"] == "llama.cpp", "vs_llama_cpp"] = float("nan")
     return df
+
+
+def _time_paths(paths: list[_Path], exported: dict[str, Path], prompt: torch.Tensor, new_tokens: int, n: int,
+                rounds: int, context: int, interleaved, num_threads) -> list[dict]:
+    """One thread count: every path (whole call and prefill call) and the bandwidth probe in interleaved rounds."""
+    runtimes = {f: LlamaCpp(p, threads=n, context=context) for f, p in exported.items()}
+    ids = prompt[0].tolist()
+    probe = torch.ones(BANDWIDTH_BYTES // 4)                                   # (2**28,) fp32: 1 GiB
+    try:
+        runs = {p.label: p.run if p.run is not None else functools.partial(runtimes[p.format].greedy, ids)
+                for p in paths}
+        calls: dict = {}
+        for label, run in runs.items():
+            calls[label] = functools.partial(run, new_tokens)
+            calls[label, "prefill"] = functools.partial(run, 1)
+            if label == BASELINE:   # after PyTorch's calls, not llama.cpp's: its worker threads spin a while after a
+                calls["bandwidth"] = functools.partial(_read_bandwidth_probe, probe)   # call, taking a core
+        with num_threads(n), torch.inference_mode():
+            first = {k: c() for k, c in calls.items()}                        # the warm-up, and the tokens compared
+            times = interleaved(calls, rounds, warmup=0)
+    finally:
+        for r in runtimes.values():
+            r.close()
+        del probe
+    gbps = BANDWIDTH_BYTES / (statistics.median(times["bandwidth"]) * 1e-3) / 1e9
+    rows = []
+    for p in paths:
+        tps = [new_tokens / (v * 1e-3) for v in times[p.label]]
+        decode_s = (statistics.median(times[p.label]) - statistics.median(times[p.label, "prefill"])) * 1e-3
+        decode = (new_tokens - 1) / decode_s if decode_s > 0 else float("nan")
+        other = (next((q.label for q in paths if q.format == p.format and q.runtime != "llama.cpp"), None)
+                 if p.runtime == "llama.cpp" else f"{p.format} llama.cpp")
+        rows.append({"threads": n, "path": p.label, "format": p.format, "runtime": p.runtime, "kernel": p.kernel,
+                     "tokens_per_s": statistics.median(tps), "tokens_per_s_min": min(tps),
+                     "tokens_per_s_max": max(tps), "decode_tokens_per_s": decode,
+                     "same_tokens_as_other_runtime": first[p.label] == first[other] if other in first else None,
+                     "bytes_per_token": p.bytes_per_token, "bandwidth_GBps": gbps,
+                     "percent_of_ceiling": 100 * p.bytes_per_token * decode / (gbps * 1e9)})
+    return rows
 
 
 def main(argv=None) -> None:
@@ -221,15 +405,26 @@ def main(argv=None) -> None:
     from workbench.kernels.bench import environment
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="tiny-llama")
+    p.add_argument("--model", default="tiny-llama", help=f"a zoo name or {' / '.join(BUILT_IN)}")
+    p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    p.add_argument("--kernels", nargs="+", default=["auto"], help="the workbench rows' WeightOnly(kernel=...)")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--head", choices=["q8_0"], default=None,
+                   help="the quantized formats' head in int8 g32 too (Q8_0; an untied head only)")
     a = p.parse_args(argv)
     print(environment())
     print(f"llama-cpp-python {importlib.metadata.version('llama_cpp_python')}")
-    df = decode_table(a.model, threads=a.threads, new_tokens=a.new_tokens, rounds=a.rounds)
-    print(df.drop(columns=["model", "new_tokens", "rounds"]).to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+    df = decode_table(a.model, formats=a.formats, threads=a.threads, new_tokens=a.new_tokens,
+                      prompt_tokens=a.prompt_tokens, rounds=a.rounds, workbench_kernels=a.kernels, head=a.head)
+    print(f"{df['model'][0]}: greedy batch 1, {a.prompt_tokens}-token prompt, {a.new_tokens} new tokens, "
+          f"median of {a.rounds} interleaved rounds; read ceiling = torch.sum over 1 GiB fp32")
+    df["MB_per_token"] = df["bytes_per_token"] / 1e6
+    cols = ["threads", "path", "tokens_per_s", "decode_tokens_per_s", "vs_llama_cpp", "vs_fp32", "MB_per_token",
+            "bandwidth_GBps", "percent_of_ceiling", "same_tokens_as_other_runtime"]
+    print(df[cols].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
 
 
 if __name__ == "__main__":

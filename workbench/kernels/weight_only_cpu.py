@@ -57,10 +57,11 @@ Vector code chosen at run time (``cpu_isa()``; ``WORKBENCH_CPU_ISA`` caps it, `w
 for the decode path of 4- and 8-bit integer codes in whole 32-value groups (16 lanes; 4-bit codes meet x
 reordered to their nibble order instead of being put back in order) - except one row of x with 8-bit codes or
 4-bit codes in groups of 32, which the AVX2 code streams from L3 / memory faster (int4 g32 on 32000 x 2048:
-7.5 ms against 15 ms) -, AVX2 + FMA for the rest and on AVX2-only CPUs, a scalar loop elsewhere; ``isa=`` forces one for tests. The decode
-paths prefetch the weight a few KB ahead of the row they are on (one core's stream of a weight that is not in
-cache otherwise stalls on memory latency at a fraction of the bandwidth). Built on first use with
-``torch.utils.cpp_extension`` like `workbench.kernels.w8a8_cpu` (~20 s once, cached); no ``-march=native``.
+7.5 ms against 15 ms) -, AVX2 + FMA for the rest and on AVX2-only CPUs, a scalar loop elsewhere;
+``isa=`` forces one for tests. The decode paths prefetch the weight a few KB ahead of the row they are on (one
+core's stream of a weight that is not in cache otherwise stalls on memory latency at a fraction of the bandwidth).
+Built on first use with ``torch.utils.cpp_extension`` like `workbench.kernels.w8a8_cpu` (~20 s once, cached); no
+``-march=native``.
 """
 from __future__ import annotations
 

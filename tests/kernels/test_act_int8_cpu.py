@@ -154,3 +154,15 @@ def test_gemv_table_smoke():
     assert (df["ms"] > 0).all() and (df["GB_s"] > 0).all() and (df["bandwidth_GB_s"] > 0).all()
     codes_and_fp16_scales = 64 * 128 // 2 + 64 * 4 * 2
     assert df.set_index("path").loc["int4 g32 cpu-int8", "weight_bytes"] == codes_and_fp16_scales
+
+
+def test_a_failed_build_names_the_kernel_and_the_compilers_line():
+    from workbench.kernels._common import extension_or_raise
+
+    err = RuntimeError("Error building extension 'x'\nfoo.cpp:3: error: 'bar' was not declared\nninja: stopped")
+    with pytest.raises(RuntimeError, match=r"^act_int8_linear_cpu: the CPU int8-activation kernel is C\+\+ compiled "
+                                           r".* foo.cpp:3: error: 'bar' was not declared\. Use kernel='reference' or "
+                                           r"'cpu' on this machine\.$"):
+        extension_or_raise((None, err), "act_int8_linear_cpu", "CPU int8-activation kernel",
+                           "kernel='reference' or 'cpu'")
+    assert extension_or_raise(("module", None), "op", "kernel") == "module"

@@ -103,7 +103,7 @@ def test_bad_inputs_are_refused_by_name():
 def test_a_failed_build_says_what_is_missing(monkeypatch):
     monkeypatch.setattr(wk, "_build", lambda: (None, RuntimeError("Error building extension\nc++: not found")))
     _, w, _ = _layer(fm.IntFormat(4, 32), 16, 64)
-    with pytest.raises(RuntimeError, match="ninja and a C\\+\\+ compiler.*c\\+\\+: not found.*kernel='reference'"):
+    with pytest.raises(RuntimeError, match="a working C\\+\\+ compiler.*c\\+\\+: not found.*kernel=.reference."):
         wk.weight_only_linear_cpu(torch.randn(2, 64), w)
 
 

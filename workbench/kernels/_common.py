@@ -230,3 +230,17 @@ def extension_build_dir(name: str, source) -> str:
     path = Path(_get_build_directory(name, False)) / key
     path.mkdir(parents=True, exist_ok=True)
     return str(path)
+
+
+def extension_or_raise(result: tuple, op: str, what: str, instead: str = "kernel='reference'"):
+    """The compiled extension of a ``(module, None)`` / ``(None, error)`` build result (a kernel's ``_build()``), or
+    a RuntimeError naming ``op``, ``what`` failed to build and the compiler's first error line, and ``instead``."""
+    ext, err = result
+    if ext is None:
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        first = next((line for line in lines if "error" in line.lower() and "error building extension" not in
+                      line.lower()), lines[-1] if lines else type(err).__name__)[:300]   # the compiler's message
+        raise RuntimeError(f"{op}: the {what} is C++ compiled on first use (torch.utils.cpp_extension, which needs "
+                           f"ninja and a working C++ compiler); building it failed here: {first}. Use {instead} on "
+                           "this machine.") from err
+    return ext

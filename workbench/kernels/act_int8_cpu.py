@@ -37,6 +37,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from workbench.kernels._common import extension_or_raise
+
 __all__ = ["cpu_isa", "linear", "linear_unchecked", "load_extension", "reference", "round_activations",
            "round_activations_cpu", "rows_for", "supports", "unsupported_reason"]
 
@@ -99,15 +101,7 @@ def _build():
 
 def load_extension():
     """The compiled extension; raises a RuntimeError naming what is missing when it cannot be built here."""
-    ext, err = _build()
-    if ext is None:
-        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-        first = next((line for line in lines if "error" in line.lower() and "error building extension" not in
-                      line.lower()), lines[-1] if lines else type(err).__name__)[:300]
-        raise RuntimeError(f"{_OP}: the CPU int8-activation kernel is C++ compiled on first use "
-                           f"(torch.utils.cpp_extension: ninja and a C++ compiler); building it failed here: {first}. "
-                           "Use kernel='reference' or 'cpu' on this machine.") from err
-    return ext
+    return extension_or_raise(_build(), _OP, "CPU int8-activation kernel", "kernel='reference' or 'cpu'")
 
 
 def cpu_isa() -> str:

@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from workbench.kernels._common import check, check_same_device, extension_build_dir
+from workbench.kernels._common import check, check_same_device, extension_build_dir, extension_or_raise
 
 __all__ = ["w8a8_linear_cpu", "linear_unchecked", "reference", "cpu_isa", "load_extension", "ISAS"]
 
@@ -111,15 +111,7 @@ def _build():
 def load_extension():
     """The compiled extension (built on first use, then cached on disk); raises a RuntimeError that says what
     is missing when it cannot be built here."""
-    ext, err = _build()
-    if ext is None:
-        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-        first = next((line for line in lines if "error" in line.lower() and "error building extension" not in
-                      line.lower()), lines[-1] if lines else type(err).__name__)[:300]   # the compiler's message
-        raise RuntimeError(f"{_OP}: the CPU W8A8 kernel is C++ compiled on first use (torch.utils.cpp_extension, "
-                           f"which needs ninja and a working C++ compiler); building it failed here: {first}. "
-                           "Use kernel='reference' on this machine.") from err
-    return ext
+    return extension_or_raise(_build(), _OP, "CPU W8A8 kernel")
 
 
 def int8_dot_product() -> bool:

@@ -73,6 +73,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from workbench.kernels._common import extension_or_raise
+
 __all__ = [
     "ISAS",
     "PREFILL_ROWS",
@@ -319,15 +321,7 @@ def brgemm_available() -> bool:
 
 def load_extension():
     """The compiled extension; raises a RuntimeError naming what is missing when it cannot be built here."""
-    ext, err = _build()
-    if ext is None:
-        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-        first = next((line for line in lines if "error" in line.lower() and "error building extension" not in
-                      line.lower()), lines[-1] if lines else type(err).__name__)[:300]
-        raise RuntimeError(f"{_OP}: the CPU weight-only kernel is C++ compiled on first use "
-                           f"(torch.utils.cpp_extension: ninja and a C++ compiler); building it failed here: {first}. "
-                           "Use kernel='reference' on this machine.") from err
-    return ext
+    return extension_or_raise(_build(), _OP, "CPU weight-only kernel")
 
 
 def cpu_isa() -> str:

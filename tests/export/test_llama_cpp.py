@@ -245,7 +245,7 @@ def test_decode_table_user_model_and_kernels(tmp_path):
     """An nn.Module (without a zoo vocabulary) is timed too; each of ``workbench_kernels`` is its own row, the
     string handed to WeightOnly as it is."""
     df = decode_table(_llama_gqa(), formats=("q8_0",), threads=(2,), new_tokens=3, prompt_tokens=4, rounds=1,
-                      folder=tmp_path, workbench_kernels=("reference", "auto"))
+                      folder=tmp_path, compile=False, workbench_kernels=("reference", "auto"))
     assert list(df["path"]) == ["fp32 (PyTorch)", "q8_0 workbench (reference)", "q8_0 workbench (auto)",
                                 "q8_0 llama.cpp"]
     assert list(df["kernel"].iloc[1:3]) == ["reference", "auto"] and (df["threads"] == 2).all()
@@ -260,14 +260,14 @@ def test_decode_table_int8_head_and_the_cpu_int8_kernel(tmp_path):
     """``head="q8_0"``: the quantized formats' head in int8 g32 in both runtimes (Q8_0 in the file: fewer bytes a
     token than the fp32 head); a cpu-int8 row beside the exact kernel's; a tied head is refused by name."""
     df = decode_table(_llama_gqa(), formats=("q4_0",), threads=(1,), new_tokens=3, prompt_tokens=4, rounds=1,
-                      folder=tmp_path, workbench_kernels=("auto", "cpu-int8"), head="q8_0")
+                      folder=tmp_path, compile=False, workbench_kernels=("auto", "cpu-int8"), head="q8_0")
     assert list(df["path"]) == ["fp32 (PyTorch)", "q4_0 workbench (auto)", "q4_0 workbench (cpu-int8)",
                                 "q4_0 llama.cpp"]
     fp32_head = 4096 * 128 * 4
     ours = df.set_index("path")["bytes_per_token"]
     assert ours["q4_0 workbench (auto)"] == ours["q4_0 workbench (cpu-int8)"]
     plain = decode_table(_llama_gqa(), formats=("q4_0",), threads=(1,), new_tokens=3, prompt_tokens=4, rounds=1,
-                         folder=tmp_path).set_index("path")["bytes_per_token"]
+                         folder=tmp_path, compile=False).set_index("path")["bytes_per_token"]
     int8_head = 4096 * 128 + 4096 * 4 * 2   # codes + fp16 scales
     assert plain["q4_0 workbench (auto)"] - ours["q4_0 workbench (auto)"] == fp32_head - int8_head
     assert plain["q4_0 llama.cpp"] - ours["q4_0 llama.cpp"] == fp32_head - 4096 * 128 // 32 * 34   # Q8_0 blocks

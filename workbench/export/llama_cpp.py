@@ -228,10 +228,10 @@ class _Path:
     bytes_per_token: float     # weights + KV cache read per decode step
 
 
-def _greedy_workbench(model, prompt: torch.Tensor, new_tokens: int) -> list[int]:
+def _greedy_workbench(model, prompt: torch.Tensor, new_tokens: int, compile: bool = True) -> list[int]:
     from workbench.measurement.decode import greedy
 
-    return greedy(model, prompt, new_tokens)[0, prompt.shape[1]:].tolist()
+    return greedy(model, prompt, new_tokens, compile=compile)[0, prompt.shape[1]:].tolist()
 
 
 def _read_bandwidth_probe(x: torch.Tensor) -> float:
@@ -257,7 +257,7 @@ def _vocabulary_folder(model: nn.Module, tmp: Path) -> Path | None:
 def decode_table(model: str | nn.Module = "tiny-llama", formats: Sequence[str] = ("f32", "q8_0", "q4_0"),
                  threads: Sequence[int] = (1, 2), new_tokens: int = 64, prompt_tokens: int = 32, rounds: int = 5,
                  folder: str | os.PathLike | None = None, workbench_kernels: Sequence[str] = ("auto",),
-                 head: str | None = None):
+                 head: str | None = None, compile: bool = True):
     """Tokens per second of greedy batch-1 decoding of the same weights in llama.cpp (from the workbench's GGUF) and
     in the workbench, and fp32 in PyTorch as the baseline, beside the machine's read-bandwidth ceiling: for each
     thread count every path and the bandwidth probe run in interleaved rounds (`workbench.kernels.bench_cpu.
@@ -270,7 +270,9 @@ def decode_table(model: str | nn.Module = "tiny-llama", formats: Sequence[str] =
     fp32 in both runtimes), one workbench row per ``k`` in ``workbench_kernels`` (passed through as is), labelled
     ``"q4_0 workbench (auto)"``. ``head="q8_0"``: the quantized formats' ``lm_head`` in ``WeightOnly(bits=8,
     group_size=32, kernel=k)`` too (Q8_0 in the GGUF; llama.cpp's own quantized files keep the head above the
-    layers' bits, Q6_K for Q4_0), for a model whose head is not tied to its embedding.
+    layers' bits, Q6_K for Q4_0), for a model whose head is not tied to its embedding. ``compile``: whether the
+    workbench's decode step is compiled (`workbench.measurement.decode`; False: its eager static-cache loop - for
+    tests, not for figures).
 
     Columns: ``tokens_per_s`` = new tokens / the whole call (prompt included, as a user sees it);
     ``decode_tokens_per_s`` = ``(new_tokens - 1) / (median call - median prefill call)``, the prefill call (prompt
@@ -333,11 +335,12 @@ def decode_table(model: str | nn.Module = "tiny-llama", formats: Sequence[str] =
             vocabulary = _vocabulary_folder(base, Path(tmp))
             exported = {f: wb.export(smalls[f, workbench_kernels[0]] if f in bits else base, Path(tmp) / f,
                                      format="gguf", base_folder=vocabulary) for f in formats}
-            paths = [_Path(BASELINE, "f32", "PyTorch", None, functools.partial(_greedy_workbench, base, prompt),
+            paths = [_Path(BASELINE, "f32", "PyTorch", None,
+                           functools.partial(_greedy_workbench, base, prompt, compile=compile),
                            weight_bytes_per_token(base) + kv_ours)]
             for f in formats:
                 paths += [_Path(f"{f} workbench ({k})", f, "workbench", k,
-                                functools.partial(_greedy_workbench, smalls[f, k], prompt),
+                                functools.partial(_greedy_workbench, smalls[f, k], prompt, compile=compile),
                                 weight_bytes_per_token(smalls[f, k]) + kv_ours) for k in workbench_kernels
                           if f in bits]
                 paths.append(_Path(f"{f} llama.cpp", f, "llama.cpp", None, None,

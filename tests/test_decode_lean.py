@@ -57,6 +57,10 @@ def test_static_cache_loop_gives_generates_tokens(variants, name):
 # int4 (the custom op in the graph) in the fast tier: its compile takes ~4-12 s; fp32's ~25 s on a cold cache (int8
 # runs the same op as int4: its eager loop is checked above)
 @pytest.mark.parametrize("name", [pytest.param("fp32", marks=pytest.mark.slow), "int4 g32"])
+@pytest.mark.xfail(torch.backends.cpu.get_cpu_capability() == "AVX2", strict=False,
+                   reason="as an AVX2 CPU (ATEN_CPU_CAPABILITY=avx2 on an AVX-512 Xeon) the compiled step's tokens "
+                          "differ from the eager step's from the first new token on: the check falls back to the "
+                          "eager step with a warning (correct tokens, path STATIC_CACHE); open on issue 36")
 def test_compiled_loop_gives_generates_tokens_and_compiles_once(variants, name):
     model = variants[name]
     with num_threads(1):

@@ -70,3 +70,18 @@ def test_avx512_class_has_no_amx():
     native = _probe("native")[1]
     for key in ("wo_isa", "w8_isa", "brgemm", "bf16", "dot", "int_mm_exact", "aten"):
         assert found[key] == native[key], key   # only AMX differs from this CPU
+
+
+def test_a_capped_aten_capability_gets_an_inductor_cache_of_its_own(monkeypatch):
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    assert isa.inductor_cache_per_capability() is None and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    folder = isa.inductor_cache_per_capability()
+    assert folder == os.environ["TORCHINDUCTOR_CACHE_DIR"] == f"{default_cache_dir()}-aten-avx2"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())   # torch's own default: replaced too
+    assert isa.inductor_cache_per_capability() == folder
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/mine")   # the user's own choice is kept
+    assert isa.inductor_cache_per_capability() is None and os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere/mine"

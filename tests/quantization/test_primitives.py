@@ -18,6 +18,7 @@ from workbench.quantization.primitives import (
     from_groups,
     nf4_codebook,
     nf4_dequantize,
+    nf4_quantiles,
     nf4_quantize,
     qrange,
     quantize_affine,
@@ -104,6 +105,7 @@ def test_nf4_codebook_matches_qlora():
                  0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
                  0.7229568362236328, 1.0]
     torch.testing.assert_close(nf4_codebook(), torch.tensor(published), rtol=0, atol=1e-6)
+    assert torch.equal(nf4_codebook(), nf4_quantiles())   # the constants are the derivation's fp32 values
 
 
 def test_nf4_beats_int4_on_normal_weights(w):

@@ -186,6 +186,9 @@ def _torchao_call(name: str, lin, x: torch.Tensor, compile: bool):
     """(callable or None, note) running torchao's layer on x, compiled (fresh dynamo state) if asked."""
     try:
         if compile:
+            from workbench.kernels.isa import inductor_cache_per_capability
+
+            inductor_cache_per_capability()
             torch._dynamo.reset()
             fn = torch.compile(lin)
         else:

@@ -25,7 +25,7 @@ import os
 from types import MappingProxyType
 from typing import Mapping
 
-__all__ = ["ENV", "CAPS", "EMULATED", "isa_cap", "environment", "env_args"]
+__all__ = ["ENV", "CAPS", "EMULATED", "isa_cap", "environment", "env_args", "inductor_cache_per_capability"]
 
 ENV = "WORKBENCH_CPU_ISA"
 CAPS = ("auto", "avx512", "avx2", "scalar")
@@ -71,6 +71,27 @@ def env_args(name: str) -> list[str]:
         raise ValueError(f"unknown CPU class {name!r}; one of {', '.join(EMULATED)}")
     unset = sorted({k for caps in EMULATED.values() for k in caps} - set(EMULATED[name]))
     return [a for k in unset for a in ("-u", k)] + [f"{k}={v}" for k, v in EMULATED[name].items()]
+
+
+def inductor_cache_per_capability() -> str | None:
+    """Under ``ATEN_CPU_CAPABILITY`` (and no ``TORCHINDUCTOR_CACHE_DIR`` of the user's other than the default),
+    point inductor's on-disk cache at a folder of that capability's own, beside the default one; returns the folder
+    set, or None.
+
+    Inductor's cache does not keep the capability apart (torch 2.13): a process capped to AVX2 loaded the compiled
+    graphs an uncapped one had written, and the reverse; the compiled Llama decode step then gave wrong tokens
+    (AVX2) or corrupted the heap (``malloc(): unaligned tcache chunk detected``, uncapped). Called before
+    ``torch.compile`` runs (`workbench.measurement.decode`); inductor reads the variable when it first needs it."""
+    cap = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    if not cap:
+        return None
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    # (torch writes the default into the variable when it first asks for the folder: that is not the user's)
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) != default_cache_dir():
+        return None
+    folder = os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default_cache_dir()}-aten-{cap}"
+    return folder
 
 
 if __name__ == "__main__":   # `env $(python -m workbench.kernels.isa avx2) CMD`: CMD as an AVX2-only CPU runs it

@@ -209,6 +209,9 @@ class _LeanDecoder:
         self.caches: dict[int, Any] = {}
         self.step: Callable = _decode_step
         if compile:
+            from workbench.kernels.isa import inductor_cache_per_capability
+
+            inductor_cache_per_capability()   # (a capped ATen capability: a cache of its own)
             # a fresh code object per model: dynamo keeps compiled code per code object, up to its recompile limit
             # (8), after which it runs eagerly - one per model, so no model's step evicts another's
             code = _decode_step.__code__.replace()

@@ -90,7 +90,8 @@ _READS = frozenset({"__getitem__", "view", "reshape", "transpose", "t", "permute
 
 def _in_place(func) -> bool:
     name = getattr(func, "__name__", "")
-    return name.endswith("_") and not name.endswith("__") or name in ("__setitem__", "__iadd__", "__imul__")
+    # (slices, not str.endswith: torch.compile cannot trace that method inside a model's forward)
+    return name[-1:] == "_" and name[-2:] != "__" or name in ("__setitem__", "__iadd__", "__imul__")
 
 
 def _other_floating_dtype(args, kwargs) -> torch.dtype | None:

@@ -34,7 +34,7 @@ __all__ = [
     "PerTensor", "PerChannel", "PerGroup", "PerToken", "Granularity",
     "qrange", "to_groups", "from_groups", "choose_qparams", "quantize", "dequantize", "fake_quantize",
     "quantize_affine", "dequantize_affine", "float8_quantize", "float8_dequantize", "FLOAT8_DTYPES",
-    "nf4_codebook", "nf4_codes", "nf4_quantize", "nf4_dequantize", "fp16_scale",
+    "nf4_codebook", "nf4_quantiles", "nf4_codes", "nf4_quantize", "nf4_dequantize", "fp16_scale",
     "quantize_per_token", "quantize_per_tensor", "sqnr",
 ]
 
@@ -204,9 +204,9 @@ def float8_dequantize(q: torch.Tensor, scale: torch.Tensor, granularity: Granula
 # --- NF4 ----------------------------------------------------------------------------------------------
 
 @functools.cache
-def nf4_codebook() -> torch.Tensor:
-    """The 16 NF4 values (QLoRA, Dettmers et al. 2023): quantiles of N(0, 1) with an exact zero,
-    8 positive and 7 negative levels, normalised to [-1, 1]."""
+def nf4_quantiles() -> torch.Tensor:
+    """The NF4 codebook derived (QLoRA, Dettmers et al. 2023): quantiles of N(0, 1) with an exact zero, 8 positive
+    and 7 negative levels, normalised to [-1, 1]; fp32, ascending. `nf4_codebook` holds its values as constants."""
     from scipy.stats import norm
 
     offset = 0.9677083  # QLoRA's choice: the outermost quantile, (1 - 1/(2*15) + 1 - 1/(2*16)) / 2
@@ -214,6 +214,19 @@ def nf4_codebook() -> torch.Tensor:
     neg = -norm.ppf(torch.linspace(offset, 0.5, 8)[:-1].numpy())
     values = torch.tensor(sorted([*pos.tolist(), 0.0, *neg.tolist()]), dtype=torch.float64)
     return (values / values.abs().max()).float()
+
+
+# `nf4_quantiles()` as fp32 constants (a test checks they are equal): no scipy call in a layer's forward, which
+# torch.compile could not trace (the compiled decode step fell back to eager for NF4 models)
+_NF4_VALUES = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+               -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+               0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+               0.7229568362236023, 1.0)
+
+
+def nf4_codebook() -> torch.Tensor:
+    """The 16 NF4 values, fp32, ascending (`nf4_quantiles`)."""
+    return torch.tensor(_NF4_VALUES, dtype=torch.float32)
 
 
 def nf4_codes(xg: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -271,7 +271,7 @@ def test_python_snippets_run_in_order(tmp_path):
                        check=False)
     assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
     assert r.stdout.count(">>>") == len(blocks)
-    assert (tmp_path / "out.safetensors").is_file() and (tmp_path / "reports" / "sweep.csv").is_file()
+    assert (tmp_path / "reports" / "small.safetensors").is_file() and (tmp_path / "reports" / "sweep.csv").is_file()
     assert "gptq_plan" in r.stdout and "small" in r.stdout
 
 

@@ -27,3 +27,24 @@ def test_comparison_bars_grid_and_error_bars(digits_mlp, digits_task):
     assert list(quality.error_y.array) == pytest.approx([reference.primary_error, result.primary_error])
     assert quality.text[0] == _plain(reference.primary_value)
     assert all("e+" not in t for bar in fig.data for t in bar.text)
+    # speed from one regime: the paired speedup (the verdict's numbers), not two latencies measured apart
+    speed = fig.data[1]
+    assert titles[1].startswith("speedup over fp32") and "paired rounds" in titles[1]
+    assert list(speed.y) == pytest.approx([1.0, result.speedup.ratio])
+    assert speed.error_y.array[1] == pytest.approx(result.speedup.high - result.speedup.ratio)
+    assert speed.customdata[1] == result.speedup.verdict
+
+
+def test_comparison_bars_label_latencies_measured_apart_and_clip_a_wide_interval(digits_mlp, digits_task):
+    import dataclasses
+
+    reference = wb.measure(digits_mlp, digits_task, quick=True, threads=1)
+    other = wb.measure(digits_mlp, digits_task, quick=True, threads=1)
+    fig = wb.plots.comparison_bars([reference, other], labels=["a", "b"])
+    assert fig.layout.annotations[1].text == "latency, ms (lower is better), each measured apart"
+    assert list(fig.data[1].y) == pytest.approx([reference.latency_ms, other.latency_ms])
+    # one interval reaching to 15x while the bar sits near 1: the axis stops at twice the tallest bar
+    wide = dataclasses.replace(other, speedup=wb.measurement.Speedup(1.1, 0.3, 15.0, 1.0, 1.1, 8, 1))
+    fig = wb.plots.comparison_bars([reference, wide], labels=["a", "b"])
+    assert tuple(fig.layout.yaxis2.range) == pytest.approx((0, 2.2))
+    assert fig.data[1].text[1].startswith("~1.10x")

@@ -227,3 +227,13 @@ def test_export_model_button_writes_the_measured_model(app, tmp_path, monkeypatc
     app.export_model_button.click()
     assert "TypeError: gguf export needs a Hugging Face model" in app.status.value, app.status.value
     assert not (tmp_path / "reports" / "exports" / "digits-mlp-gguf").exists()
+
+
+def test_speedup_axis_is_not_stretched_by_one_wide_interval():
+    from workbench.ui.app import _clip_to_points, _fit
+
+    points = [0.97, 1.02, 1.05]
+    ends = [*points, 1.1, 1.08, 15.0, 0.9, 0.95, 0.2]    # one interval reaching to 15x, one down to 0.2x
+    low, high = _fit(_clip_to_points(ends, points), floor=0.0)
+    assert 0.0 <= low < 0.97 and 1.05 < high < 2.0          # the points fill the chart, 15x does not
+    assert _clip_to_points([3.0, 2.5], [3.0]) == [3.0, 2.5]   # values within reach are kept

@@ -24,7 +24,7 @@ from torch import nn
 
 from workbench.analysis.executors import Executor, InProcess, get_executor
 from workbench.plans.plan import Plan
-from workbench.plans.registry import handler_for
+from workbench.plans.registry import config_to_dict, handler_for
 from workbench.tasks.base import Task, check_model
 
 __all__ = ["sweep", "pareto", "save_results", "load_results"]
@@ -104,14 +104,16 @@ def sweep(model: nn.Module, task: Task | str, plans: Mapping[str, Plan] | Sequen
           baseline: str | None = "reference", quick: bool = False, calibration: int | Sequence | None = 64,
           batch_size: int | None = None, threads: int | None = None, executor: Executor | str | None = None,
           path: str | Path | None = None, progress: bool = True):
-    """Measure each plan (and, unless ``baseline=None``, the unchanged model) on ``task``: one row per plan,
-    columns ``pareto_size`` / ``pareto_latency`` marking the fronts of the primary metric against size and
-    latency. ``path``: also write the table there (see `save_results`). Interrupting returns (and
-    saves) the rows measured so far with ``df.attrs["complete"] = False``."""
-    import pandas as pd
+    """Measure each plan (and, unless ``baseline=None``, the unchanged model) on ``task``: one row per plan, columns
+    ``pareto_size`` / ``pareto_latency`` marking the fronts of the primary metric against size and latency. Plans
+    that give the same model (the same layers with the same configs, e.g. a report's plan and the uniform plan it
+    equals) are measured once: the first one's row, the others' labels in ``same_as``. ``path``: also write the
+    table there (see `save_results`). Interrupting returns (and saves) the rows measured so far with
+    ``df.attrs["complete"] = False``."""
     from tqdm.auto import tqdm
 
     from workbench import tasks
+    from workbench.measurement.table import MetricsTable
 
     check_model(model)
     if isinstance(task, str):
@@ -123,12 +125,20 @@ def sweep(model: nn.Module, task: Task | str, plans: Mapping[str, Plan] | Sequen
         if baseline in dict(items):
             raise ValueError(f"a plan is labelled {baseline!r}, the baseline's label; pass baseline=<another label>")
         items.insert(0, (baseline, None))
+    same: dict[str, list[str]] = {}   # label -> labels of the plans that are the same model (measured once)
+    seen: dict[str, str] = {}
     for label, plan in items:  # resolve up front: a typo fails before anything is measured
         if plan is not None:
             try:
-                plan.resolve(model)
+                key = json.dumps(sorted((a.name, config_to_dict(a.config) if a.config is not None else None)
+                                        for a in plan.resolve(model)), default=str)
             except ValueError as e:
                 raise ValueError(f"sweep plan {label!r}: {e}") from None
+            if key in seen:   # the same layers with the same configs as an earlier plan: one row, both labels
+                same.setdefault(seen[key], []).append(label)
+                continue
+            seen[key] = label
+    items = [(label, plan) for label, plan in items if not any(label in v for v in same.values())]
     opts = _SweepOptions(quick, calibration, batch_size, threads)
     runner = get_executor(executor)
     jobs = [(model, task, label, plan, opts) for label, plan in items]
@@ -145,8 +155,9 @@ def sweep(model: nn.Module, task: Task | str, plans: Mapping[str, Plan] | Sequen
         warnings.warn(f"sweep interrupted after {len(rows)} of {len(jobs)} plans; returning those", stacklevel=2)
     finally:
         bar.close()
-    df = pd.DataFrame([rows[i] for i in sorted(rows)])
+    df = MetricsTable([rows[i] for i in sorted(rows)])   # (a DataFrame, formatted with units on screen)
     if len(df):
+        df["same_as"] = [", ".join(same.get(label, [])) for label in df["label"]]
         first = ["label", "techniques"]
         df = df[first + [c for c in df.columns if c not in first]]
     df.attrs.update(task=task.name, primary=task.primary.name, complete=complete,

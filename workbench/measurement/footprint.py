@@ -74,7 +74,6 @@ def bytes_by_dtype(model: nn.Module) -> dict[str, int]:
 
 def layer_table(model: nn.Module):
     """One row per leaf module that owns tensors: name, type, parameters, bytes, dtypes (a DataFrame)."""
-    import pandas as pd
 
     rows = []
     for name, module in model.named_modules():
@@ -92,7 +91,9 @@ def layer_table(model: nn.Module):
             "bytes": nbytes,
             "dtypes": ",".join(sorted({str(t.dtype).removeprefix("torch.") for t in tensors})),
         })
-    return pd.DataFrame(rows, columns=["layer", "type", "shape", "params", "bytes", "dtypes"])
+    from workbench.measurement.table import MetricsTable
+
+    return MetricsTable(rows, columns=["layer", "type", "shape", "params", "bytes", "dtypes"])
 
 
 @dataclass(frozen=True)

@@ -221,18 +221,22 @@ def measure(model: nn.Module, task: Task | str, *, batch_size: int | None = None
 def compare(*metrics: Metrics, labels: list[str] | None = None):
     """A DataFrame with one row per `Metrics` (``labels`` name the rows), plus ratios to the first row.
 
-    ``speedup`` comes from each row's side-by-side measurement (``wb.measure(..., baseline=first_model)``) with
-    its interval and verdict; a row without one shows the ratio of latencies measured separately, and its
-    verdict says so (such a ratio can be noise). ``slowdown_reason`` says why a slower row is slower
-    (`slowdown_note`). ``<metric>_error`` is the 95 % sampling error of a quality metric where the task states
-    one, and ``quality_change`` reads the primary metric against the first row: a difference inside the
-    combined error is "within sampling error", never a loss or a gain."""
-    import pandas as pd
+    ``speedup`` comes from each row's side-by-side measurement (``wb.measure(..., baseline=first_model)``) with its
+    interval and verdict; a row without one shows the ratio of latencies measured separately, and its verdict says
+    so (such a ratio can be noise). ``slowdown_reason`` says why a slower row is slower (`slowdown_note`).
+    ``same_rounds_reference_ms``: the first row's latency in the rounds that timed this row (a paired row's
+    ``latency_ms`` comes from those rounds too; the first row's own ``latency_ms`` is its own measurement, so on a
+    busy machine the two can differ). Returns a `MetricsTable` (a DataFrame; numbers formatted with units in a
+    notebook). ``<metric>_error`` is the 95 % sampling error of a quality metric where the task states one, and
+    ``quality_change`` reads the primary metric against the first row: a difference inside the combined error is
+    "within sampling error", never a loss or a gain."""
 
     if not metrics:
         raise ValueError("compare needs at least one Metrics")
+    from workbench.measurement.table import MetricsTable
+
     rows = [m.to_dict() for m in metrics]
-    df = pd.DataFrame(rows, index=labels or [f"{i}: {m.model}" for i, m in enumerate(metrics)])
+    df = MetricsTable(rows, index=labels or [f"{i}: {m.model}" for i, m in enumerate(metrics)])
     base = metrics[0]
     df["size_ratio"] = df["size_bytes"] / base.size_bytes
     separate = base.latency_ms / df["latency_ms"]
@@ -249,10 +253,14 @@ def compare(*metrics: Metrics, labels: list[str] | None = None):
                 df.loc[idx, "speedup"] = separate.iloc[i]
                 df.loc[idx, "speedup_verdict"] = ("latencies measured separately, not side by side: may be noise "
                                                   "(measure with baseline= for an interval)")
+    # the first row's latency in the same paired rounds as each row's: read beside latency_ms, one regime
+    df["same_rounds_reference_ms"] = [m.speedup.baseline_ms if i and m.speedup is not None else None
+                                      for i, m in enumerate(metrics)]
     df["slowdown_reason"] = [slowdown_note(m, separate.iloc[i] if i else None) for i, m in enumerate(metrics)]
     df["quality_change"] = ["reference" if i == 0 else quality_change(m, base) for i, m in enumerate(metrics)]
     errors = [f"{k}_error" for k in base.quality if f"{k}_error" in df.columns]
-    cols = ["model", *base.quality.keys(), *errors, "quality_change", "latency_ms", "latency_p90_ms", "speedup",
+    cols = ["model", *base.quality.keys(), *errors, "quality_change", "latency_ms", "same_rounds_reference_ms",
+            "latency_p90_ms", "speedup",
             "speedup_low", "speedup_high", "speedup_verdict", "slowdown_reason", "size_bytes", "size_ratio",
             "peak_memory_bytes", "batch_size", "threads", "device"]
     return df[[c for c in cols if c in df.columns]]

@@ -212,6 +212,9 @@ class Workbench:
                 (f"<br>{primary} ± {err:.2g} (sampling error, 95 %)" if err else "")
                 for i, (e, err) in enumerate(zip(h, ye))]
         xs = [*df["x"], *(df["x"] + pd.Series(hi)), *(df["x"] - pd.Series(lo))]
+        if kind != "size":   # one wide interval must not squeeze every point into a corner: ends past twice the
+            #                   points' own span are cut at the axis edge (the hover gives the whole interval)
+            xs = _clip_to_points(xs, list(df["x"]))
         ys = [*df["y"], *(df["y"] + pd.Series(ye)), *(df["y"] - pd.Series(ye))]
         return {"x": list(df["x"]), "y": list(df["y"]), "hi": hi, "lo": lo, "ye": ye, "text": text,
                 "fx": list(front["x"]), "fy": list(front["y"]), "lx": [df["x"].iloc[-1]], "ly": [df["y"].iloc[-1]],
@@ -502,6 +505,21 @@ def _fit(values: list[float], floor: float | None = None) -> list[float] | None:
     pad = (hi - lo) * 0.08 if hi > lo else max(abs(hi) * 0.02, 1e-3)
     low = lo - pad if floor is None or lo - pad >= floor or lo < floor else floor
     return [low, hi + pad]
+
+
+def _clip_to_points(values: list[float], points: list[float], reach: float = 2.0) -> list[float]:
+    """``values`` (points and their interval ends) limited to the points' span widened ``reach`` times on each
+    side (at least 0.25 around 1, the unchanged model): an axis range for ratios that one noisy interval cannot
+    stretch to 15x while every point sits near 1."""
+    import math
+
+    finite = [p for p in points if isinstance(p, (int, float)) and math.isfinite(p)]
+    if not finite:
+        return values
+    lo, hi = min(*finite, 1.0), max(*finite, 1.0)
+    span = max(hi - lo, 0.25)
+    low, high = max(lo - reach * span, 0.0), hi + reach * span
+    return [min(max(v, low), high) if isinstance(v, (int, float)) and math.isfinite(v) else v for v in values]
 
 
 def _count(n: int, noun: str) -> str:

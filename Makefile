@@ -29,6 +29,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/pip install triton==3.9.0
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(BIN)/pip install -c constraints.txt \
 	  -e ".[dev,ray,llama]"
+	$(BIN)/python -m workbench.kernels.build
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -101,3 +101,35 @@ def test_quick_measure_with_baseline_stays_honest(digits_mlp, digits_task):
     assert not s.changed and abs(s.ratio - 1) < s.min_effect, str(s)
     assert s.rounds >= 6 and m.latency_runs == s.rounds == len(s.model_times_ms)
     assert m.latency_ms == pytest.approx(s.model_ms)
+
+
+def test_rounds_that_collapse_are_counted_and_void_the_verdict():
+    from workbench.measurement.speedup import MAX_DISTURBED, Speedup, disturbed_rounds
+
+    quiet = [1.0, 1.1, 0.9, 1.05] * 5
+    assert disturbed_rounds(quiet, quiet) == 0
+    busy = [*quiet[:16], 40.0, 1.0, 1.0, 25.0]          # two calls waited for a core
+    assert disturbed_rounds(busy, quiet) == 2 and disturbed_rounds(quiet, busy) == 2
+    # the reading: an unchanged model at "51x [1.13, 239]" from rounds that collapsed
+    s = Speedup(51.0, 1.13, 239.0, 0.02, 1.0, 20, 2, disturbed=9)
+    assert not s.reliable and not s.changed and not s.faster
+    assert s.verdict.startswith("no reliable reading: 9 of 20 rounds") and "other work competes" in s.verdict
+    assert s.to_dict()["speedup_disturbed_rounds"] == 9
+    few = Speedup(2.0, 1.8, 2.2, 1.0, 2.0, 20, 1, disturbed=int(MAX_DISTURBED * 20))
+    assert few.reliable and few.faster                  # a stray round is the median's business, not a veto
+
+
+def test_an_unchanged_model_on_oversubscribed_cores_reads_no_gain():
+    # three busy processes on the machine's cores and two threads for the model: single calls wait 5-100x
+    model = mlp(512)
+    x = (torch.randn(16, 256),)
+    code = "import time\nt = time.time()\nwhile time.time() - t < 8: pass"
+    burners = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(3)]
+    try:
+        s = wb.speedup(copy.deepcopy(model), model, x, threads=2, budget_s=2.0)
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait()
+    assert not s.changed, str(s)
+    assert s.reliable or s.verdict.startswith("no reliable reading"), str(s)

@@ -7,6 +7,11 @@ Minimise ``sum(loss)`` subject to ``sum(cost) <= budget``: solved exactly as a 0
 `scipy.optimize.milp` (HiGHS); among equally good solutions the cheapest is taken. Losses are assumed to
 add up, which is only a prediction - so the chosen plan is then applied and measured, and the report puts
 predicted and measured quality (and cost) side by side.
+
+Verification measures on the evaluation the user reads (the task's full test set, ``verify="full"``, the
+default), or on the quick subset, or on both side by side. Each measured quality carries its 95 % sampling
+error (`workbench.measurement.sampling`); two plans whose difference lies inside the combined error *tie*,
+and the cheapest plan that no other plan beats beyond the error is the one returned and recommended.
 """
 from __future__ import annotations
 
@@ -27,6 +32,8 @@ __all__ = ["Budget", "SearchReport", "search", "solve", "uniform_plans"]
 RESOURCES = {"size_bytes": ("size_before", "size_after", "bytes"),
              "latency_ms": ("latency_before_ms", "latency_after_ms", "ms")}
 KEEP = "keep"
+VERIFY = ("full", "quick", "both")   # which evaluation(s) `search` verifies on; "full" decides wherever measured
+EVALUATION = {"full": "the full evaluation", "quick": "the quick subset"}
 
 
 @dataclass(frozen=True)
@@ -137,7 +144,12 @@ def uniform_plans(table) -> dict[str, Plan]:
 
 @dataclass
 class SearchReport:
-    """What `search` chose, what it predicted and what was measured."""
+    """What `search` chose, what it predicted and what was measured.
+
+    ``measured_quality`` comes with ``measured_error``, the 95 % half-width of its sampling error (nan where the
+    task states none), measured on ``evaluation`` ("full": the task's full test set, "quick": its quick subset;
+    "" when not verified). ``verified`` has one row per measured plan; ``recommendation`` says which plan is
+    returned and why: differences inside the sampling error are ties, and the cheapest tied plan wins."""
 
     budget: Budget
     limit: float
@@ -149,19 +161,25 @@ class SearchReport:
     predicted_quality: float
     predicted_cost: float
     choices: Any                     # DataFrame: layer, option, loss, cost
-    measured: Any = None             # Metrics of the applied plan (verify=True)
+    measured: Any = None             # Metrics of the applied plan (verify=True) on `evaluation`
     measured_quality: float = float("nan")
     measured_cost: float = float("nan")
     notes: list[str] = field(default_factory=list)
     verified: Any = None             # DataFrame: each plan measured, predicted vs measured, which was chosen
+    measured_error: float = float("nan")   # 95 % half-width of measured_quality's sampling error
+    evaluation: str = ""             # "full" or "quick": what `measured` was measured on ("" = not verified)
+    measured_quick: Any = None       # Metrics on the quick subset, beside the full ones (verify="both")
+    recommendation: str = ""         # which plan is returned, and why (ties, cost)
+    base_quick: bool | None = None   # whether base/predicted quality come from the quick subset (None: unknown)
 
     def summary(self):
-        """Predicted vs measured quality and cost, one row each."""
+        """Predicted vs measured quality and cost, one row each (``± (95 %)``: the sampling error)."""
         import pandas as pd
 
         unit = RESOURCES[self.budget.resource][2]
         return pd.DataFrame(
             {self.metric: [self.base_quality, self.predicted_quality, self.measured_quality],
+             f"{self.metric} ± (95 %)": [float("nan"), float("nan"), self.measured_error],
              f"cost ({unit})": [self.current, self.predicted_cost, self.measured_cost],
              f"budget ({unit})": [self.limit] * 3},
             index=["reference", "predicted", "measured"])
@@ -169,12 +187,44 @@ class SearchReport:
     def __str__(self) -> str:
         unit = RESOURCES[self.budget.resource][2]
         counts = self.choices["option"].value_counts().to_dict()
+        source = ("" if self.base_quick is None else
+                  f" ({EVALUATION['quick' if self.base_quick else 'full']}, as the sensitivity)")
+        if self.evaluation:
+            measured = (f"measured {_pm(self.measured_quality, self.measured_error)} "
+                        f"({EVALUATION[self.evaluation]})")
+        else:
+            measured = "not measured (verify=False)"
         lines = [f"search under {self.budget} = {self.limit:,.6g} {unit} (minimum {self.minimum:,.6g}, "
                  f"now {self.current:,.6g}): {counts}",
-                 f"{self.metric}: reference {self.base_quality:.4f}, predicted {self.predicted_quality:.4f}, "
-                 f"measured {self.measured_quality:.4f}",
+                 f"{self.metric}: reference {self.base_quality:.4f}, predicted {self.predicted_quality:.4f}"
+                 f"{source}, {measured}",
                  f"{unit}: predicted {self.predicted_cost:,.6g}, measured {self.measured_cost:,.6g}"]
+        v = self.verified
+        if self.evaluation and v is not None and len(v):
+            lines.append(f"plans measured on {EVALUATION[self.evaluation]} ({self.metric} ± 95 % sampling error):")
+            width = max(len(str(p)) for p in v["plan"])
+            for _, row in v.iterrows():
+                quick = (f"   quick subset {_pm(row['measured_quick'], row['measured_quick_error'])}"
+                         if "measured_quick" in v.columns else "")
+                cost = row["measured_cost"] if self.budget.resource == "size_bytes" else row["predicted_cost"]
+                mark = "   <- recommended" if row["chosen"] else ("" if row["fits"] else "   (over the budget)")
+                lines.append(f"  {str(row['plan']):<{width}}  {_pm(row['measured'], row['measured_error'])}"
+                             f"{quick}   {cost:,.6g} {unit}{mark}")
+        if self.recommendation:
+            lines.append(self.recommendation)
         return "\n".join(lines + self.notes)
+
+
+def _pm(value: float, error: float | None) -> str:
+    """"0.9722 ± 0.014", or the bare value where the sampling error is unknown."""
+    if error is None or not np.isfinite(error):
+        return f"{value:.4f}"
+    return f"{value:.4f} ± {_err(error)}"
+
+
+def _err(error: float) -> str:
+    """Two significant figures, trailing zeros kept: 0.010, 0.014, 12."""
+    return f"{error:#.2g}".rstrip(".")
 
 
 def _searched_cost(model: nn.Module, task: Task, layers: Sequence[str], resource: str, batch_size=None) -> float:
@@ -188,19 +238,24 @@ def _searched_cost(model: nn.Module, task: Task, layers: Sequence[str], resource
 
 
 def search(model: nn.Module, task: Task | str, candidates: Sequence[Config] | Mapping[str, Config],
-           budget: Budget | int, *, table=None, layers=None, keep: bool = True, verify: bool = True,
+           budget: Budget | int, *, table=None, layers=None, keep: bool = True, verify: bool | str = True,
            calibration: int | Sequence | None = 32, quick: bool = True, progress: bool = True, n_verify: int = 3,
            **sensitivity_options) -> tuple[Plan, SearchReport]:
     """The plan (one candidate, or no change, per layer) that minimises the predicted quality loss within
     ``budget`` (a `Budget`, or an int = bytes), and a `SearchReport` with predicted vs measured results.
 
-    ``table``: a `sensitivity` table to reuse (otherwise it is measured, with ``sensitivity_options``).
-    ``keep``: whether leaving a layer unchanged is an option. ``verify``: apply and measure (``quick`` as the
-    sensitivity) the knapsack's plan, up to ``n_verify - 1`` knapsack plans under slightly tighter limits, and
-    every uniform candidate that fits the budget (as AIMET's AMP does), and return the best *measured* one - so
-    the result is never worse than a uniform candidate of no larger cost, whatever the additive prediction
-    said. ``report.verified`` lists predicted vs measured for each. ``calibration``: samples for configs that
-    need calibration.
+    ``table``: a `sensitivity` table to reuse (otherwise it is measured, with ``quick`` and
+    ``sensitivity_options``). ``keep``: whether leaving a layer unchanged is an option.
+    ``verify``: apply and measure the knapsack's plan, up to ``n_verify - 1`` knapsack plans under slightly
+    tighter limits, and every uniform candidate that fits the budget (as AIMET's AMP does), on
+    ``"full"`` (True, the default: the task's full evaluation, the numbers a user reads), ``"quick"`` (the quick
+    subset: faster, noisier) or ``"both"`` (side by side; the full evaluation decides); False: no verification.
+    Each measured quality carries its 95 % sampling error. The plan returned is the cheapest of those that fit
+    and that no other plan that fits beats beyond the sampling error: a difference inside it is a tie, and
+    the cheaper plan wins a tie (bytes; the predicted latency under a latency budget). So the result is never
+    worse, beyond the sampling error, than a uniform candidate that fits. ``report.verified`` lists predicted vs
+    measured (± error) for each plan and ``report.recommendation`` says why the returned one was chosen.
+    ``calibration``: samples for configs that need calibration.
     """
     import pandas as pd
 
@@ -216,6 +271,7 @@ def search(model: nn.Module, task: Task | str, candidates: Sequence[Config] | Ma
     if not isinstance(budget, Budget):
         raise TypeError(f"budget must be a wb.Budget (e.g. wb.Budget.size_fraction(0.35)) or an int of bytes, "
                         f"got {type(budget).__name__}")
+    evaluation = _evaluation(verify)
     cand = cands_mod.normalize(candidates)
     if table is None:
         table = sensitivity(model, task, dict(cand), layers, quick=quick, calibration=calibration,
@@ -233,6 +289,10 @@ def search(model: nn.Module, task: Task | str, candidates: Sequence[Config] | Ma
     metric = table.attrs.get("metric", task.primary.name)
     higher = table.attrs.get("higher_is_better", task.metric(metric).higher_is_better)
     base = float(table.attrs.get("base", table["base"].iloc[0] if len(table) else float("nan")))
+    base_quick = table.attrs.get("quick")
+    if evaluation == "quick" and metric != task.primary.name:
+        raise ValueError(f"metric {metric!r} is not evaluated on the quick subset (only {task.primary.name!r} is); "
+                         f"verify on the full evaluation (verify='full')")
 
     options = _options(table, budget.resource, keep)
     current = float(table.groupby("layer", sort=False)[RESOURCES[budget.resource][0]].first().sum())
@@ -241,35 +301,120 @@ def search(model: nn.Module, task: Task | str, candidates: Sequence[Config] | Ma
     chosen = solve(options, limit)
 
     configs = {lbl: c for lbl, c in cand}
-    proposals = _proposals(options, chosen, limit, keep, n_verify) if verify else [("searched", chosen)]
+    proposals = _proposals(options, chosen, limit, keep, n_verify) if evaluation else [("searched", chosen)]
     verified = []
-    for i, (label, choice) in enumerate(proposals):
+    for label, choice in proposals:
         r = _report_for(choice, options, configs, budget, limit, minimum, current, metric, higher, base)
-        if verify:
-            _verify(model, task, r[0], r[1], list(choice), calibration, quick, progress)
+        r[1].base_quick = None if base_quick is None else bool(base_quick)
+        row = {"plan": label, "predicted": r[1].predicted_quality, "measured": float("nan"),
+               "measured_error": float("nan"), "predicted_cost": r[1].predicted_cost,
+               "measured_cost": float("nan"), "fits": True, "chosen": False}
+        if evaluation:
+            _verify(model, task, r[0], r[1], list(choice), calibration, evaluation, progress)
             # bytes are exact; a latency budget is judged on the prediction (one timing of a plan is noisy)
             cost = r[1].measured_cost if budget.resource == "size_bytes" else r[1].predicted_cost
-            fits = cost <= limit * (1 + 1e-9)
-            verified.append({"plan": label, "predicted": r[1].predicted_quality, "measured": r[1].measured_quality,
-                             "predicted_cost": r[1].predicted_cost, "measured_cost": r[1].measured_cost,
-                             "fits": fits, "chosen": False, "_r": r})
-        else:
-            verified.append({"plan": label, "predicted": r[1].predicted_quality, "measured": float("nan"),
-                             "predicted_cost": r[1].predicted_cost, "measured_cost": float("nan"), "fits": True,
-                             "chosen": False, "_r": r})
-    # the best *measured* plan within the budget: never worse than a uniform candidate that fits
-    sign = 1 if higher else -1
+            row.update(measured=r[1].measured_quality, measured_error=r[1].measured_error,
+                       measured_cost=r[1].measured_cost, fits=bool(cost <= limit * (1 + 1e-9)), _cost=cost)
+            if r[1].measured_quick is not None:
+                q = r[1].measured_quick
+                row["measured_quick"] = float(q.quality.get(metric, float("nan")))
+                row["measured_quick_error"] = float(q.quality_error.get(metric, float("nan")))
+        verified.append({**row, "_r": r})
     best = verified[0]
-    if verify:
-        usable = [v for v in verified if v["fits"] and np.isfinite(v["measured"])] or verified[:1]
-        best = max(usable, key=lambda v: (sign * v["measured"], -v["measured_cost"]))
+    if evaluation:
+        best, why = _recommend(verified, higher, RESOURCES[budget.resource][2])
     best["chosen"] = True
     plan, report = best["_r"]
-    report.verified = pd.DataFrame([{k: v for k, v in row.items() if k != "_r"} for row in verified])
-    if verify and best["plan"] != proposals[0][0]:
-        report.notes.append(f"the knapsack's plan (predicted {verified[0]['predicted']:.4f}) measured "
-                            f"{verified[0]['measured']:.4f}; {best['plan']!r} measured better and is returned")
+    if evaluation:
+        report.recommendation = why
+        for v in verified:
+            v["vs_recommended"] = ("recommended" if v is best else _versus(v, best, higher)[0]
+                                   if np.isfinite(v["measured"]) else "not measured")
+    report.verified = pd.DataFrame([{k: v for k, v in row.items() if not k.startswith("_")} for row in verified])
+    if evaluation and best is not verified[0]:
+        first = verified[0]
+        report.notes.append(f"the knapsack's plan (predicted {first['predicted']:.4f}) measured "
+                            f"{_pm(first['measured'], first['measured_error'])}; {best['plan']!r} is returned "
+                            f"(see the recommendation)")
     return plan, report
+
+
+def _evaluation(verify: bool | str) -> str:
+    """``verify`` as "full", "quick", "both" or "" (no verification)."""
+    if verify is True:
+        return "full"
+    if verify is False:
+        return ""
+    if verify not in VERIFY:
+        raise ValueError(f"verify must be True (= 'full'), False or one of {list(VERIFY)}, got {verify!r}")
+    return str(verify)
+
+
+def _versus(a: Mapping, b: Mapping, higher: bool) -> tuple[str, str]:
+    """How plan ``a``'s measured quality reads against ``b``'s: ("better" | "worse" | "tie", text such as
+    "0.9722 vs 0.9759, ±0.019"). Without a stated error on either side, any difference counts.
+
+    The two measurements score the same examples, so their errors are positively correlated and a paired
+    statistic would be tighter; `Metrics` keeps no per-example scores and `workbench.measurement.sampling`
+    offers no paired comparison, so this combines the two half-widths as independent (`combined_halfwidth`):
+    conservative - it errs towards calling a difference a tie, never towards a phantom win."""
+    from workbench.measurement.sampling import combined_halfwidth
+
+    ea, eb = a["measured_error"], b["measured_error"]
+    h = combined_halfwidth(ea if np.isfinite(ea) else None, eb if np.isfinite(eb) else None)
+    diff = a["measured"] - b["measured"]
+    text = f"{a['measured']:.4f} vs {b['measured']:.4f}"
+    if h is None:
+        text += ", no sampling error stated"
+    else:
+        text += f", ±{_err(h)}"
+    if diff == 0 or (h is not None and abs(diff) <= h):
+        return "tie", text
+    return ("better" if (diff > 0) == higher else "worse"), text
+
+
+def _recommend(verified: list[dict], higher: bool, unit: str) -> tuple[dict, str]:
+    """The plan to return among the measured ones, and a sentence saying why: of the plans that fit, those no
+    other plan that fits beats beyond the sampling error; of these the cheapest (then the best measured)."""
+    sign = 1 if higher else -1
+    usable = [v for v in verified if v["fits"] and np.isfinite(v["measured"])]
+    if not usable:
+        best = verified[0]
+        return best, (f"recommended: {best['plan']!r} - no measured plan fits the budget "
+                      f"({'nothing measured' if not np.isfinite(best['measured']) else 'over the budget'})")
+    beaten = {id(v): next((w for w in usable if _versus(w, v, higher)[0] == "better"), None) for v in usable}
+    eligible = [v for v in usable if beaten[id(v)] is None]
+    best = min(eligible, key=lambda v: (v["_cost"], -sign * v["measured"]))
+    parts, tied = [], False
+    for v in verified:
+        if v is best or not np.isfinite(v["measured"]):
+            continue
+        verdict, text = _versus(best, v, higher)
+        name = v["plan"] if str(v["plan"]).startswith(("uniform", "searched")) else repr(v["plan"])
+        if verdict == "tie":
+            tied = True
+            part = f"ties {name} ({text})"
+            if v["_cost"] > best["_cost"]:
+                part += f" and costs less ({best['_cost']:,.6g} vs {v['_cost']:,.6g} {unit})"
+            elif v["_cost"] < best["_cost"]:
+                other = beaten.get(id(v))
+                part += (f", which costs less ({v['_cost']:,.6g} {unit}) but is beaten beyond the sampling error "
+                         f"by {other['plan']}" if other is not None else
+                         f", which costs less ({v['_cost']:,.6g} {unit}) but is over the budget")
+            else:
+                part += " at the same cost"
+        elif verdict == "better":
+            part = f"beats {name} ({text})"
+        else:
+            part = f"falls behind {name} ({text})" + ("" if v["fits"] else ", which is over the budget")
+        parts.append(part)
+    head = (f"recommended: {best['plan']!r} ({_pm(best['measured'], best['measured_error'])}, "
+            f"{best['_cost']:,.6g} {unit})")
+    why = f"{head}: it " + "; ".join(parts) if parts else f"{head}: the only plan measured"
+    if tied:
+        why += (". A difference inside the sampling error (95 %, both plans' errors combined) is a tie, and the "
+                "cheaper plan wins a tie")
+    return best, why
 
 
 def _proposals(options, chosen: dict[str, str], limit: float, keep: bool, n: int) -> list[tuple[str, dict]]:
@@ -325,15 +470,21 @@ def _report_for(choice, options, configs, budget, limit, minimum, current, metri
     return plan, report
 
 
-def _verify(model, task, plan: Plan, report: SearchReport, layers, calibration, quick, progress) -> None:
+def _verify(model, task, plan: Plan, report: SearchReport, layers, calibration, evaluation: str,
+            progress) -> None:
+    """Apply ``plan`` and measure it on ``evaluation`` ("full", "quick" or "both": the full one is recorded as
+    ``measured``, the quick one beside it as ``measured_quick``)."""
     from workbench.analysis.sweep import apply_with_task
     from workbench.measurement.metrics import measure
 
     compressed = apply_with_task(model, task, plan, calibration, progress) if len(plan) else model
-    metrics = measure(compressed, task, quick=quick, progress=progress)
+    metrics = measure(compressed, task, quick=evaluation == "quick", progress=progress)
     report.measured = metrics
-    report.measured_quality = (float(metrics.quality[report.metric]) if report.metric in metrics.quality
-                               else float("nan"))
+    report.evaluation = "quick" if evaluation == "quick" else "full"
+    report.measured_quality = float(metrics.quality.get(report.metric, float("nan")))
+    report.measured_error = float(metrics.quality_error.get(report.metric, float("nan")))
+    if evaluation == "both":
+        report.measured_quick = measure(compressed, task, quick=True, progress=progress)
     report.measured_cost = _searched_cost(compressed, task, layers, report.budget.resource)
     if report.budget.resource == "latency_ms":
         reference = measure(model, task, quick=True, progress=False)

@@ -52,7 +52,8 @@ def bench_analysis(model_name: str = "minilm", task_name: str | None = None, lay
     with wb.measurement.latency.num_threads(threads):
         for label, budget in ((f"searched @{budget_fraction:.0%}", wb.Budget.size_fraction(budget_fraction)),
                               ("searched @int4 size", wb.Budget.size(int4_bytes))):
-            plan, report = wb.search(model, task, cands, budget, table=table, quick=quick_verify, progress=False)
+            plan, report = wb.search(model, task, cands, budget, table=table, quick=quick_verify,
+                                     verify="quick" if quick_verify else "full", progress=False)
             plans[label], reports[label] = plan, report
         df = wb.sweep(model, task, {**uniform, **plans}, quick=quick_verify, threads=threads, progress=False,
                       path=Path(out) / "analysis_sweep.csv" if out else None)

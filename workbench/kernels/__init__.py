@@ -12,8 +12,11 @@ launches, a reference, and a ``torch.library`` custom op with a fake implementat
 - `fake_quant` - ``workbench::fake_quantize`` (+ backward): QAT fake quantization with the straight-through
   gradient, per channel or per group;
 - `fp8` - ``workbench::fp8_scaled_mm``: e4m3 x e4m3 with row-wise scales on sm_90;
-- `w8a8_cpu` - ``workbench::w8a8_linear_cpu``: the CPU fast path of W8A8 (C++ compiled on first use:
-  per-token quantization, oneDNN's int8 GEMM and the rescale fused block by block of rows).
+- `w8a8_cpu` - ``workbench::w8a8_linear_cpu``: the CPU fast path of W8A8 (C++: per-token quantization, oneDNN's
+  int8 GEMM and the rescale fused block by block of rows); `weight_only_cpu` and `act_int8_cpu`: the CPU paths of
+  weight-only layers (C++); `ops`: both as ``torch.library`` ops. The C++ is built by ``make install``
+  (``python -m workbench.kernels.build``), or else quietly on first use (a message on the ``logging`` logger of
+  each module, never on stderr).
 
 `isa` says which x86 instruction sets the CPU code may use and how one machine runs as another CPU class (the caps
 of PyTorch, oneDNN, MKL and these kernels; ``make test-isa``).

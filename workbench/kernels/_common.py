@@ -12,19 +12,25 @@
 - The split-K weight-only GEMMs' shared plumbing: autotune lists for decode (M <= ``SMALL_M``, split-K) and
   prefill, the M bucket of the autotune key, config pruning, pinned-config checks and `launch_split_k`
   (reshape, empty shapes, grid, autotuned or pinned kernel, the fp32 split-K buffer, device guard).
+- The C++ CPU kernels' build: `extension_build_dir`, `build_extension` (compile or load from the build cache,
+  reported on the kernel module's logger, never on stderr), `last_build` and `extension_or_raise`.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
+import time
+from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
 
 __all__ = ["INTERPRET", "configs", "graph_bench", "check", "check_same_device", "triton_available", "require_triton",
            "cdiv", "SMALL_M", "GEMV_M", "split_k_configs", "gemv_configs", "m_bucket", "fit_m_bucket",
-           "check_pinned_config", "launch_split_k"]
+           "check_pinned_config", "launch_split_k", "extension_build_dir", "extension_libraries", "build_extension",
+           "BuildRecord", "last_build", "extension_or_raise"]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -232,14 +238,94 @@ def extension_build_dir(name: str, source) -> str:
     return str(path)
 
 
+def extension_libraries(name: str, source) -> dict[str, int]:
+    """The compiled libraries of the C++ kernel ``name`` in its build folder (`extension_build_dir`), each with
+    its modification time in ns: empty before the first build on this machine."""
+    from pathlib import Path
+
+    return {str(p): p.stat().st_mtime_ns for p in Path(extension_build_dir(name, source)).glob(f"{name}*.so")}
+
+
+@dataclass(frozen=True)
+class BuildRecord:
+    """How a C++ kernel was made available in this process: ``status`` is "built" (compiled now), "cached"
+    (loaded from the build folder: already built on this machine) or "failed" (``error`` says why)."""
+    name: str
+    what: str
+    status: str
+    seconds: float
+    build_dir: str = ""
+    error: BaseException | None = None
+
+    @property
+    def reason(self) -> str:
+        """The first line of the compiler's error ("" unless the build failed)."""
+        return "" if self.error is None else _first_error_line(self.error)
+
+
+_BUILDS: dict[str, BuildRecord] = {}
+
+
+def last_build(name: str) -> BuildRecord | None:
+    """The latest `build_extension` of the kernel ``name`` in this process, or None before the first."""
+    return _BUILDS.get(name)
+
+
+def build_extension(name: str, source, *, what: str, logger: logging.Logger, expected_s: int = 20,
+                    **load_kwargs) -> tuple:
+    """Compile the C++ kernel ``name`` from ``source`` with ``torch.utils.cpp_extension.load`` (into
+    `extension_build_dir`), or load it from there when this machine already built it: ``(module, None)``, or
+    ``(None, the error)`` when it cannot be built here (no compiler, no ninja, no Python headers) - what a kernel's
+    ``_build()`` returns for `extension_or_raise`. ``load_kwargs`` go to ``load`` (``extra_cflags`` ...).
+
+    Says what it does on ``logger`` (the kernel module's) at INFO - compiling or loading, then how long it took -
+    and nothing on stdout / stderr, so notebooks and reports show no build notice; `last_build` keeps the outcome
+    (``python -m workbench.kernels.build`` prints it). ``make install`` builds the kernels ahead of time."""
+    from torch.utils.cpp_extension import load
+
+    from workbench.kernels.w8a8_cpu import ensure_ninja_on_path
+
+    start = time.perf_counter()
+    build_dir = ""
+    try:
+        ensure_ninja_on_path()
+        build_dir = extension_build_dir(name, source)
+        before = extension_libraries(name, source)
+        if before:
+            logger.info("%s: loading the %s from the build cache %s", name, what, build_dir)
+        else:
+            logger.info("%s: compiling the %s (C++, first use on this machine, ~%d s; cached afterwards in %s) ...",
+                        name, what, expected_s, build_dir)
+        load_kwargs.setdefault("verbose", False)
+        ext = load(name=name, sources=[str(source)], build_directory=build_dir, **load_kwargs)
+    except Exception as e:  # no compiler, no ninja, no Python headers: reported by extension_or_raise
+        record = BuildRecord(name, what, "failed", time.perf_counter() - start, build_dir, e)
+        _BUILDS[name] = record
+        logger.info("%s: the %s could not be built here (%.1f s): %s", name, what, record.seconds, record.reason)
+        return None, e
+    seconds = time.perf_counter() - start
+    built = not before or extension_libraries(name, source) != before
+    _BUILDS[name] = BuildRecord(name, what, "built" if built else "cached", seconds, build_dir)
+    if built:
+        logger.info("%s: the %s was built in %.1f s", name, what, seconds)
+    else:
+        logger.info("%s: the %s was loaded from the build cache in %.2f s", name, what, seconds)
+    return ext, None
+
+
+def _first_error_line(err: BaseException) -> str:
+    """The compiler's message in a failed build's error: its first line naming an error (300 characters at most)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return next((line for line in lines if "error" in line.lower() and "error building extension" not in
+                 line.lower()), lines[-1] if lines else type(err).__name__)[:300]
+
+
 def extension_or_raise(result: tuple, op: str, what: str, instead: str = "kernel='reference'"):
     """The compiled extension of a ``(module, None)`` / ``(None, error)`` build result (a kernel's ``_build()``), or
     a RuntimeError naming ``op``, ``what`` failed to build and the compiler's first error line, and ``instead``."""
     ext, err = result
     if ext is None:
-        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-        first = next((line for line in lines if "error" in line.lower() and "error building extension" not in
-                      line.lower()), lines[-1] if lines else type(err).__name__)[:300]   # the compiler's message
+        first = _first_error_line(err)   # the compiler's message
         raise RuntimeError(f"{op}: the {what} is C++ compiled on first use (torch.utils.cpp_extension, which needs "
                            f"ninja and a working C++ compiler); building it failed here: {first}. Use {instead} on "
                            "this machine.") from err

@@ -26,18 +26,19 @@ quality measured on a test set is the quality of what decodes.
 Vector code chosen at run time: AVX-512 with VNNI (``vpdpbusd``: 64 codes x activations per instruction; Ice
 Lake / Sapphire Rapids Xeons, Zen 4, Zen 5) over 64-byte chunks of the codes; AVX2 (``vpmaddubsw`` + ``vpmaddwd``)
 over 32-byte chunks elsewhere; a scalar loop as the definition. ``WORKBENCH_CPU_ISA`` caps it as for the other
-kernels (`workbench.kernels.isa`). Built on first use with ``torch.utils.cpp_extension`` (~15 s once, cached).
+kernels (`workbench.kernels.isa`). Built by ``make install`` (``python -m workbench.kernels.build``) or on first use
+with ``torch.utils.cpp_extension`` (~15 s once, cached), reported on this module's logger, never on stderr.
 """
 from __future__ import annotations
 
 import functools
-import sys
+import logging
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from workbench.kernels._common import extension_or_raise
+from workbench.kernels._common import build_extension, extension_or_raise
 
 __all__ = ["cpu_isa", "linear", "linear_unchecked", "load_extension", "reference", "round_activations",
            "round_activations_cpu", "rows_for", "supports", "unsupported_reason"]
@@ -45,6 +46,8 @@ __all__ = ["cpu_isa", "linear", "linear_unchecked", "load_extension", "reference
 SOURCE = Path(__file__).with_name("act_int8_cpu.cpp")
 _NAME = "workbench_act_int8_cpu"
 _OP = "act_int8_linear_cpu"
+_WHAT = "CPU int8-activation kernel"
+log = logging.getLogger(__name__)
 ISAS = ("auto", "avx512", "avx2", "scalar")
 
 
@@ -82,26 +85,15 @@ def supports(bits: int, group_size: int | None, K: int) -> bool:
 
 @functools.cache
 def _build():
-    """(extension module, None) or (None, the error): a failed build is not retried in this process."""
-    from torch.utils.cpp_extension import load
-
-    from workbench.kernels._common import extension_build_dir
-    from workbench.kernels.w8a8_cpu import ensure_ninja_on_path
-
-    try:
-        ensure_ninja_on_path()
-        print("workbench.kernels.act_int8_cpu: loading the CPU int8-activation kernel (compiled on first use on this "
-              "machine, ~15 s; cached afterwards) ...", file=sys.stderr, flush=True)
-        ext = load(name=_NAME, sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                   verbose=False, build_directory=extension_build_dir(_NAME, SOURCE))
-        return ext, None
-    except Exception as e:  # no compiler, no ninja, no Python headers: reported by load_extension
-        return None, e
+    """(extension module, None) or (None, the error): a failed build is not retried in this process. Compiling or
+    loading is reported on this module's logger (`workbench.kernels._common.build_extension`), not on stderr."""
+    return build_extension(_NAME, SOURCE, what=_WHAT, logger=log, expected_s=15,
+                           extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"])
 
 
 def load_extension():
     """The compiled extension; raises a RuntimeError naming what is missing when it cannot be built here."""
-    return extension_or_raise(_build(), _OP, "CPU int8-activation kernel", "kernel='reference' or 'cpu'")
+    return extension_or_raise(_build(), _OP, _WHAT, "kernel='reference' or 'cpu'")
 
 
 def cpu_isa() -> str:

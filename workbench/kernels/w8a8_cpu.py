@@ -29,10 +29,11 @@ contraction): the output equals the reference bit for bit whenever the reference
 exact (every partial sum below 2^24, e.g. K <= 1024; past that the int32 sum here is the more exact of the two).
 Tests check each ISA, ragged shapes, static scales, non-finite rows.
 
-Build: compiled on first use with ``torch.utils.cpp_extension.load`` (ninja and the system C++ compiler;
-about 30 s once, then cached under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``). No
-``-march=native``: the cached library runs on any x86-64 and picks its ISA at run time. A machine without a
-compiler gets an error that says so and names ``kernel='reference'`` as the way out.
+Build: ``make install`` builds it ahead of time (``python -m workbench.kernels.build``), else it is compiled on first
+use with ``torch.utils.cpp_extension.load`` (ninja and the system C++ compiler; about 30 s once, then cached under
+``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``), reported on this module's logger at INFO, never
+on stderr. No ``-march=native``: the cached library runs on any x86-64 and picks its ISA at run time. A machine
+without a compiler gets an error that says so and names ``kernel='reference'`` as the way out.
 
 ``workbench::w8a8_linear_cpu`` is also a ``torch.library`` custom op with a fake implementation, so modules
 that call it trace under ``torch.compile``; eager calls go straight to the extension (the op's dispatch costs
@@ -41,6 +42,7 @@ that call it trace under ``torch.compile``; eager calls go straight to the exten
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import shutil
 import sys
@@ -48,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from workbench.kernels._common import check, check_same_device, extension_build_dir, extension_or_raise
+from workbench.kernels._common import build_extension, check, check_same_device, extension_libraries, extension_or_raise
 
 __all__ = ["w8a8_linear_cpu", "linear_unchecked", "reference", "cpu_isa", "load_extension", "ISAS"]
 
@@ -57,6 +59,8 @@ ISAS = ("auto", "avx512", "avx2", "scalar")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _OP = "w8a8_linear_cpu"
 _NAME = "workbench_w8a8_cpu"
+_WHAT = "CPU W8A8 kernel"
+log = logging.getLogger(__name__)
 
 
 def _ninja_on_path() -> None:
@@ -74,44 +78,33 @@ def _ninja_on_path() -> None:
     os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
 
-ensure_ninja_on_path = _ninja_on_path   # shared with the other C++ kernels (workbench.kernels.weight_only_cpu)
+ensure_ninja_on_path = _ninja_on_path   # shared with the other C++ kernels (workbench.kernels._common.build_extension)
 
 
 def _looks_built() -> bool:
     """Whether a compiled library is already in the extension's build directory (then loading takes ~0.1 s,
-    else ~30 s: worth a line of notice). A guess: a changed source is rebuilt under a new name."""
+    else ~30 s). A guess: a changed source is rebuilt under a new name."""
     try:
-        return any(Path(extension_build_dir(_NAME, SOURCE)).glob(f"{_NAME}*.so"))
-    except Exception:  # a private helper of torch: no notice rather than an error
+        return bool(extension_libraries(_NAME, SOURCE))
+    except Exception:  # a private helper of torch: assume built rather than fail
         return True
 
 
 @functools.cache
 def _build():
-    """(extension module, None) or (None, the error): a failed build is not retried in this process."""
-    from torch.utils.cpp_extension import load
-
-    try:
-        _ninja_on_path()
-        if not _looks_built():
-            print("workbench.kernels.w8a8_cpu: compiling the CPU W8A8 kernel (first use on this machine, ~30 s; cached "
-                  "afterwards) ...", file=sys.stderr, flush=True)
-        # -fopenmp: at::parallel_for is an OpenMP pragma in ATen's headers - without it the kernel runs on one
-        # thread whatever torch.get_num_threads() says (the pragma is compiled away); the OpenMP runtime is the
-        # libgomp torch already loaded
-        ext = load(name=_NAME, sources=[str(SOURCE)], extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"],
-                   extra_ldflags=["-fopenmp"],
-                   build_directory=extension_build_dir(_NAME, SOURCE),
-                   verbose=False)
-        return ext, None
-    except Exception as e:  # no compiler, no ninja, no Python headers: reported by load_extension
-        return None, e
+    """(extension module, None) or (None, the error): a failed build is not retried in this process. Compiling or
+    loading is reported on this module's logger (`workbench.kernels._common.build_extension`), not on stderr."""
+    # -fopenmp: at::parallel_for is an OpenMP pragma in ATen's headers - without it the kernel runs on one
+    # thread whatever torch.get_num_threads() says (the pragma is compiled away); the OpenMP runtime is the
+    # libgomp torch already loaded
+    return build_extension(_NAME, SOURCE, what=_WHAT, logger=log, expected_s=30,
+                           extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"])
 
 
 def load_extension():
     """The compiled extension (built on first use, then cached on disk); raises a RuntimeError that says what
     is missing when it cannot be built here."""
-    return extension_or_raise(_build(), _OP, "CPU W8A8 kernel")
+    return extension_or_raise(_build(), _OP, _WHAT)
 
 
 def int8_dot_product() -> bool:

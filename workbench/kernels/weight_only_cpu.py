@@ -60,20 +60,21 @@ reordered to their nibble order instead of being put back in order) - except one
 7.5 ms against 15 ms) -, AVX2 + FMA for the rest and on AVX2-only CPUs, a scalar loop elsewhere;
 ``isa=`` forces one for tests. The decode paths prefetch the weight a few KB ahead of the row they are on (one
 core's stream of a weight that is not in cache otherwise stalls on memory latency at a fraction of the bandwidth).
-Built on first use with ``torch.utils.cpp_extension`` like `workbench.kernels.w8a8_cpu` (~20 s once, cached); no
+Built like `workbench.kernels.w8a8_cpu`: by ``make install`` (``python -m workbench.kernels.build``) or on first use
+with ``torch.utils.cpp_extension`` (~20 s once, cached), reported on this module's logger, never on stderr; no
 ``-march=native``.
 """
 from __future__ import annotations
 
 import functools
-import sys
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from workbench.kernels._common import extension_or_raise
+from workbench.kernels._common import build_extension, extension_or_raise
 
 __all__ = [
     "ISAS",
@@ -96,6 +97,8 @@ SOURCE = Path(__file__).with_name("weight_only_cpu.cpp")
 ISAS = ("auto", "avx512", "avx2", "scalar")
 _OP = "weight_only_linear_cpu"
 _NAME = "workbench_weight_only_cpu"
+_WHAT = "CPU weight-only kernel"
+log = logging.getLogger(__name__)
 # Rows of x above which the whole weight is decoded once and an fp32 GEMM runs. Measured on this machine's
 # 4096 x 4096 layer, one thread (workbench/kernels/README.md): the decode path costs ~0.35 ms per extra row of x,
 # the fp32
@@ -286,26 +289,13 @@ def pack(tensors: dict[str, torch.Tensor], fmt, K: int) -> CpuWeight:
 
 @functools.cache
 def _build():
-    """(extension module, None) or (None, the error): a failed build is not retried in this process."""
-    from torch.utils.cpp_extension import load
-
-    from workbench.kernels._common import extension_build_dir
-    from workbench.kernels.w8a8_cpu import ensure_ninja_on_path
-
-    try:
-        ensure_ninja_on_path()
-        print("workbench.kernels.weight_only_cpu: loading the CPU weight-only kernel (compiled on first use on this "
-              "machine, "
-              "~20 s; cached afterwards) ...", file=sys.stderr, flush=True)
-        # -fopenmp: at::parallel_for is an OpenMP pragma in ATen's headers (compiled away without it: one thread).
-        # The runtime is resolved by soname (libgomp.so.1): the copy torch loaded, one thread pool (checked in
-        # /proc/self/maps); a torch whose OpenMP library has another name would get a second runtime here.
-        ext = load(name=_NAME, sources=[str(SOURCE)], extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"],
-                   extra_ldflags=["-fopenmp"], verbose=False,
-                   build_directory=extension_build_dir(_NAME, SOURCE))
-        return ext, None
-    except Exception as e:  # no compiler, no ninja, no Python headers: reported by load_extension
-        return None, e
+    """(extension module, None) or (None, the error): a failed build is not retried in this process. Compiling or
+    loading is reported on this module's logger (`workbench.kernels._common.build_extension`), not on stderr."""
+    # -fopenmp: at::parallel_for is an OpenMP pragma in ATen's headers (compiled away without it: one thread).
+    # The runtime is resolved by soname (libgomp.so.1): the copy torch loaded, one thread pool (checked in
+    # /proc/self/maps); a torch whose OpenMP library has another name would get a second runtime here.
+    return build_extension(_NAME, SOURCE, what=_WHAT, logger=log, expected_s=20,
+                           extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"])
 
 
 def split_available() -> bool:
@@ -321,7 +311,7 @@ def brgemm_available() -> bool:
 
 def load_extension():
     """The compiled extension; raises a RuntimeError naming what is missing when it cannot be built here."""
-    return extension_or_raise(_build(), _OP, "CPU weight-only kernel")
+    return extension_or_raise(_build(), _OP, _WHAT)
 
 
 def cpu_isa() -> str:

@@ -10,6 +10,13 @@ normality assumption, and a burst of noise in a few rounds moves neither. Rounds
 narrower than ``rel_width`` of the ratio or ``budget_s`` seconds have been spent.
 
 A ratio whose interval reaches into ``1 +- min_effect`` is reported as "no measurable change", never as a gain.
+
+Rounds that collapse are counted, not trusted: when other processes want the same cores (more runnable threads
+than cores), a single timed call waits for a core and runs 5-100x slower than its neighbours - on one side of a
+round or the other, so ratios of 50x and 0.02x appear and the order-statistic interval, which assumes rounds
+alike, no longer covers what the models do. A call that takes more than `COLLAPSE` times its model's lower
+quartile is a *disturbed* round; when more than `MAX_DISTURBED` of the rounds are disturbed the reading is not
+reliable: the verdict says so (and why), and ``changed`` is False - never a gain or a loss from a busy machine.
 """
 from __future__ import annotations
 
@@ -21,7 +28,20 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Speedup", "speedup", "median_interval"]
+__all__ = ["Speedup", "speedup", "median_interval", "disturbed_rounds", "COLLAPSE", "MAX_DISTURBED"]
+
+COLLAPSE = 3.0          # a call this many times its model's lower-quartile time waited for a core
+MAX_DISTURBED = 0.1     # above this fraction of disturbed rounds a speedup is not a reading
+
+
+def disturbed_rounds(model_times: list[float], baseline_times: list[float]) -> int:
+    """How many paired rounds have a call (either model's) over `COLLAPSE` times that model's lower-quartile
+    time: rounds in which the process waited for a core (see the module docstring)."""
+    def quartile(v: list[float]) -> float:
+        return sorted(v)[len(v) // 4] if v else float("nan")
+
+    qm, qb = quartile(model_times), quartile(baseline_times)
+    return sum(m > COLLAPSE * qm or b > COLLAPSE * qb for m, b in zip(model_times, baseline_times))
 
 
 def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float]:
@@ -57,11 +77,18 @@ class Speedup:
     min_effect: float = 0.03
     # the model's time in each round (ms), for callers that report its latency from the same rounds
     model_times_ms: tuple[float, ...] = field(default=(), repr=False, compare=False)
+    disturbed: int = 0     # rounds in which a call waited for a core (`disturbed_rounds`)
+
+    @property
+    def reliable(self) -> bool:
+        """False when more than `MAX_DISTURBED` of the rounds collapsed (other work competed for the cores)."""
+        return self.disturbed <= MAX_DISTURBED * self.rounds
 
     @property
     def changed(self) -> bool:
-        """True when the whole interval lies outside ``1 +- min_effect``: a difference the noise cannot explain."""
-        return self.low > 1 + self.min_effect or self.high < 1 / (1 + self.min_effect)
+        """True when the whole interval lies outside ``1 +- min_effect``: a difference the noise cannot explain
+        (and the rounds were not disturbed: `reliable`)."""
+        return self.reliable and (self.low > 1 + self.min_effect or self.high < 1 / (1 + self.min_effect))
 
     @property
     def faster(self) -> bool:
@@ -75,6 +102,10 @@ class Speedup:
     def verdict(self) -> str:
         """A short reading for people: "2.31x faster (2.25-2.40)", "0.62x: slower ...", "no measurable change"."""
         span = f"{self.low:.2f}-{self.high:.2f}"
+        if not self.reliable:
+            return (f"no reliable reading: {self.disturbed} of {self.rounds} rounds ran over {COLLAPSE:g}x slower "
+                    f"than the rest - other work competes for the cores; measure again with fewer threads or on a "
+                    f"quieter machine ({self.ratio:.2f}x, {span})")
         if not self.changed:
             return f"no measurable change ({self.ratio:.2f}x, {span})"
         if self.ratio > 1:
@@ -87,7 +118,8 @@ class Speedup:
 
     def to_dict(self) -> dict[str, Any]:
         return {"speedup": self.ratio, "speedup_low": self.low, "speedup_high": self.high,
-                "speedup_verdict": self.verdict, "speedup_rounds": self.rounds}
+                "speedup_verdict": self.verdict, "speedup_rounds": self.rounds,
+                "speedup_disturbed_rounds": self.disturbed}
 
 
 def _runner(model: nn.Module, inputs):
@@ -164,7 +196,7 @@ def speedup(model: nn.Module, baseline: nn.Module, task_or_inputs, *, batch_size
         baseline.train(was[1])
     lo, hi = median_interval(ratios, confidence)
     return Speedup(_median(ratios), lo, hi, _median(tm), _median(tb), len(ratios), used, confidence, min_effect,
-                   tuple(tm))
+                   tuple(tm), disturbed_rounds(tm, tb))
 
 
 def _median(v: list[float]) -> float:

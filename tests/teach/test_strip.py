@@ -26,6 +26,9 @@ def test_strip_removes_outputs_counts_and_runtime_metadata_keeps_sources(tmp_pat
     found = strip.problems(path)
     assert any("has outputs" in line for line in found) and any("execution count" in line for line in found)
     assert any("'widgets'" in line for line in found)
+    # a notebook stored without the kernel's language_info / kernelspec name opens "modified" in JupyterLab
+    assert any("'language_info' is not the kernel's" in line for line in found)
+    assert any("'kernelspec' is not the kernel's" in line for line in found)
     assert strip.main([str(tmp_path)]) == 0
     after = nbformat.read(str(path), as_version=4)
     assert [c.source for c in after.cells] == [c.source for c in before.cells]
@@ -34,6 +37,7 @@ def test_strip_removes_outputs_counts_and_runtime_metadata_keeps_sources(tmp_pat
     assert all(c.outputs == [] and c.execution_count is None for c in code)
     assert code[1].metadata == {"tags": ["keep"]} and "widgets" not in after.metadata
     assert after.metadata["kernelspec"]["name"] == "python3"
+    assert {k: after.metadata[k] for k in ("kernelspec", "language_info")} == strip.kernel_metadata()
     assert strip.problems(path) == [] and strip.main(["--check", str(path)]) == 0
     text = path.read_text()
     assert strip.strip_file(path) is False and path.read_text() == text   # idempotent: a second strip changes nothing

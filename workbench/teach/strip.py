@@ -22,16 +22,42 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["strip", "strip_file", "problems", "notebook_paths", "main"]
+__all__ = ["strip", "strip_file", "problems", "notebook_paths", "main", "kernel_metadata"]
 
 # run-time metadata: what running or viewing a notebook writes, never what a teacher authors
 CELL_KEYS = ("execution", "papermill", "collapsed", "scrolled", "ExecuteTime")
 NOTEBOOK_KEYS = ("widgets", "papermill", "toc", "varInspector")
 
 
+def kernel_metadata() -> dict:
+    """The notebook metadata JupyterLab writes as the kernel connects (the kernelspec of ``python3`` and the
+    kernel's ``language_info``): a notebook stored with anything else opens marked "modified" before anyone
+    typed. Committed notebooks hold exactly this (`strip` writes it, `problems` checks it, Python's patch version
+    aside)."""
+    from ipykernel.ipkernel import IPythonKernel
+
+    return {"kernelspec": {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"},
+            "language_info": dict(sorted(IPythonKernel.language_info.items()))}
+
+
+def _kernel_metadata_differs(metadata, ignore_version: bool) -> list[str]:
+    """The keys of `kernel_metadata` that ``metadata`` holds otherwise (``language_info``'s version aside when
+    ``ignore_version``: a machine with another Python patch release reads the same notebook)."""
+    def norm(key, value):
+        value = dict(value or {})
+        if ignore_version and key == "language_info":
+            value.pop("version", None)
+        return value
+    return [key for key, value in kernel_metadata().items() if norm(key, metadata.get(key)) != norm(key, value)]
+
+
 def strip(nb) -> bool:
-    """Strip an ``nbformat`` notebook in place; True when anything changed."""
+    """Strip an ``nbformat`` notebook in place and give it the kernel's metadata (`kernel_metadata`); True when
+    anything changed."""
     changed = False
+    for key in _kernel_metadata_differs(nb.metadata, ignore_version=False):
+        nb.metadata[key] = kernel_metadata()[key]
+        changed = True
     for cell in nb.cells:
         for key in CELL_KEYS:
             changed |= cell.metadata.pop(key, None) is not None
@@ -96,6 +122,9 @@ def problems(path: str | os.PathLike) -> list[str]:
     for key in NOTEBOOK_KEYS:
         if key in nb.metadata:
             out.append(f"{path.name}: notebook metadata holds run-time state {key!r} (strip it)")
+    for key in _kernel_metadata_differs(nb.metadata, ignore_version=True):
+        out.append(f"{path.name}: notebook metadata {key!r} is not the kernel's: JupyterLab opens it marked "
+                   f"modified (strip: python -m workbench.teach.strip {path})")
     return out
 
 

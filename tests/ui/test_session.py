@@ -112,3 +112,14 @@ def test_plan_json_round_trip(session):
     assert other.assigned == session.assigned
     rows = other.layer_rows()
     assert list(rows["technique"]) == ["WeightOnly · 4 bits · group 16 · rtn"] * 3
+
+
+def test_status_says_why_pruning_left_the_size_as_it_was(digits_mlp, digits_task):
+    s = Session(digits_mlp, digits_task, threads=1)
+    s.set(s.select("fc1"), wb.prune.Magnitude(0.5))                       # the default storage: "mask"
+    masked = s.apply_and_measure()
+    assert masked.metrics.size_bytes >= s.history[0].metrics.size_bytes   # nothing saved ...
+    assert "storage 'mask' keeps every weight" in masked.status and "'csr'" in masked.status   # ... and said why
+    s.set(s.select("fc1"), wb.prune.Magnitude(0.8, storage="csr"))   # value + int32 index: 0.4x the bytes
+    stored = s.apply_and_measure()
+    assert stored.metrics.size_bytes < s.history[0].metrics.size_bytes and "keeps every weight" not in stored.status

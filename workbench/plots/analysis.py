@@ -76,6 +76,18 @@ def sensitivity_heatmap(table, value: str = "loss", title: str | None = None):
         z=grid.to_numpy(), x=list(grid.columns), y=list(grid.index), **colours,
         colorbar=dict(title=names.get(value, value)),
         hovertemplate="%{y}<br>%{x}<br>" + value + "=%{z:.4g}<extra></extra>"))
+    # cells that did not run (unsupported, failed) are grey with a cross and their status in the hover - never
+    # white, which reads as "no loss"
+    bad = table[table["status"] != "ok"]
+    if len(bad):
+        status = bad.pivot_table(index="layer", columns="candidate", values="status", aggfunc="first")
+        status = status.reindex(index=grid.index, columns=grid.columns)
+        mask = status.notna().to_numpy()
+        fig.add_trace(go.Heatmap(
+            z=[[1.0 if m else None for m in row] for row in mask], x=list(grid.columns), y=list(grid.index),
+            colorscale=[[0.0, "#bdbdbd"], [1.0, "#bdbdbd"]], showscale=False, name="did not run",
+            text=status.fillna("").to_numpy(), texttemplate="✕", textfont=dict(color="#555"),
+            hovertemplate="%{y}<br>%{x}<br>did not run: %{text}<extra></extra>"))
     fig.update_layout(title=title or f"per-layer sensitivity: {names.get(value, value)}", template=TEMPLATE,
                       height=max(360, 16 * len(grid.index) + 160), yaxis=dict(autorange="reversed"),
                       xaxis_title="candidate", yaxis_title="layer")
@@ -98,6 +110,11 @@ def roofline(df, baseline: str | None = None, title: str | None = None):
     base = df[df["label"] == base_label].iloc[0]
     rows = df[df["label"] != base_label]
     ceiling = base["size_bytes"] / rows["size_bytes"]
+    # long labels (a plan in words) would stand rotated under the bars and squeeze the chart into a strip:
+    # the bars are then "plan 1", "plan 2", ... in the table's order and the plan is in the hover
+    full = [str(v) for v in rows["label"]]
+    names = [f"plan {i + 1}" for i in range(len(full))] if max(map(len, full), default=0) > 20 else full
+    hover = [f.replace("; ", "<br>") for f in full]
     if "speedup" in rows.columns and rows["speedup"].notna().all():
         # side-by-side speedups (wb.speedup) with their intervals; "~" marks a ratio inside the noise
         measured = rows["speedup"].astype(float)
@@ -111,17 +128,26 @@ def roofline(df, baseline: str | None = None, title: str | None = None):
         error, text = None, [f"{v:.2f}x" for v in measured]
         name = "latency ratio (measured separately)"
     fig = go.Figure([
-        go.Bar(name=name, x=rows["label"], y=measured, text=text, textposition="auto", error_y=error),
-        go.Bar(name="byte-ratio ceiling", x=rows["label"], y=ceiling, text=[f"{v:.2f}x" for v in ceiling],
-               textposition="auto", marker_color="lightgray"),
+        go.Bar(name=name, x=names, y=measured, text=text, textposition="auto", error_y=error, customdata=hover,
+               hovertemplate="%{customdata}<br>%{y:.3g}x<extra>measured</extra>"),
+        go.Bar(name="byte-ratio ceiling", x=names, y=ceiling, text=[f"{v:.2f}x" for v in ceiling],
+               textposition="auto", marker_color="lightgray", customdata=hover,
+               hovertemplate="%{customdata}<br>%{y:.3g}x<extra>byte-ratio ceiling</extra>"),
     ])
     fig.add_hline(y=1.0, line_dash="dot", annotation_text=base_label)
+    if error is not None:   # one wide interval must not flatten every bar: the axis stops at twice the tallest
+        tallest = max([*measured, *ceiling, 1.0])
+        if max(m + e for m, e in zip(measured, error["array"])) > 2 * tallest:
+            fig.update_yaxes(range=[0, 2 * tallest])
     threads = sorted(set(df["threads"])) if "threads" in df.columns else []
     device = str(base["device"]) if "device" in df.columns else ""
     fig.update_layout(barmode="group", template=TEMPLATE, height=420,
                       title=title or (f"speedup vs {base_label} and the byte-ratio ceiling "
                                       f"({device}, threads {threads})"),
-                      yaxis_title="speedup over the baseline (x, higher is better)")
+                      yaxis_title="speedup over the baseline (x, higher is better)",
+                      xaxis=dict(tickangle=0, automargin=True), yaxis=dict(automargin=True),
+                      margin=dict(l=70, r=20, t=70, b=50), legend=dict(orientation="h", y=1.02, x=1, xanchor="right",
+                                                                        yanchor="bottom"))
     return fig
 
 

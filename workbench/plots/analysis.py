@@ -86,7 +86,7 @@ def sensitivity_heatmap(table, value: str = "loss", title: str | None = None):
         fig.add_trace(go.Heatmap(
             z=[[1.0 if m else None for m in row] for row in mask], x=list(grid.columns), y=list(grid.index),
             colorscale=[[0.0, "#bdbdbd"], [1.0, "#bdbdbd"]], showscale=False, name="did not run",
-            text=status.fillna("").to_numpy(), texttemplate="✕", textfont=dict(color="#555"),
+            text=status.astype(object).fillna("").to_numpy(), texttemplate="✕", textfont=dict(color="#555"),
             hovertemplate="%{y}<br>%{x}<br>did not run: %{text}<extra></extra>"))
     fig.update_layout(title=title or f"per-layer sensitivity: {names.get(value, value)}", template=TEMPLATE,
                       height=max(360, 16 * len(grid.index) + 160), yaxis=dict(autorange="reversed"),

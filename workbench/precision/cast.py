@@ -15,7 +15,7 @@ with a dtype error). The price is one Python call per operation on the weight (s
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -276,7 +276,7 @@ class _CastHandler(Handler):
 class Cast(Config):
     """Store the layer's weights in ``dtype`` (fp16 or bf16) and compute in it."""
 
-    dtype: torch.dtype = torch.bfloat16
+    dtype: torch.dtype = field(default=torch.bfloat16, metadata={"choices": CAST_DTYPES})
 
     def __post_init__(self):
         if isinstance(self.dtype, str):  # "bfloat16" / "float16" from a widget, a CLI or a parameters cell

@@ -26,7 +26,7 @@ from __future__ import annotations
 import copy
 import fnmatch
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -42,11 +42,11 @@ class Fp8Recipe:
     """How an `Fp8Linear` scales and casts: ``scaling`` "current" or "delayed" (see the module docstring),
     ``history`` steps of amax kept for delayed scaling, ``margin`` (scale backed off by 2^margin), the fp8 dtype of
     the forward (inputs, weights) and of the backward (output gradients)."""
-    scaling: str = "delayed"
+    scaling: str = field(default="delayed", metadata={"choices": _SCALINGS})
     history: int = 16
     margin: int = 0
-    forward_dtype: torch.dtype = torch.float8_e4m3fn
-    backward_dtype: torch.dtype = torch.float8_e5m2
+    forward_dtype: torch.dtype = field(default=torch.float8_e4m3fn, metadata={"choices": _FP8})
+    backward_dtype: torch.dtype = field(default=torch.float8_e5m2, metadata={"choices": _FP8})
 
     def __post_init__(self):
         if self.scaling not in _SCALINGS:

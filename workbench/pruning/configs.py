@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -63,6 +63,7 @@ from workbench.quantization.experts import (
 __all__ = ["Magnitude", "Random", "NM", "Wanda", "SparseGPT", "global_plan", "finalize", "STORAGES", "sparsity_of"]
 
 STORAGES = ("mask", "dense", "csr", "2:4")
+UNSTRUCTURED_STORAGES = tuple(s for s in STORAGES if s != "2:4")   # "2:4" holds N:M (2:4) weights only
 
 
 def _nm(config) -> tuple[int, int] | None:
@@ -321,7 +322,8 @@ class Magnitude(Config):
     """Unstructured magnitude pruning of ``sparsity`` of the layer's weights."""
 
     sparsity: float = 0.5
-    storage: str = "mask"
+    storage: str = field(default="mask", metadata={"choices": UNSTRUCTURED_STORAGES})  # what the layer keeps:
+    #                  "mask" (zeros that stay zero when trained), "dense" or "csr" (see the module docstring)
     pattern = None   # the N:M pattern pruned to (None: unstructured)
 
     def __post_init__(self):
@@ -336,7 +338,8 @@ class Random(Config):
 
     sparsity: float = 0.5
     seed: int = 0
-    storage: str = "mask"
+    storage: str = field(default="mask", metadata={"choices": UNSTRUCTURED_STORAGES})  # what the layer keeps:
+    #                  "mask" (zeros that stay zero when trained), "dense" or "csr" (see the module docstring)
     pattern = None
 
     def __post_init__(self):
@@ -354,7 +357,8 @@ class NM(Config):
 
     n: int = 2
     m: int = 4
-    storage: str = "mask"
+    storage: str = field(default="mask", metadata={"choices": STORAGES})  # what the layer keeps: "mask"
+    #                  (zeros that stay zero when trained), "dense", "csr", "2:4" (2:4 only; see the module doc)
 
     def __post_init__(self):
         if not (isinstance(self.n, int) and isinstance(self.m, int) and 0 < self.n < self.m):
@@ -495,7 +499,8 @@ class Wanda(Config):
 
     sparsity: float = 0.5
     nm: tuple[int, int] | None = None
-    storage: str = "mask"
+    storage: str = field(default="mask", metadata={"choices": STORAGES})  # what the layer keeps: "mask"
+    #                  (zeros that stay zero when trained), "dense", "csr", "2:4" (2:4 only; see the module doc)
 
     def __post_init__(self):
         if self.nm is not None:
@@ -517,7 +522,8 @@ class SparseGPT(Config):
     nm: tuple[int, int] | None = None
     damp: float = 0.01
     block_size: int = 128
-    storage: str = "mask"
+    storage: str = field(default="mask", metadata={"choices": STORAGES})  # what the layer keeps: "mask"
+    #                  (zeros that stay zero when trained), "dense", "csr", "2:4" (2:4 only; see the module doc)
 
     def __post_init__(self):
         if self.nm is not None:

@@ -22,7 +22,7 @@ group's real columns (the padding has zero inputs, and is masked out of HQQ's ob
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Sequence
 
 import torch
@@ -48,7 +48,12 @@ from workbench.quantization.modules import (
 from workbench.quantization.observers import OBSERVERS, ObserverAccumulator
 from workbench.quantization.primitives import fp16_scale
 
-__all__ = ["Method", "WeightOnly", "NF4", "FP8", "Dynamic", "Static"]
+__all__ = ["Method", "WeightOnly", "NF4", "FP8", "Dynamic", "Static", "W8A8_KERNELS", "STATIC_KERNELS"]
+
+# the kernels the W8A8 configs accept (their ``choices``, which the generated forms offer): "cpu-int8" is a
+# weight-only path, and Static W8A8 has no Triton kernel (see `_check_w8a8`)
+W8A8_KERNELS = tuple(k for k in KERNELS if k != "cpu-int8")
+STATIC_KERNELS = tuple(k for k in W8A8_KERNELS if k != "triton")
 
 
 class Method(str, enum.Enum):
@@ -301,7 +306,8 @@ class WeightOnly(Config):
     act_order: bool = False   # GPTQ: quantize columns in order of decreasing Hessian diagonal
     static_groups: bool = False   # GPTQ act_order: groups of the original columns (True) or, as the reference
     #                               does, of the activation order (False: the layer stores a column permutation)
-    kernel: str = "auto"  # Linear matmul: "auto" (the device's fastest path), "reference", "cpu", "triton"
+    kernel: str = field(default="auto", metadata={"choices": KERNELS})  # Linear matmul: "auto" (the device's
+    #                  fastest path), "reference", "cpu", "cpu-int8" (int8-rounded activations), "triton"
 
     def __post_init__(self):
         if isinstance(self.method, str) and not isinstance(self.method, Method):
@@ -350,7 +356,7 @@ class NF4(Config):
 class FP8(Config):
     """float8 weights (e4m3fn or e5m2) with one fp32 scale per output channel."""
 
-    dtype: torch.dtype = torch.float8_e4m3fn
+    dtype: torch.dtype = field(default=torch.float8_e4m3fn, metadata={"choices": fm.FLOAT8_DTYPES})
 
     def __post_init__(self):
         if isinstance(self.dtype, str):
@@ -486,11 +492,12 @@ def _recurrent_kernel(name: str, config) -> str:
 def _check_w8a8(config) -> None:
     if config.bits != 8:
         raise ValueError(f"{type(config).__name__} quantization supports 8 bits, got {config.bits!r}")
-    if config.kernel not in KERNELS:
-        raise ValueError(f"{type(config).__name__}.kernel must be one of {KERNELS}, got {config.kernel!r}")
     if config.kernel == "triton" and isinstance(config, Static):
         raise ValueError("Static W8A8 has 'reference' and 'cpu' kernels; the Triton W8A8 kernel quantizes activations "
                          "per token at run time: use wb.quant.Dynamic(kernel='triton')")
+    kernels = STATIC_KERNELS if isinstance(config, Static) else W8A8_KERNELS
+    if config.kernel not in kernels:
+        raise ValueError(f"{type(config).__name__}.kernel must be one of {kernels}, got {config.kernel!r}")
     if config.smooth_alpha is not None and not 0.0 <= config.smooth_alpha <= 1.0:
         raise ValueError(f"{type(config).__name__}.smooth_alpha must be in [0, 1] or None, got {config.smooth_alpha!r}")
 
@@ -514,7 +521,8 @@ class Dynamic(Config):
     ``smooth_alpha``: SmoothQuant migration strength (needs calibration), None for plain W8A8."""
 
     bits: int = 8
-    kernel: str = "auto"  # "auto" (fastest here), "reference" (fp32 math), "cpu" (torch._int_mm), "triton" (CUDA)
+    kernel: str = field(default="auto", metadata={"choices": W8A8_KERNELS})  # "auto" (fastest here), "reference"
+    #                  (fp32 math), "cpu" (torch._int_mm), "triton" (CUDA)
     smooth_alpha: float | None = None
 
     def __post_init__(self):
@@ -528,8 +536,8 @@ class Static(Config):
     ``observer`` (one of ``minmax``, ``moving_average``, ``percentile``, ``mse``, ``histogram``)."""
 
     bits: int = 8
-    observer: str = "minmax"
-    kernel: str = "auto"
+    observer: str = field(default="minmax", metadata={"choices": OBSERVERS})  # activation range calibration
+    kernel: str = field(default="auto", metadata={"choices": STATIC_KERNELS})  # "auto", "reference", "cpu"
     smooth_alpha: float | None = None
 
     def __post_init__(self):

@@ -34,8 +34,11 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
+# the repository is the server's folder (reports/ is browsable in Lab and its Report links work); the printed URL
+# (and /) opens the start notebook
 lab: install
-	$(BIN)/jupyter lab --ip=127.0.0.1 --no-browser --allow-root notebooks/00_start_here.ipynb
+	$(BIN)/jupyter lab --ip=127.0.0.1 --no-browser --allow-root '--ServerApp.root_dir=$(CURDIR)' \
+	  --LabApp.default_url=/lab/tree/notebooks/00_start_here.ipynb
 
 # ruff (style, imports, pyflakes) on all the Python, mypy on the typed core (see [tool.mypy] in pyproject.toml)
 lint: install

@@ -96,11 +96,27 @@ def _report_parameter(value):
     return value
 
 
+def _report_key(params: dict) -> str:
+    """What a report is of, for its name's hash (`report_stem`): the parameters, a file (a plan) by its content, so
+    one plan's reports share the hash wherever its file lies."""
+    import hashlib
+    import json
+
+    def key(value):
+        if isinstance(value, str) and value and Path(value).is_file():
+            return {"file sha256": hashlib.sha256(Path(value).read_bytes()).hexdigest()}
+        return value
+
+    return json.dumps({k: key(v) for k, v in sorted(params.items())}, sort_keys=True, default=repr)
+
+
 def _report(args: argparse.Namespace) -> int:
-    from workbench.reports import run_notebook
+    from workbench.reports import report_stem, reports_dir, run_notebook
 
     params = {k: _report_parameter(_parse_value(v)) for k, v in (args.parameter or [])}
-    nb, html = run_notebook(args.notebook, params, out_dir=args.out, name=args.name)
+    out = reports_dir() if args.out is None else Path(args.out)
+    name = args.name or report_stem(Path(args.notebook).stem, _report_key(params), out)
+    nb, html = run_notebook(args.notebook, params, out_dir=out, name=name)
     print(f"notebook: {nb}\nhtml:     {html}")
     return 0
 
@@ -235,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="notebook parameter (repeatable); values are Python literals or strings")
     r.add_argument("--out", default=None, help="output folder (default: $WORKBENCH_REPORTS, else reports/ at the "
                    "repository root - the folder the workbench's Report button writes to)")
-    r.add_argument("--name", default=None, help="output file stem (default: the notebook's)")
+    r.add_argument("--name", default=None, help="output file stem (default: <notebook>-<hash of the parameters, a "
+                   "plan file by its content>-<YYYYmmdd-HHMMSS>, so a rerun never overwrites a report)")
     r.set_defaults(func=_report)
 
     a = sub.add_parser("app", help="serve the interactive workbench as a standalone Voila dashboard")

@@ -3,7 +3,8 @@ Run All, a layer's bit-width is changed in the UI, Apply & measure - the chart g
 
 Needs ``/usr/bin/chromium`` and the ``playwright`` package (never ``playwright install``: the system chromium
 is used). Without chromium the tests skip, except where ``WORKBENCH_E2E=required`` (CI's ``.ci/run`` sets it),
-where they fail. Screenshots go to ``test-output/`` at the repository root.
+where they fail. Screenshots go to ``test-output/`` at the repository root, the explorer's under JupyterLab (each
+tab, the Report link, the opened report) to ``reports/screens/``.
 """
 import os
 import re
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import free_port
+from test_lab import make_lab_arguments
 
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -115,19 +117,83 @@ def _edit_and_apply(page, shots: Path, name: str, points: int) -> None:
     _check_axes(page)
 
 
-def test_explorer_in_jupyterlab(browser, serve):
+TABS = ["Trade-offs", "Sensitivity", "Roofline", "Size", "Plan & export"]
+
+
+def test_explorer_in_jupyterlab(browser, serve, monkeypatch, tmp_path):
+    """JupyterLab as `make lab` starts it: its URL opens the start notebook; the explorer is run, edited and
+    applied, each of its tabs shown, and its Report link opens the report, served by that server (not file://,
+    which a page served over http may not open). Screenshots in reports/screens/."""
+    for name in ("WORKBENCH_REPORTS", "WORKBENCH_FILES_ROOT", "WORKBENCH_FILES_URL"):
+        monkeypatch.delenv(name, raising=False)                   # the reports go to reports/, as for a person
+    monkeypatch.setenv("JUPYTERLAB_WORKSPACES_DIR", str(tmp_path / "workspaces"))   # a first start: no tabs restored
+    screens = ROOT / "reports" / "screens"
+    screens.mkdir(parents=True, exist_ok=True)
     port, token = free_port(), "wb-e2e"
-    serve(["jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}", "--allow-root",
-           f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={ROOT}"],
+    args = make_lab_arguments()
+    assert f"--ServerApp.root_dir={ROOT}" in args, args           # the repository is the server's folder
+    serve(["jupyterlab", *args, f"--port={port}", f"--IdentityProvider.token={token}"],
           f"http://127.0.0.1:{port}/api/status?token={token}")
+    base = f"http://127.0.0.1:{port}"
     page = browser.new_page(viewport={"width": 1440, "height": 1100})
     page.set_default_timeout(TIMEOUT_MS)
-    page.goto(f"http://127.0.0.1:{port}/lab/tree/notebooks/01_explorer.ipynb?token={token}")
+    page.goto(f"{base}/?token={token}")                           # what the printed URL leads to
+    page.wait_for_function("() => [...document.querySelectorAll('#jp-main-dock-panel .lm-TabBar-tab.lm-mod-current')]"
+                           ".some(t => t.textContent.trim() === '00_start_here.ipynb')")
+    page.wait_for_selector(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell")
+    page.screenshot(path=str(screens / "lab_start_notebook.png"))
+
+    page.goto(f"{base}/lab/tree/notebooks/01_explorer.ipynb?token={token}")
     page.wait_for_selector(".jp-NotebookPanel .jp-Cell")
     page.wait_for_timeout(3000)  # let the kernel start before Run All
     page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
     page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
     _edit_and_apply(page, ROOT / "test-output", "explorer_lab", points=2)  # reference + the example edit
+
+    news = page.locator(".Toastify__toast").get_by_role("button", name="No", exact=True)   # "Jupyter news?"
+    if news.count():
+        news.first.click()                                         # it would cover the explorer in the screenshots
+    tabs = page.locator(".widget-tab").first
+    for title in TABS:
+        tab = tabs.locator(".lm-TabBar-tab", has_text=title).first
+        tab.scroll_into_view_if_needed()
+        tab.click()
+        page.wait_for_timeout(800)
+        assert "lm-mod-current" in (tab.get_attribute("class") or ""), title
+        page.screenshot(path=str(screens / f"explorer_lab_tab_{re.sub(r'[^a-z]+', '_', title.lower())}.png"))
+
+    page.get_by_role("button", name="Report", exact=True).click()   # on the Plan & export tab, shown last
+    link = page.get_by_role("link", name="open the report")
+    failed = page.locator("div[style*='#b00020'], .wb-report-outside")
+    page.wait_for_function("() => [...document.querySelectorAll('a')].some(a => a.textContent === 'open the report')"
+                           " || !!document.querySelector(\"div[style*='#b00020'], .wb-report-outside\")",
+                           timeout=2 * TIMEOUT_MS)                   # the report notebook runs: minutes
+    assert failed.count() == 0, failed.first.inner_text()
+    link.scroll_into_view_if_needed()
+    page.wait_for_timeout(500)
+    page.screenshot(path=str(screens / "explorer_lab_report_link.png"))
+    href = link.evaluate("a => a.href")
+    stem = re.fullmatch(rf"{re.escape(base)}/files/reports/(plan_report_digits-cnn-[0-9a-f]{{8}}-\d{{8}}-\d{{6}}"
+                        r"(?:-\d+)?)\.html", href)
+    assert stem, f"the Report link is {href}, not the report under this server"
+    fetched = page.evaluate("async url => { const r = await fetch(url); return [r.status, await r.text()]; }", href)
+    assert fetched[0] == 200 and f"<title>{stem[1]}</title>" in fetched[1], fetched[0]   # as the page fetches it
+    listing = page.evaluate("async url => (await (await fetch(url)).json()).content.map(f => f.name)",
+                            f"{base}/api/contents/reports?token={token}")
+    assert f"{stem[1]}.html" in listing                            # in Lab's file browser too
+
+    with page.context.expect_page() as opened:
+        link.click()
+    report = opened.value
+    report.set_default_timeout(TIMEOUT_MS)
+    report.set_viewport_size({"width": 1440, "height": 1100})
+    report.wait_for_selector(".js-plotly-plot .main-svg")          # its scripts run: served, not sandboxed
+    report.wait_for_timeout(1000)
+    report.screenshot(path=str(screens / "report_opened.png"), full_page=True)
+    assert report.url == href and report.title() == stem[1]
+    assert report.locator("h1").first.inner_text().startswith("Compression report")
+    for suffix in (".ipynb", ".html", ".plan.json"):                # 5 MB each run: the screenshots stay
+        (ROOT / "reports" / f"{stem[1]}{suffix}").unlink(missing_ok=True)
 
 
 def test_workbench_app_in_voila(browser, serve, tmp_path):

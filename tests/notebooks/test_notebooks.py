@@ -50,7 +50,7 @@ def test_notebook_matches_its_goldens(path, tmp_path):
     params = dict(golden.parameters)
     if path.stem == "00_start_here":
         params["out_file"] = str(tmp_path / "model.safetensors")
-    argv = ["report", str(path), "--out", str(tmp_path)]
+    argv = ["report", str(path), "--out", str(tmp_path), "--name", path.stem]
     for key, value in params.items():
         argv += ["-p", key, repr(value)]
     assert main(argv) == 0

@@ -4,11 +4,12 @@ import sys
 from pathlib import Path
 
 import nbformat
+import pytest
 import torch
 
 import workbench as wb
 from workbench.cli import main
-from workbench.reports import METRICS_MIME, recorded, to_html
+from workbench.reports import METRICS_MIME, OutsideServerRoot, recorded, to_html
 
 
 def test_cli_measure_with_plan(tmp_path, capsys):
@@ -125,7 +126,12 @@ def test_one_reports_folder_and_browser_urls(tmp_path, monkeypatch):
     monkeypatch.setenv("WORKBENCH_FILES_ROOT", str(tmp_path))
     monkeypatch.setenv("WORKBENCH_FILES_URL", "/voila/files/")
     assert browser_url(page) == "/voila/files/sub%20dir/r.html"
-    assert browser_url("/elsewhere/r.html") == "file:///elsewhere/r.html"   # outside what the server serves
+    with pytest.raises(OutsideServerRoot, match="outside the folder this server serves"):
+        browser_url("/elsewhere/r.html")                          # outside what the server serves: no dead link
+    monkeypatch.delenv("WORKBENCH_FILES_ROOT")
+    monkeypatch.delenv("WORKBENCH_FILES_URL")
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "no-servers"))
+    assert browser_url("/elsewhere/r.html") == "file:///elsewhere/r.html"   # no server at all (a script): a file URL
 
 
 def test_browser_url_under_the_jupyter_server_that_started_the_kernel(tmp_path, monkeypatch):
@@ -144,3 +150,152 @@ def test_browser_url_under_the_jupyter_server_that_started_the_kernel(tmp_path, 
                                                          "base_url": "/user/me/"}))
     monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(runtime))
     assert browser_url(tmp_path / "reports" / "r.html") == "/user/me/files/reports/r.html"
+
+
+def _jupyter_server_root(tmp_path, monkeypatch, root):
+    """Pretend this process's parent is a Jupyter server serving ``root`` (its runtime file, as the kernel sees)."""
+    import json
+    import os
+
+    monkeypatch.delenv("WORKBENCH_FILES_ROOT", raising=False)
+    monkeypatch.delenv("WORKBENCH_FILES_URL", raising=False)
+    runtime = tmp_path / "runtime"
+    runtime.mkdir(exist_ok=True)
+    (runtime / "jpserver-1.json").write_text(json.dumps({"pid": os.getppid(), "root_dir": str(root),
+                                                         "base_url": "/"}))
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(runtime))
+
+
+def test_a_report_outside_the_jupyter_servers_folder_gets_words_not_a_dead_link(tmp_path, monkeypatch):
+    """The old `make lab` served notebooks/ and the reports lay in reports/: the link was file://, which a page
+    served over http may not open. Now there is no link, and the error says where the file is and what to do."""
+    from workbench.reports import browser_url
+
+    served = tmp_path / "notebooks"
+    served.mkdir()
+    _jupyter_server_root(tmp_path, monkeypatch, served)
+    page = tmp_path / "reports" / "r.html"
+    with pytest.raises(OutsideServerRoot) as e:
+        browser_url(page)
+    message = str(e.value)
+    assert message.startswith(f"the report is outside this Jupyter server's folder {served.resolve()}")
+    assert f"open {page.resolve()} from a file manager" in message and "`make lab`" in message
+    assert e.value.path == page.resolve() and e.value.root == served.resolve()
+    assert "file://" not in message
+    _jupyter_server_root(tmp_path, monkeypatch, tmp_path)            # a server at the repository root (make lab)
+    assert browser_url(page) == "/files/reports/r.html"
+
+
+def test_the_report_button_says_where_a_report_outside_the_server_is(tmp_path, monkeypatch):
+    """The Report button of a workbench whose Jupyter server cannot serve the reports folder: words, no link."""
+    import types
+
+    from workbench.ui.app import Workbench
+
+    served = tmp_path / "notebooks"
+    served.mkdir()
+    _jupyter_server_root(tmp_path, monkeypatch, served)
+    page = tmp_path / "reports" / "plan_report_x.html"
+    said: list[str] = []
+    fake = types.SimpleNamespace(session=types.SimpleNamespace(assigned={"fc1": object()}), background=False,
+                                 report=lambda: (page.with_suffix(".ipynb"), page), _say=said.append,
+                                 report_link=types.SimpleNamespace(value=""))
+    Workbench._on_report(fake)
+    text = fake.report_link.value
+    assert "<a " not in text and "file://" not in text
+    assert "outside this Jupyter server&#x27;s folder" in text and str(page.resolve()) in text and "make lab" in text
+    assert said[-1] == f"report written to {page}"
+    _jupyter_server_root(tmp_path, monkeypatch, tmp_path)
+    Workbench._on_report(fake)
+    assert "<a href='/files/reports/plan_report_x.html' target='_blank'" in fake.report_link.value
+
+
+def test_report_stems_are_unique_and_name_the_plan():
+    from datetime import datetime
+
+    from workbench.reports import content_hash, report_stem
+
+    when = datetime(2025, 3, 4, 5, 6, 7)
+    plan = '{"entries": []}'
+    stem = report_stem("plan_report_digits-cnn", plan, when=when)
+    assert stem == f"plan_report_digits-cnn-{content_hash(plan)}-20250304-050607"
+    assert content_hash(plan) == "e3eb12da"                              # SHA-256's first 8 hex digits
+    assert len(content_hash("x")) == 8 and content_hash("x") == content_hash(b"x") != content_hash("y")
+    assert report_stem("r", "a", when=when) != report_stem("r", "b", when=when)          # another plan
+    assert report_stem("r", "a", when=when) != report_stem("r", "a", when=datetime(2025, 3, 4, 5, 6, 8))
+
+
+def test_report_stem_never_reuses_a_name_in_its_folder(tmp_path):
+    from datetime import datetime
+
+    from workbench.reports import report_stem
+
+    when = datetime(2025, 3, 4, 5, 6, 7)
+    first = report_stem("r", "plan", tmp_path, when)
+    (tmp_path / f"{first}.html").write_text("")
+    second = report_stem("r", "plan", tmp_path, when)                   # two runs in one second
+    assert second == f"{first}-2"
+    (tmp_path / f"{second}.plan.json").write_text("")
+    assert report_stem("r", "plan", tmp_path, when) == f"{first}-3"
+
+
+def test_cli_report_names_each_run_apart(tmp_path, monkeypatch, capsys):
+    """`workbench report` writes <notebook>-<hash of the parameters, a plan file by its content>-<time>; --name
+    still names the files."""
+    import re
+
+    import workbench.reports
+
+    runs: list[dict] = []
+
+    def fake_run(notebook, parameters=None, out_dir=None, name=None, **kwargs):
+        runs.append({"notebook": notebook, "parameters": parameters, "out_dir": out_dir, "name": name})
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / f"{name}.html").write_text("")
+        return Path(out_dir) / f"{name}.ipynb", Path(out_dir) / f"{name}.html"
+
+    monkeypatch.setattr(workbench.reports, "run_notebook", fake_run)
+    plan_a, plan_b = tmp_path / "a.json", tmp_path / "b.json"
+    wb.Plan({"fc*": wb.quant.WeightOnly(bits=4)}).save(plan_a)
+    wb.Plan({"fc*": wb.quant.WeightOnly(bits=4)}).save(plan_b)            # the same plan in another file
+    out = tmp_path / "reports"
+    for plan in (plan_a, plan_a, plan_b):
+        assert main(["report", "nb/90_report.ipynb", "-p", "plan", str(plan), "--out", str(out)]) == 0
+    names = [r["name"] for r in runs]
+    assert all(re.fullmatch(r"90_report-[0-9a-f]{8}-\d{8}-\d{6}(-\d+)?", n) for n in names), names
+    assert len(set(names)) == 3                                          # no run overwrote another
+    assert len({n.split("-")[1] for n in names}) == 1                    # one plan, one hash
+    wb.Plan({"fc*": wb.quant.WeightOnly(bits=8)}).save(plan_b)
+    assert main(["report", "nb/90_report.ipynb", "-p", "plan", str(plan_b), "--out", str(out)]) == 0
+    assert runs[-1]["name"].split("-")[1] != names[0].split("-")[1]       # another plan, another hash
+    assert main(["report", "nb/90_report.ipynb", "--out", str(out), "--name", "mine"]) == 0
+    assert runs[-1]["name"] == "mine" and "mine.html" in capsys.readouterr().out
+
+
+def test_the_report_button_names_each_report_by_plan_and_time(digits_mlp, digits_task, tmp_path, monkeypatch):
+    import re
+
+    import workbench.reports
+
+    runs: list[tuple[dict, str]] = []
+
+    def fake_run(notebook, parameters=None, out_dir=None, name=None, **kwargs):
+        runs.append((parameters, name))
+        (Path(out_dir) / f"{name}.html").write_text("")
+        return Path(out_dir) / f"{name}.ipynb", Path(out_dir) / f"{name}.html"
+
+    monkeypatch.setattr(workbench.reports, "run_notebook", fake_run)
+    monkeypatch.setenv("WORKBENCH_REPORTS", str(tmp_path))
+    app = wb.ui.Workbench(digits_mlp, digits_task, background=False, reference=False)
+    app.session.set("fc*", wb.quant.WeightOnly(bits=4, group_size=32))
+    first, second = app.report(), app.report()
+    assert first != second                                               # a rerun does not overwrite
+    (p1, n1), (p2, n2) = runs
+    stem = re.compile(r"plan_report_digits-mlp-([0-9a-f]{8})-\d{8}-\d{6}(-\d+)?")
+    assert stem.fullmatch(n1) and stem.fullmatch(n2), (n1, n2)
+    plan_hash = workbench.reports.content_hash(app.session.plan.to_json())
+    assert stem.fullmatch(n1)[1] == stem.fullmatch(n2)[1] == plan_hash       # one plan, one hash
+    assert p1["plan"] == str((tmp_path / f"{n1}.plan.json").resolve())  # the plan beside its report, same stem
+    assert wb.Plan.read(p1["plan"]).to_json() == app.session.plan.to_json()
+    app.report(name="fixed")
+    assert runs[-1][1] == "fixed" and (tmp_path / "fixed.plan.json").exists()

@@ -176,9 +176,9 @@ def test_report_button_runs_the_plan_report(app, tmp_path, monkeypatch):
     app.session.set("fc*", wb.quant.WeightOnly(bits=4, group_size=32))
     app.report_button.click()
     assert "report written" in app.status.value, app.status.value
-    page = tmp_path / "reports" / "plan_report_digits-mlp.html"
-    assert page.exists() and page.as_uri() in app.report_link.value   # no Jupyter server here: a file URL
-    rec = wb.reports.recorded(tmp_path / "reports" / "plan_report_digits-mlp.ipynb")
+    (page,) = (tmp_path / "reports").glob("plan_report_digits-mlp-*.html")   # <model>-<plan hash>-<time>
+    assert page.as_uri() in app.report_link.value   # no Jupyter server here: a file URL
+    rec = wb.reports.recorded(page.with_suffix(".ipynb"))
     assert rec["layers"] == 3 and 0.1 < rec["size_ratio"] < 0.25
 
 

@@ -7,19 +7,24 @@
 - `run_notebook(path, parameters, out_dir)` executes a notebook with papermill into ``out_dir`` (default:
   `reports_dir()`, the one folder the CLI and the UI share) as .ipynb and renders it with `to_html` into a
   standalone .html that makes no network request (see `workbench.reports.html`).
-- `browser_url(path)` is the link a Jupyter / Voila page uses to open such a file with its scripts running.
+- `report_stem(stem, key)` names a report ``<stem>-<8 hex of key's SHA-256>-<YYYYmmdd-HHMMSS>``: the hash makes
+  reports of the same plan recognisable, the time keeps a rerun from overwriting an earlier one.
+- `browser_url(path)` is the link a Jupyter / Voila page uses to open such a file with its scripts running; it
+  raises `OutsideServerRoot` (saying where the file is) for a file the server cannot serve.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import os
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from workbench.reports.html import browser_url, to_html
+from workbench.reports.html import OutsideServerRoot, browser_url, to_html
 
 __all__ = ["record", "record_hidden", "recorded", "run_notebook", "to_html", "browser_url", "reports_dir",
-           "METRICS_MIME"]
+           "report_stem", "content_hash", "OutsideServerRoot", "METRICS_MIME"]
 
 METRICS_MIME = "application/vnd.workbench.metrics+json"
 
@@ -80,10 +85,37 @@ def reports_dir() -> Path:
     return Path(override) if override else Path(__file__).resolve().parents[2] / "reports"
 
 
+def content_hash(data: str | bytes, digits: int = 8) -> str:
+    """The first ``digits`` hex digits of the SHA-256 of ``data`` (text as UTF-8)."""
+    return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()[:digits]
+
+
+def report_stem(stem: str, key: str | bytes, out_dir: str | os.PathLike | None = None,
+                when: datetime | None = None) -> str:
+    """A report's file stem: ``<stem>-<content_hash(key)>-<YYYYmmdd-HHMMSS>`` (local time, now by default).
+
+    ``key`` is what the report is of (a plan's JSON, a run's parameters): the same key gives the same 8 hex
+    digits, so the reports of one plan are recognisable; the time keeps a rerun from overwriting the last one.
+    With ``out_dir``, a ``-2``, ``-3`` ... suffix is added while a file of that stem exists there (two runs in
+    one second).
+    """
+    base = f"{stem}-{content_hash(key)}-{(when or datetime.now()).strftime('%Y%m%d-%H%M%S')}"
+    if out_dir is None:
+        return base
+    folder, name, i = Path(out_dir), base, 1
+    while any((folder / f"{name}{suffix}").exists() for suffix in (".ipynb", ".html", ".plan.json")):
+        i += 1
+        name = f"{base}-{i}"
+    return name
+
+
 def run_notebook(notebook: str | os.PathLike, parameters: dict[str, Any] | None = None,
                  out_dir: str | os.PathLike | None = None, name: str | None = None,
                  html: bool = True, timeout: int = 1800) -> tuple[Path, Path | None]:
     """Execute ``notebook`` with papermill into ``out_dir`` (default `reports_dir()`); returns (.ipynb, .html or None).
+
+    The files are ``<name>.ipynb`` and ``<name>.html`` (default: the notebook's stem, replaced on each run; the
+    CLI and the Report button pass a `report_stem`, unique per run).
 
     Raises papermill's ``PapermillExecutionError`` (naming the failing cell) if a cell fails; the
     executed notebook with the error is still written.

@@ -10,7 +10,8 @@ nbconvert template (next to this file):
   values the run used, with the defaults beside them;
 - widget outputs (progress bars) are dropped: without a live kernel they would render as nothing.
 
-`browser_url(path)` says where a browser reaches a report written by a kernel running under Jupyter or Voila.
+`browser_url(path)` says where a browser reaches a report written by a kernel running under Jupyter or Voila
+(`OutsideServerRoot` when it cannot: the file lies outside the server's folder).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import tokenize
 from pathlib import Path
 from typing import Any
 
-__all__ = ["to_html", "parameter_rows", "browser_url"]
+__all__ = ["to_html", "parameter_rows", "browser_url", "OutsideServerRoot"]
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
@@ -158,26 +159,43 @@ def _jupyter_server() -> dict[str, Any] | None:
     return next((s for s in list_running_servers() if s.get("pid") == parent), None)
 
 
+class OutsideServerRoot(ValueError):
+    """A file the browser cannot reach: it lies outside the folder the Jupyter (or Voila) server serves.
+
+    ``path`` is the file, ``root`` the server's folder; the message says where the file is and what to do.
+    """
+
+    def __init__(self, path: Path, root: Path, jupyter: bool = True):
+        self.path, self.root = path, root
+        where = "this Jupyter server's folder" if jupyter else "the folder this server serves"
+        also = ", or start JupyterLab with `make lab` (its folder is the repository)" if jupyter else ""
+        super().__init__(f"the report is outside {where} {root}, so no browser link can reach it: "
+                         f"open {path} from a file manager{also}")
+
+
 def browser_url(path: str | os.PathLike) -> str:
     """A URL under which the browser showing this kernel's outputs fetches ``path`` as a plain file.
 
     Under Voila started by ``workbench app``: ``/voila/files/…`` (the command allows .html files of its folder).
     Under a Jupyter server: ``<base_url>files/…``, which serves the page itself, so its scripts run — unlike
-    JupyterLab's HTML viewer, which shows untrusted HTML without scripts. Anywhere else: a ``file://`` URL.
+    JupyterLab's HTML viewer, which shows untrusted HTML without scripts. With no server at all (a script, a
+    test): a ``file://`` URL. A file outside the server's folder raises `OutsideServerRoot`: a page served over
+    http may not open ``file://`` links, so there is no link to give.
     """
     path = Path(path).resolve()
     root, prefix = os.environ.get("WORKBENCH_FILES_ROOT"), os.environ.get("WORKBENCH_FILES_URL")
+    jupyter = False
     if not (root and prefix):
         server = _jupyter_server()
         if server is not None:
-            root, prefix = server.get("root_dir"), server.get("base_url", "/") + "files/"
+            root, prefix, jupyter = server.get("root_dir"), server.get("base_url", "/") + "files/", True
     if root and prefix:
+        base = Path(root).expanduser().resolve()
         try:
-            rel = path.relative_to(Path(root).resolve())
+            rel = path.relative_to(base)
         except ValueError:
-            rel = None
-        if rel is not None:
-            from urllib.parse import quote
+            raise OutsideServerRoot(path, base, jupyter) from None
+        from urllib.parse import quote
 
-            return prefix + quote(rel.as_posix())
+        return prefix + quote(rel.as_posix())
     return path.as_uri()

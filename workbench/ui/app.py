@@ -355,27 +355,32 @@ class Workbench:
         self._refresh()
         self._say(f"plan imported: {_count(len(self.session.assigned), 'layer')} assigned; press Apply & measure")
 
-    def report(self, out_dir: str | None = None, quick: bool | None = None):
+    def report(self, out_dir: str | None = None, quick: bool | None = None, name: str | None = None):
         """Run the plan-report notebook with the current plan into ``out_dir`` (default: the reports folder
-        `wb.reports.reports_dir()`, shared with ``workbench report``); returns (executed notebook, HTML) paths."""
+        `wb.reports.reports_dir()`, shared with ``workbench report``); returns (executed notebook, HTML) paths.
+
+        The files (.ipynb, .html and the plan as .plan.json) are named ``plan_report_<model>-<plan hash>-<time>``
+        (`wb.reports.report_stem`): one plan's reports share the hash, and a rerun never overwrites a report;
+        ``name`` replaces that stem."""
         from pathlib import Path
 
         from workbench import models
-        from workbench.reports import reports_dir, run_notebook
+        from workbench.reports import report_stem, reports_dir, run_notebook
 
-        name = models.source_of(self.session.original)
-        if name is None:
+        model = models.source_of(self.session.original)
+        if model is None:
             raise ValueError("Report reloads the model by its zoo name, and this model is not from wb.models; "
                              "export the plan and use wb.sweep / wb.measure on your model instead")
         notebook = Path(__file__).resolve().parents[2] / "notebooks" / "90_report.ipynb"
         out_dir = reports_dir() if out_dir is None else Path(out_dir)
-        plan_file = out_dir / f"plan_report_{name}.plan.json"
-        plan_file.parent.mkdir(parents=True, exist_ok=True)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        stem = name or report_stem(f"plan_report_{model}", self.session.plan.to_json(), out_dir)
+        plan_file = out_dir / f"{stem}.plan.json"
         self.session.plan.save(plan_file)
-        params = {"model_name": name, "task_name": self.session.task.name, "plan": str(plan_file.resolve()),
+        params = {"model_name": model, "task_name": self.session.task.name, "plan": str(plan_file.resolve()),
                   "calibration": self.session.calibration, "quick": self.session.quick if quick is None else quick,
                   "threads": self.session.threads or torch.get_num_threads()}
-        return run_notebook(notebook, params, out_dir=out_dir, name=f"plan_report_{name}")
+        return run_notebook(notebook, params, out_dir=out_dir, name=stem)
 
     def _on_report(self, _=None) -> None:
         if not self.session.assigned:
@@ -383,13 +388,21 @@ class Workbench:
         self._say("running the report notebook ...")
 
         def run():
-            from workbench.reports import browser_url
+            from workbench.reports import OutsideServerRoot, browser_url
 
             nb, page = self.report()
-            # served as a plain file (not JupyterLab's untrusted HTML viewer), so its charts draw at once
-            self.report_link.value = (f"<a href='{html.escape(browser_url(page))}' target='_blank' rel='noopener'>"
-                                      f"open the report</a> <span style='color:#666'>({html.escape(str(page))}; "
-                                      f"executed notebook: {html.escape(nb.name)})</span>")
+            note = (f"<span style='color:#666'>({html.escape(str(page))}; executed notebook: "
+                    f"{html.escape(nb.name)})</span>")
+            try:
+                url = browser_url(page)
+            except OutsideServerRoot as e:   # a file:// link from an http page opens nothing: say where it is
+                self.report_link.value = (f"<span class='wb-report-outside'>report written, no link: "
+                                          f"{html.escape(str(e))}</span>")
+            else:
+                # served as a plain file (not JupyterLab's untrusted HTML viewer), so its charts draw at once
+                self.report_link.value = (f"<a href='{html.escape(url)}' target='_blank' rel='noopener' "
+                                          f"style='color:#0b57d0;text-decoration:underline'>open the report</a> "
+                                          f"{note}")
             self._say(f"report written to {page}")
 
         if self.background:

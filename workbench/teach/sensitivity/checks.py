@@ -213,22 +213,36 @@ def check_knapsack(answer, opts, budget: float) -> Feedback:
 
 
 def _solution_best_verified(verified):
+    import math
+
     fits = verified[verified["fits"]]
-    return fits.loc[fits["measured"].idxmax(), "plan"]
+    # a plan is out when another plan that fits measures better by more than the two errors combined
+    beaten = [any(o["measured"] - r["measured"] > math.hypot(o["measured_error"], r["measured_error"])
+                  for _, o in fits.iterrows()) for _, r in fits.iterrows()]
+    return fits[[not b for b in beaten]].sort_values(["measured_cost", "measured"],
+                                                      ascending=[True, False])["plan"].iloc[0]
 
 
 def check_best_verified(answer, verified, report) -> Feedback:
-    """Exercise 8: the plan to return after verification: the best *measured* one among those that fit (what
-    `wb.search` returned: ``report.verified``'s chosen row)."""
+    """Exercise 8: the plan to return after verification (what `wb.search` returned: ``report.verified``'s chosen
+    row): among the plans that fit, those that no other fitting plan beats by more than the sampling error
+    (both plans' 95 % errors combined); of these, the cheapest."""
     chosen = report.verified[report.verified["chosen"]]
     expected = str(chosen["plan"].iloc[0])
+    fits = verified[verified["fits"]]
     by_prediction = verified.loc[verified["predicted"].idxmax(), "plan"]
-    by_measure = verified.loc[verified["measured"].idxmax(), "plan"]
-    mistakes = [(m, h) for m, h in ((by_prediction, "that is the best *predicted* plan; choose on the measurement"),
-                                    (by_measure, "that plan does not fit the budget (column fits)"))
-                if m != expected]
+    by_measure = fits.loc[fits["measured"].idxmax(), "plan"]
+    over = verified.loc[verified["measured"].idxmax(), "plan"]
+    mistakes = [(m, h) for m, h in (
+        (by_prediction, "that is the best *predicted* plan; choose on the measurement"),
+        (by_measure, "that plan measures highest, but a cheaper plan ties it: the difference lies inside the "
+                     "sampling error (combine the two measured_error values as sqrt(e1**2 + e2**2)), and the "
+                     "cheaper of tied plans wins"),
+        (over, "that plan does not fit the budget (column fits)")) if m != expected]
     return check("the plan that never loses to uniform", answer, expected,
-                 hint="among the rows with fits == True, the one with the highest measured accuracy",
+                 hint="keep the rows with fits == True; drop each one that another of them beats by more than "
+                      "sqrt(e1**2 + e2**2) (their measured_error); return the cheapest that is left "
+                      "(measured_cost)",
                  mistakes=mistakes, solution=functools.partial(_solution_best_verified, verified))
 
 

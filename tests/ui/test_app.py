@@ -237,3 +237,41 @@ def test_speedup_axis_is_not_stretched_by_one_wide_interval():
     low, high = _fit(_clip_to_points(ends, points), floor=0.0)
     assert 0.0 <= low < 0.97 and 1.05 < high < 2.0          # the points fill the chart, 15x does not
     assert _clip_to_points([3.0, 2.5], [3.0]) == [3.0, 2.5]   # values within reach are kept
+
+
+def test_sensitivity_candidates_are_chosen_in_the_ui_and_the_status_speaks_plainly(app):
+    names = [c.description for c in app.sens_checks.children]
+    assert names == list(app.candidates) and all(c.value for c in app.sens_checks.children)
+    app.technique.value = wb.quant.WeightOnly
+    app.forms[wb.quant.WeightOnly]["bits"].value = 2
+    app.add_candidate_button.click()                                   # the technique above joins the candidates
+    added = app.sens_checks.children[-1]
+    assert added.description.startswith("WeightOnly · 2 bits") and added.value
+    for c in app.sens_checks.children[:-1]:
+        c.value = False                                                # only the new one runs
+    app.layers.value = ("fc1",)
+    app.sens_button.click()
+    table = app.session.sensitivity
+    assert list(table["candidate"].unique()) == [added.description] and len(table) == 1
+    assert "sensitivity measured: 1 layer x 1 candidate" in app.status.value and "rows (" not in app.status.value
+    for c in app.sens_checks.children:
+        c.value = False
+    app.sens_button.click()
+    assert "tick at least one candidate" in app.status.value and "#b00020" in app.status.value
+
+
+def test_a_slower_point_is_reported_in_amber_with_its_reason_below(app):
+    app.layers.value = ("fc1", "fc2", "fc3")
+    app.technique.value = wb.quant.WeightOnly
+    app.forms[wb.quant.WeightOnly]["bits"].value = 2
+    app.forms[wb.quant.WeightOnly]["kernel"].value = "reference"       # decodes every weight on every call: slower
+    app.set_button.click()
+    app.apply_button.click()
+    app.wait()
+    entry = app.session.history[-1]
+    assert entry.speedup.slower or not entry.speedup.reliable, str(entry.speedup)
+    assert "wb-status-warn" in app.status.value and "#1b5e20" not in app.status.value   # not the success colour
+    if entry.speedup.slower:                                           # the why, below the headline
+        assert "reference path" in app.status.value and "wb-help" in app.status.value
+    else:                                                              # a busy machine: said, in amber too
+        assert "no reliable reading" in app.status.value

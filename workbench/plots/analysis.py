@@ -146,8 +146,8 @@ def roofline(df, baseline: str | None = None, title: str | None = None):
                                       f"({device}, threads {threads})"),
                       yaxis_title="speedup over the baseline (x, higher is better)",
                       xaxis=dict(tickangle=0, automargin=True), yaxis=dict(automargin=True),
-                      margin=dict(l=70, r=20, t=70, b=50), legend=dict(orientation="h", y=1.02, x=1, xanchor="right",
-                                                                        yanchor="bottom"))
+                      margin=dict(l=70, r=20, t=60, b=90),   # the legend under the bars, clear of the title
+                      legend=dict(orientation="h", y=-0.12, x=0.5, xanchor="center", yanchor="top"))
     return fig
 
 

@@ -51,7 +51,7 @@ class Workbench:
         import ipywidgets as W
 
         self.session = Session(model, task, quick=quick, calibration=calibration, threads=threads)
-        self.candidates = candidates if candidates is not None else _default_candidates()
+        self.candidates = _named(candidates if candidates is not None else _default_candidates())
         self.background = background
         self._cancel = threading.Event()
         self._worker: threading.Thread | None = None
@@ -86,6 +86,11 @@ class Workbench:
         self.redo_button = W.Button(description="Redo", icon="repeat")
         self.sens_button = W.Button(description="Run sensitivity (selected layers, or all)",
                                     layout=W.Layout(width="auto"))
+        # the candidates the sensitivity compares: ticked ones run; the technique set above can be added
+        self.sens_checks = W.HBox(layout=W.Layout(flex_flow="row wrap"))
+        self.add_candidate_button = W.Button(description="Add the technique above as a candidate",
+                                             layout=W.Layout(width="auto"))
+        self._show_candidates()
         self.plan_text = W.Textarea(layout=W.Layout(width="100%", height="220px"))
         self.export_button = W.Button(description="Export current plan")
         self.import_button = W.Button(description="Import plan")
@@ -117,6 +122,7 @@ class Workbench:
         self.undo_button.on_click(self._guard(lambda _: self.session.undo() and self._refresh()))
         self.redo_button.on_click(self._guard(lambda _: self.session.redo() and self._refresh()))
         self.sens_button.on_click(self._guard(self._on_sensitivity))
+        self.add_candidate_button.on_click(self._guard(self._on_add_candidate))
         self.export_button.on_click(self._guard(lambda _: setattr(self.plan_text, "value",
                                                                   self.session.plan.to_json(indent=2))))
         self.import_button.on_click(self._guard(self._on_import))
@@ -135,7 +141,11 @@ class Workbench:
         self.latency_chart.add_class("wb-chart")
         self.tabs = W.Tab(children=[W.HBox([self.size_chart, self.latency_chart],
                                            layout=W.Layout(flex_flow="row wrap", width="100%")),
-                                    W.VBox([self.sens_button, self.heatmap]), self.roofline_chart, self.size_figure,
+                                    W.VBox([W.HTML("<b>Candidates</b> <span class='wb-help'>(each is applied "
+                                                   "to one layer at a time; the quality it loses is the cell)"
+                                                   "</span>"),
+                                            self.sens_checks, W.HBox([self.add_candidate_button, self.sens_button]),
+                                            self.heatmap]), self.roofline_chart, self.size_figure,
                                     W.VBox([W.HBox([self.export_button, self.import_button, self.report_button]),
                                             self.report_link, self.plan_text,
                                             W.HTML("<b>Export the model</b> <span class='wb-help'>(the plan as last "
@@ -162,9 +172,13 @@ class Workbench:
                 f"({'higher' if s.task.primary.higher_is_better else 'lower'} is better), measured on the "
                 f"{'quick subset' if s.quick else 'full evaluation set'}.</div>")
 
-    def _say(self, message: str, error: bool = False) -> None:
-        color = "#b00020" if error else "#1b5e20"
-        self.status.value = f"<div style='color:{color};white-space:pre-wrap'>{html.escape(message)}</div>"
+    def _say(self, message: str, error: bool = False, tone: str = "ok", notes: Sequence[str] = ()) -> None:
+        """The status line: ``tone`` "ok" (green: done as asked), "info" (grey: under way, a plain fact), "warn"
+        (amber: done, with a cost the user should read, e.g. slower) or "error" (red); ``notes`` below it, smaller."""
+        color = _TONES["error" if error else tone]
+        extra = "".join(f"<div class='wb-help' style='white-space:pre-wrap'>{html.escape(n)}</div>" for n in notes)
+        self.status.value = (f"<div class='wb-status wb-status-{'error' if error else tone}' style='color:{color};"
+                             f"white-space:pre-wrap'>{html.escape(message)}</div>{extra}")
 
     def _guard(self, fn):
         """Run a callback; any failure is shown in the status line instead of vanishing into a log."""
@@ -181,7 +195,12 @@ class Workbench:
 
         from workbench.ui.widgets import figure_widget
 
-        return figure_widget(layout=go.Layout(template=TEMPLATE, height=380, title=message))
+        # no axes until there is data: empty axes with -1..6 ticks read as a broken chart
+        return figure_widget(layout=go.Layout(template=TEMPLATE, height=380, xaxis=dict(visible=False),
+                                              yaxis=dict(visible=False),
+                                              annotations=[dict(text=message, showarrow=False, x=0.5, y=0.5,
+                                                                xref="paper", yref="paper",
+                                                                font=dict(size=15, color="#666"))]))
 
     def _series(self, kind: str) -> dict[str, list]:
         """The trade-off chart's data: every plan tried, the Pareto front, the latest point."""
@@ -385,7 +404,7 @@ class Workbench:
     def _on_report(self, _=None) -> None:
         if not self.session.assigned:
             raise ValueError("the plan is empty: set a technique on some layers first")
-        self._say("running the report notebook ...")
+        self._say("running the report notebook ...", tone="info")
 
         def run():
             from workbench.reports import OutsideServerRoot, browser_url
@@ -430,7 +449,7 @@ class Workbench:
         return self.session.export(Path(folder).expanduser(), format)
 
     def _on_export_model(self, _=None) -> None:
-        self._say(f"exporting as {self.export_format.value} ...")
+        self._say(f"exporting as {self.export_format.value} ...", tone="info")
         path = self.export_model(self.export_folder.value.strip() or None)
         files = sorted(p.name for p in path.iterdir())
         self.export_link.value = (f"<span>written: <code>{html.escape(str(path))}</code> "
@@ -451,13 +470,35 @@ class Workbench:
         from workbench.plots import sensitivity_heatmap
 
         layers = list(self.layers.value) or None
-        self._say("measuring sensitivity ...")
-        table = sensitivity(self.session.original, self.session.task, self.candidates, layers,
+        chosen = {c.description: self.candidates[c.description] for c in self.sens_checks.children if c.value}
+        if not chosen:
+            raise ValueError("tick at least one candidate for the sensitivity analysis")
+        self._say("measuring sensitivity ...", tone="info")
+        table = sensitivity(self.session.original, self.session.task, chosen, layers,
                             calibration=self.session.calibration, progress=False)
         self.session.sensitivity = table
         self._replace(self.heatmap, sensitivity_heatmap(table))
         self._refresh()
-        self._say(f"sensitivity: {len(table)} rows ({table.attrs['replay']})")
+        self._say(_sensitivity_summary(table), tone="ok" if (table["status"] == "ok").all() else "warn")
+
+    def _show_candidates(self) -> None:
+        import ipywidgets as W
+
+        ticked = {c.description: c.value for c in self.sens_checks.children}
+        self.sens_checks.children = [W.Checkbox(value=ticked.get(name, True), description=name, indent=False,
+                                                layout=W.Layout(width="auto", margin="0 18px 0 0"))
+                                     for name in self.candidates]
+
+    def _on_add_candidate(self, _=None) -> None:
+        from workbench.ui.forms import describe
+
+        config = self._config()
+        if config is None:
+            raise ValueError("choose a technique above first: 'none' is the unchanged layer, not a candidate")
+        name = describe(config)
+        self.candidates[name] = config
+        self._show_candidates()
+        self._say(f"candidate added: {name} ({_count(len(self.candidates), 'candidate')})", tone="info")
 
     def _on_apply(self, _=None) -> None:
         if self._worker is not None and self._worker.is_alive():
@@ -491,7 +532,9 @@ class Workbench:
             self.apply_button.disabled, self.cancel_button.disabled = False, True
         self._refresh()
         self._update_views()
-        self._say(entry.status)   # quality +- its sampling error, size, speed verdict and why it is slower
+        # quality +- its sampling error, size, speed verdict; why it is slower (or no smaller) below, in amber
+        slower = entry.speedup is not None and (entry.speedup.slower or not entry.speedup.reliable)
+        self._say(entry.headline, tone="warn" if slower or entry.notes else "ok", notes=entry.notes)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until a background apply finishes (for scripts and tests)."""
@@ -533,6 +576,30 @@ def _clip_to_points(values: list[float], points: list[float], reach: float = 2.0
     span = max(hi - lo, 0.25)
     low, high = max(lo - reach * span, 0.0), hi + reach * span
     return [min(max(v, low), high) if isinstance(v, (int, float)) and math.isfinite(v) else v for v in values]
+
+
+_TONES = {"ok": "#1b5e20", "info": "#444444", "warn": "#8a4b00", "error": "#b00020"}
+
+
+def _named(candidates) -> dict:
+    """Sensitivity candidates as an ordered name -> config dict (a sequence is named by `describe`)."""
+    from workbench.ui.forms import describe
+
+    if isinstance(candidates, Mapping):
+        return dict(candidates)
+    return {describe(c): c for c in candidates}
+
+
+def _sensitivity_summary(table) -> str:
+    """The sensitivity analysis in a sentence: what was measured, what did not run, how it was computed."""
+    layers, cands = table["layer"].nunique(), table["candidate"].nunique()
+    bad = int((table["status"] != "ok").sum())
+    replay = str(table.attrs.get("replay", ""))
+    how = ("the layers before each changed one replayed from a recording (same numbers, faster)"
+           if replay.startswith("on") else "each candidate measured on the whole model"
+           + (f" (no replay: {replay.split(':', 1)[1].strip()})" if ":" in replay else ""))
+    return (f"sensitivity measured: {_count(layers, 'layer')} x {_count(cands, 'candidate')}"
+            + (f"; {bad} did not run (grey cells: hover for why)" if bad else "") + f"; {how}")
 
 
 def _count(n: int, noun: str) -> str:

@@ -76,7 +76,8 @@ class TechniqueForm:
         self.widgets: dict[str, Any] = {}
         self._parse: dict[str, Any] = {}   # widget value -> field value (None: the same)
         self._show: dict[str, Any] = {}    # field value -> widget value (None: the same)
-        style, layout = {"description_width": "initial"}, W.Layout(width="auto")
+        # a gap after each control, so a checkbox label and the next field's label never run together
+        style, layout = {"description_width": "initial"}, W.Layout(width="auto", margin="2px 22px 2px 0")
         for f in dataclasses.fields(cls):
             if not f.init:
                 continue

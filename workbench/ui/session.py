@@ -59,20 +59,28 @@ class Entry:
         return self.metrics.speedup
 
     @property
-    def status(self) -> str:
-        """The workbench's status line for this point: quality with its sampling error, size, the side-by-side
-        speed verdict and, when the point is slower than the unchanged model, why
-        (`wb.measurement.slowdown_note`)."""
-        from workbench.measurement.metrics import slowdown_note
-
+    def headline(self) -> str:
+        """This point in one line: quality with its sampling error, size, the side-by-side speed verdict."""
         m = self.metrics
         err = m.primary_error
         known = err is not None and not math.isnan(err)
         quality = f"{m.primary}={m.primary_value:.4f}" + (f" +- {err:.2g}" if known else "")
         pace = self.speedup.verdict if self.speedup is not None else f"{m.latency_ms:.3g} ms"
-        why = slowdown_note(m)
         return (f"{self.label}: {quality}, {m.size_bytes / 2**20:.3f} MiB, {pace} (batch {m.batch_size}, "
-                f"{m.threads} threads)" + (f" - {why}" if why else "") + self.size_note)
+                f"{m.threads} threads)")
+
+    @property
+    def notes(self) -> list[str]:
+        """What the user should read beside the headline: why the point is slower than the unchanged model
+        (`wb.measurement.slowdown_note`) and why pruning left its size as it was (`size_note`)."""
+        from workbench.measurement.metrics import slowdown_note
+
+        return [n for n in (slowdown_note(self.metrics), self.size_note) if n]
+
+    @property
+    def status(self) -> str:
+        """The workbench's status line for this point: `headline`, then its `notes`."""
+        return " - ".join([self.headline, *self.notes])
 
     @property
     def size_note(self) -> str:
@@ -81,7 +89,7 @@ class Entry:
         kept = sorted({c.storage for c in self.plan.values() if getattr(c, "storage", None) in ("mask", "dense")})
         if not kept:
             return ""
-        return (f" - pruning with storage {' / '.join(repr(k) for k in kept)} keeps every weight (the pruned ones "
+        return (f"pruning with storage {' / '.join(repr(k) for k in kept)} keeps every weight (the pruned ones "
                 f"as zeros), so the size does not drop: storage 'csr' keeps only the kept weights and their column "
                 f"indices (fewer bytes above 50 % sparsity for fp32 weights), '2:4' with NM(2, 4) 0.52x")
 

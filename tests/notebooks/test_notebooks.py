@@ -19,6 +19,7 @@ from workbench.cli import main
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[2] / "notebooks").glob("*.ipynb"))
 DASHBOARDS = {"app"}  # a live Voila dashboard: widgets only, no static charts in its HTML
+SCREENS = {"00_start_here", "90_report"}   # they record the paired speedup their chart, table and verdict show
 
 
 def test_every_notebook_has_a_golden_file():
@@ -62,3 +63,28 @@ def test_notebook_matches_its_goldens(path, tmp_path):
         warnings.warn(line, stacklevel=1)
     if path.stem not in DASHBOARDS:  # the report shows charts without a kernel: plotly.js inlined
         assert out_html.stat().st_size > 1_000_000 and "Plotly.newPlot" in out_html.read_text()
+    _screen_agrees(nbformat.read(str(out_nb), as_version=4), found, path.stem)
+
+
+def _screen_agrees(nb, found: dict, name: str) -> None:
+    """The numbers one screen shows agree with each other: where a notebook records the paired speedup, its
+    comparison chart's speed panel, its comparison table and its printed verdict show that same number (one
+    regime: no latency measured apart beside it)."""
+    from workbench.measurement.table import format_value
+
+    if name not in SCREENS:
+        return
+    ratio = found["speedup"]
+    figures = [o["data"]["application/vnd.plotly.v1+json"] for c in nb.cells for o in c.get("outputs", [])
+               if "application/vnd.plotly.v1+json" in o.get("data", {})]
+    panels = [f for f in figures if any(str(a.get("text", "")).startswith("speedup over")
+                                        for a in f["layout"].get("annotations", []))]
+    assert panels, f"{name}: no comparison chart with the paired speedup panel"
+    for fig in panels:
+        assert fig["data"][1]["y"][1] == pytest.approx(ratio, rel=1e-9), f"{name}: chart vs recorded speedup"
+    tables = [o["data"]["text/html"] for c in nb.cells for o in c.get("outputs", [])
+              if "speedup_verdict" in o.get("data", {}).get("text/html", "")]
+    assert tables and all(f">{format_value('speedup', ratio)}</td>" in t for t in tables), \
+        f"{name}: the comparison table shows another speedup than the chart"
+    printed = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
+    assert f"{ratio:.2f}x" in printed, f"{name}: the printed verdict shows another speedup"

@@ -10,7 +10,8 @@ from workbench.plots.style import TEMPLATE
 __all__ = ["frontier", "sensitivity_heatmap", "roofline", "size_breakdown"]
 
 _AXES = {"size_bytes": ("size (MiB, lower is better)", 2**20), "latency_ms": ("latency (ms, lower is better)", 1),
-         "peak_memory_bytes": ("peak memory (MiB, lower is better)", 2**20)}
+         "peak_memory_bytes": ("peak memory (MiB, lower is better)", 2**20),
+         "speedup": ("speedup over the reference (x, paired rounds, 95 % interval; higher is better)", 1)}
 
 
 def _axis(df, column: str) -> tuple[str, float]:
@@ -27,7 +28,8 @@ def _axis(df, column: str) -> tuple[str, float]:
 
 def frontier(df, x: str = "size_bytes", y: str | None = None, color: str = "techniques", title: str | None = None):
     """Every row of a sweep table as a point (coloured by ``color``), the Pareto front of ``y`` against ``x``
-    as a line through its points, hover showing the row's label."""
+    as a line through its points, hover showing the row's label. ``x="speedup"``: each row's paired speedup over
+    the reference with its interval (higher is better) - the speed axis of rows measured in separate rounds."""
     import plotly.graph_objects as go
 
     from workbench.analysis.sweep import pareto
@@ -39,14 +41,18 @@ def frontier(df, x: str = "size_bytes", y: str | None = None, color: str = "tech
     y_title, _ = _axis(df, y)
     labels = df["label"] if "label" in df.columns else df.index.astype(str)
     groups = df[color] if color in df.columns else ["all"] * len(df)
+    higher_x = x == "speedup"   # a ratio over the reference: higher is better, with its interval
     fig = go.Figure()
     for group in dict.fromkeys(groups):
         sel = [g == group for g in groups]
         part = df[sel]
+        error = (dict(type="data", symmetric=False, array=list(part["speedup_high"] - part["speedup"]),
+                      arrayminus=list(part["speedup"] - part["speedup_low"]), color="gray")
+                 if higher_x and {"speedup_low", "speedup_high"} <= set(df.columns) else None)
         fig.add_trace(go.Scatter(
-            x=part[x] / x_scale, y=part[y], mode="markers", name=str(group), text=labels[sel],
+            x=part[x] / x_scale, y=part[y], mode="markers", name=str(group), text=labels[sel], error_x=error,
             marker=dict(size=10), hovertemplate="%{text}<br>%{x:.4g}<br>" + y + "=%{y:.4g}<extra></extra>"))
-    on = pareto(df, x, y)
+    on = pareto(df, x, y, x_lower_is_better=not higher_x)
     front = df[on].sort_values(x)
     fig.add_trace(go.Scatter(x=front[x] / x_scale, y=front[y], mode="lines", name="Pareto front",
                              line=dict(color="black", dash="dot"), hoverinfo="skip"))

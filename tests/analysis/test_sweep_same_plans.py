@@ -38,3 +38,20 @@ def test_the_speed_front_comes_from_paired_speedups_and_is_drawn_with_them(digit
     assert fig.layout.xaxis.title.text.startswith("speedup over the reference")
     assert fig.data[1].name == "q" and list(fig.data[1].error_x.array) == pytest.approx([0.1, 0.1])
     assert "2 of 3 on the front" in fig.layout.title.text
+
+
+def test_a_plan_already_measured_is_a_row_with_the_same_numbers(digits_mlp, digits_task):
+    plan = wb.Plan({"fc*": INT8})
+    small = wb.apply(digits_mlp, plan, progress=False)
+    result = wb.measure(small, digits_task, quick=True, threads=1, baseline=digits_mlp)
+    df = wb.sweep(digits_mlp, digits_task, {"plan": plan, "int8 by name": wb.Plan({"fc1": INT8, "fc2": INT8,
+                                                                                    "fc3": INT8})},
+                  quick=True, threads=1, progress=False, measured={"plan": result})
+    row = df.set_index("label").loc["plan"]
+    assert row["speedup"] == result.speedup.ratio and row["latency_ms"] == result.latency_ms   # not re-measured
+    assert row["same_as"] == "int8 by name" and list(df["label"]) == ["reference", "plan"]
+    with pytest.raises(ValueError, match="not plans of this sweep"):
+        wb.sweep(digits_mlp, digits_task, {"plan": plan}, quick=True, progress=False, measured={"typo": result})
+    apart = wb.measure(small, digits_task, quick=True, threads=1)
+    with pytest.raises(ValueError, match="no paired speedup"):
+        wb.sweep(digits_mlp, digits_task, {"plan": plan}, quick=True, progress=False, measured={"plan": apart})

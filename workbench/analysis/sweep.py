@@ -91,25 +91,32 @@ def _measure_plan(model: nn.Module, task: Task, label: str, plan: Plan | None, o
     # copy of itself reads ~1.0x with its interval: what noise alone looks like)
     m = measure(compressed, task, quick=opts.quick, batch_size=opts.batch_size, threads=opts.threads,
                 progress=False, baseline=model)
+    return _row(m, label, plan, time.perf_counter() - t0)
+
+
+def _row(m, label: str, plan: Plan | None, seconds: float) -> dict:
+    """A sweep table row from a plan's `Metrics`."""
     row = m.to_dict()
     for col in JSON_COLUMNS:
         row[col] = json.dumps(row[col])
     kinds = sorted({c.kind for c in plan.values() if c is not None}) if plan is not None else []
     row.update(label=label, techniques=",".join(kinds) or "none", plan=plan.to_json() if plan is not None else "",
-               sweep_seconds=time.perf_counter() - t0)
+               sweep_seconds=seconds)
     return row
 
 
 def sweep(model: nn.Module, task: Task | str, plans: Mapping[str, Plan] | Sequence[Plan], *,
           baseline: str | None = "reference", quick: bool = False, calibration: int | Sequence | None = 64,
           batch_size: int | None = None, threads: int | None = None, executor: Executor | str | None = None,
-          path: str | Path | None = None, progress: bool = True):
+          path: str | Path | None = None, progress: bool = True, measured: Mapping[str, object] | None = None):
     """Measure each plan (and, unless ``baseline=None``, the unchanged model) on ``task``: one row per plan, columns
     ``pareto_size`` / ``pareto_latency`` marking the fronts of the primary metric against size and latency. Plans
     that give the same model (the same layers with the same configs, e.g. a report's plan and the uniform plan it
     equals) are measured once: the first one's row, the others' labels in ``same_as``. ``path``: also write the
     table there (see `save_results`). Interrupting returns (and saves) the rows measured so far with
-    ``df.attrs["complete"] = False``."""
+    ``df.attrs["complete"] = False``. ``measured``: label -> the `wb.Metrics` a plan already has (measured with
+    ``baseline=model``), used as its row instead of measuring it again - so a report that shows a plan's paired
+    speedup above shows the same numbers in its table."""
     from tqdm.auto import tqdm
 
     from workbench import tasks
@@ -141,13 +148,25 @@ def sweep(model: nn.Module, task: Task | str, plans: Mapping[str, Plan] | Sequen
     items = [(label, plan) for label, plan in items if not any(label in v for v in same.values())]
     opts = _SweepOptions(quick, calibration, batch_size, threads)
     runner = get_executor(executor)
-    jobs = [(model, task, label, plan, opts) for label, plan in items]
+    given = dict(measured or {})
+    unknown = sorted(set(given) - {label for label, _ in items} - {v for vs in same.values() for v in vs})
+    if unknown:
+        raise ValueError(f"sweep: measured= names {unknown}, which are not plans of this sweep")
+    for label, metrics in given.items():
+        if getattr(metrics, "speedup", None) is None:
+            raise ValueError(f"sweep: measured[{label!r}] has no paired speedup: measure it with baseline=model")
     rows: dict[int, dict] = {}
+    for i, (label, plan) in enumerate(items):   # rows the caller already measured
+        metrics = given.get(label) or next((given[o] for o in same.get(label, []) if o in given), None)
+        if metrics is not None:
+            rows[i] = _row(metrics, label, plan, 0.0)
+    jobs = [(model, task, label, plan, opts) for i, (label, plan) in enumerate(items) if i not in rows]
+    index = [i for i in range(len(items)) if i not in rows]
     complete = True
     bar = tqdm(total=len(jobs), desc=f"sweep ({len(jobs)} plans)", leave=False, disable=not progress)
     try:
-        for i, row in runner.imap(_measure_plan, jobs):
-            rows[i] = row
+        for j, row in runner.imap(_measure_plan, jobs):
+            rows[index[j]] = row
             bar.set_postfix_str(row["label"][:30])
             bar.update()
     except KeyboardInterrupt:

@@ -115,6 +115,10 @@ def _edit_and_apply(page, shots: Path, name: str, points: int) -> None:
     assert "WeightOnly · 2 bits · per channel · rtn" in row and "applied" in row, row
     assert page.evaluate(CUT) == [], "text cut in the layer table"
     _check_axes(page)
+    # the numbers on the screen agree: the speedup chart's new point is the ratio the status line states
+    speedups = page.evaluate("() => document.querySelectorAll('.js-plotly-plot')[1].data[0].x")
+    status = page.locator(".wb-status").first.inner_text()
+    assert f"{speedups[-1]:.2f}x" in status, (speedups[-1], status)
 
 
 TABS = ["Trade-offs", "Sensitivity", "Roofline", "Size", "Plan & export"]
@@ -192,6 +196,12 @@ def test_explorer_in_jupyterlab(browser, serve, monkeypatch, tmp_path):
     report.screenshot(path=str(screens / "report_opened.png"), full_page=True)
     assert report.url == href and report.title() == stem[1]
     assert report.locator("h1").first.inner_text().startswith("Compression report")
+    # one regime on the report: its comparison chart's speed panel shows the speedup its verdict prints
+    panel = report.evaluate("""() => [...document.querySelectorAll('.js-plotly-plot')].filter(g =>
+        (g.layout.annotations || []).some(a => String(a.text).startsWith('speedup over')))
+        .map(g => g.data[1].y[1])""")
+    printed = report.locator("pre", has_text="speed: ").first.inner_text()
+    assert panel and f"{panel[0]:.2f}x" in printed, (panel, printed)
     for suffix in (".ipynb", ".html", ".plan.json"):                # 5 MB each run: the screenshots stay
         (ROOT / "reports" / f"{stem[1]}{suffix}").unlink(missing_ok=True)
 

@@ -38,15 +38,20 @@ def _solution_lines() -> set[str]:
     return {line for line in lines if len(line) > 12}
 
 
-def test_lesson_cells_show_no_solutions_in_jupyterlab(page, serve, tmp_path, monkeypatch):
-    # every cell rendered (no windowing), so the page holds the whole notebook's inputs
+def lab_settings(tmp_path, monkeypatch) -> None:
+    """JupyterLab user settings for a test: every cell rendered (no windowing, so the page holds the whole
+    notebook), no "Jupyter news?" pop-up."""
     settings = tmp_path / "settings" / "@jupyterlab" / "notebook-extension"
     settings.mkdir(parents=True)
     (settings / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
     news = tmp_path / "settings" / "@jupyterlab" / "apputils-extension"
     news.mkdir(parents=True)
-    (news / "notification.jupyterlab-settings").write_text(json.dumps({"fetchNews": "false"}))   # no pop-up
+    (news / "notification.jupyterlab-settings").write_text(json.dumps({"fetchNews": "false"}))
     monkeypatch.setenv("JUPYTERLAB_SETTINGS_DIR", str(tmp_path / "settings"))
+
+
+def test_lesson_cells_show_no_solutions_in_jupyterlab(page, serve, tmp_path, monkeypatch):
+    lab_settings(tmp_path, monkeypatch)
     port, token = free_port(), "wb-lesson"
     serve(["jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}", "--allow-root",
            f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={ROOT}",

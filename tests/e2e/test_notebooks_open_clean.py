@@ -5,12 +5,11 @@ name into a notebook's metadata as it connects: a notebook stored with less read
 Needs ``/usr/bin/chromium`` and the ``playwright`` package; without them the test skips, except where
 ``WORKBENCH_E2E=required`` (CI), where it fails. Nothing is run in the notebooks.
 """
-import json
 from pathlib import Path
 
-import pytest
 from conftest import free_port
 from test_browser import browser  # noqa: F401  (the shared chromium fixture, skip / fail rules included)
+from test_lesson_browser import lab_settings, page  # noqa: F401  (a 1440 px page; Lab's settings for tests)
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ["00_start_here", "01_explorer", "02_your_model", "20_pruning", "90_report"]
@@ -18,19 +17,8 @@ DIRTY = "() => [...document.querySelectorAll('.lm-TabBar-tab.jp-mod-dirty')].map
 IDLE = "() => !!document.querySelector('.jp-Notebook-ExecutionIndicator[data-status=\"idle\"]')"
 
 
-@pytest.fixture
-def page(browser):  # noqa: F811  (the fixture imported above)
-    page = browser.new_page(viewport={"width": 1440, "height": 1000})
-    page.set_default_timeout(120_000)          # a loaded 2-core machine
-    yield page
-    page.close()
-
-
-def test_notebooks_open_unmodified(page, serve, tmp_path, monkeypatch):
-    news = tmp_path / "settings" / "@jupyterlab" / "apputils-extension"
-    news.mkdir(parents=True)
-    (news / "notification.jupyterlab-settings").write_text(json.dumps({"fetchNews": "false"}))   # no pop-up
-    monkeypatch.setenv("JUPYTERLAB_SETTINGS_DIR", str(tmp_path / "settings"))
+def test_notebooks_open_unmodified(page, serve, tmp_path, monkeypatch):  # noqa: F811  (the fixture imported above)
+    lab_settings(tmp_path, monkeypatch)
     port, token = free_port(), "wb-clean"
     serve(["jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}", "--allow-root",
            f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={ROOT}",

@@ -96,7 +96,7 @@ class Metrics:
         q = ", ".join(f"{k}={v:.4g}{self._error_text(k)}{'' if self.higher_is_better[k] else ' (lower is better)'}"
                       for k, v in self.quality.items())
         return (f"{self.model} on {self.task}: {q}; latency {self.latency_ms:.3g} ms (p90 {self.latency_p90_ms:.3g}, "
-                f"batch {self.batch_size}, {self.threads} threads, {self.device}); "
+                f"batch {self.batch_size}, {self.threads} thread{'' if self.threads == 1 else 's'}, {self.device}); "
                 f"size {self.size_bytes / 2**20:.3f} MiB; "
                 f"peak memory {self.peak_memory_bytes / 2**20:.3f} MiB"
                 + (f"; vs baseline: {self.speedup.verdict}" if self.speedup is not None else ""))

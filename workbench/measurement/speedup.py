@@ -114,7 +114,7 @@ class Speedup:
 
     def __str__(self) -> str:
         return (f"{self.verdict}; {self.model_ms:.3g} ms vs {self.baseline_ms:.3g} ms, {self.rounds} paired rounds, "
-                f"{self.threads} threads, {self.confidence:.0%} interval")
+                f"{self.threads} thread{'' if self.threads == 1 else 's'}, {self.confidence:.0%} interval")
 
     def to_dict(self) -> dict[str, Any]:
         return {"speedup": self.ratio, "speedup_low": self.low, "speedup_high": self.high,

@@ -67,7 +67,7 @@ class Entry:
         quality = f"{m.primary}={m.primary_value:.4f}" + (f" +- {err:.2g}" if known else "")
         pace = self.speedup.verdict if self.speedup is not None else f"{m.latency_ms:.3g} ms"
         return (f"{self.label}: {quality}, {m.size_bytes / 2**20:.3f} MiB, {pace} (batch {m.batch_size}, "
-                f"{m.threads} threads)")
+                f"{m.threads} thread{'' if m.threads == 1 else 's'})")
 
     @property
     def notes(self) -> list[str]:

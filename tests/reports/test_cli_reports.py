@@ -198,7 +198,8 @@ def test_the_report_button_says_where_a_report_outside_the_server_is(tmp_path, m
     page = tmp_path / "reports" / "plan_report_x.html"
     said: list[str] = []
     fake = types.SimpleNamespace(session=types.SimpleNamespace(assigned={"fc1": object()}), background=False,
-                                 report=lambda: (page.with_suffix(".ipynb"), page), _say=said.append,
+                                 report=lambda: (page.with_suffix(".ipynb"), page),
+                                 _say=lambda message, **tone: said.append(message),
                                  report_link=types.SimpleNamespace(value=""))
     Workbench._on_report(fake)
     text = fake.report_link.value

@@ -32,5 +32,8 @@ def test_compare_is_a_formatted_table_of_unchanged_numbers_in_one_regime(digits_
         html = table._repr_html_()
         assert "KiB</td>" in html and " ms</td>" in html and "x</td>" in html
         assert str(result.size_bytes) not in html                            # no raw byte counts on screen
+    # many fields of two models: shown one column per model, whichever way the table is held
+    header = df._repr_html_().split("</thead>")[0]
+    assert ">reference</th>" in header and ">int8</th>" in header and ">latency_ms</th>" not in header
     shown = styled(df.T).data
     assert shown.loc["size_bytes", "int8"] == format_value("size_bytes", result.size_bytes)

@@ -5,7 +5,8 @@ A `MetricsTable` is a pandas DataFrame (every value stays the number it was, for
 display in a notebook or an HTML report is formatted, by the field each value belongs to - ``*_bytes`` (and
 ``bytes``) in B / KiB / MiB / GiB, ``*_ms`` in ms, speedups and ratios as ``1.23x``, other numbers to 4
 significant figures, missing values as "-" - whether the fields are its columns or, transposed (``.T``, one
-column per model), its rows. `styled(df)` gives that formatted view (a pandas ``Styler``) of any DataFrame with
+column per model), its rows; a few rows of many fields (`wb.compare`'s) show transposed, one column per model, so
+nothing runs off the page. `styled(df)` gives that formatted view (a pandas ``Styler``) of any DataFrame with
 such field names.
 """
 from __future__ import annotations
@@ -78,4 +79,7 @@ class MetricsTable(pd.DataFrame):
         return MetricsTable
 
     def _repr_html_(self) -> str | None:
-        return styled(self).to_html()
+        # a few models x many fields (wb.compare: ~20 columns) would run off the page: one column per model
+        frame = pd.DataFrame(self)
+        wide = _fields_are_columns(frame) and len(frame.columns) > 12 and len(frame.index) <= 8
+        return styled(frame.T if wide else frame).to_html()

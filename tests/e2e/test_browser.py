@@ -157,6 +157,18 @@ def test_explorer_in_jupyterlab(browser, serve, monkeypatch, tmp_path):
     news = page.locator(".Toastify__toast").get_by_role("button", name="No", exact=True)   # "Jupyter news?"
     if news.count():
         news.first.click()                                         # it would cover the explorer in the screenshots
+    _click_tabs(page, screens, "explorer_lab")
+
+    def listed(stem: str) -> None:                                 # in Lab's file browser too
+        names = page.evaluate("async url => (await (await fetch(url)).json()).content.map(f => f.name)",
+                              f"{base}/api/contents/reports?token={token}")
+        assert f"{stem}.html" in names, names
+
+    _open_report(page, screens, "explorer_lab", rf"{re.escape(base)}/files/reports/", ROOT / "reports", listed)
+
+
+def _click_tabs(page, screens: Path, name: str) -> None:
+    """Each tab of the workbench shown in turn (a screenshot of each)."""
     tabs = page.locator(".widget-tab").first
     for title in TABS:
         tab = tabs.locator(".lm-TabBar-tab", has_text=title).first
@@ -164,9 +176,14 @@ def test_explorer_in_jupyterlab(browser, serve, monkeypatch, tmp_path):
         tab.click()
         page.wait_for_timeout(800)
         assert "lm-mod-current" in (tab.get_attribute("class") or ""), title
-        page.screenshot(path=str(screens / f"explorer_lab_tab_{re.sub(r'[^a-z]+', '_', title.lower())}.png"))
+        page.screenshot(path=str(screens / f"{name}_tab_{re.sub(r'[^a-z]+', '_', title.lower())}.png"))
 
-    page.get_by_role("button", name="Report", exact=True).click()   # on the Plan & export tab, shown last
+
+def _open_report(page, screens: Path, name: str, prefix: str, folder: Path, listed=None) -> None:
+    """Report (on the Plan & export tab, shown last): its link is served under ``prefix`` (not file://), fetching
+    it returns the report, clicking it opens the report with its charts drawn and its speed panel showing the
+    ratio its verdict prints. The report's files (in ``folder``) are removed afterwards; the screenshots stay."""
+    page.get_by_role("button", name="Report", exact=True).click()
     link = page.get_by_role("link", name="open the report")
     failed = page.locator("div[style*='#b00020'], .wb-report-outside")
     page.wait_for_function("() => [...document.querySelectorAll('a')].some(a => a.textContent === 'open the report')"
@@ -175,16 +192,14 @@ def test_explorer_in_jupyterlab(browser, serve, monkeypatch, tmp_path):
     assert failed.count() == 0, failed.first.inner_text()
     link.scroll_into_view_if_needed()
     page.wait_for_timeout(500)
-    page.screenshot(path=str(screens / "explorer_lab_report_link.png"))
+    page.screenshot(path=str(screens / f"{name}_report_link.png"))
     href = link.evaluate("a => a.href")
-    stem = re.fullmatch(rf"{re.escape(base)}/files/reports/(plan_report_digits-cnn-[0-9a-f]{{8}}-\d{{8}}-\d{{6}}"
-                        r"(?:-\d+)?)\.html", href)
+    stem = re.fullmatch(rf"{prefix}(plan_report_digits-cnn-[0-9a-f]{{8}}-\d{{8}}-\d{{6}}(?:-\d+)?)\.html", href)
     assert stem, f"the Report link is {href}, not the report under this server"
     fetched = page.evaluate("async url => { const r = await fetch(url); return [r.status, await r.text()]; }", href)
     assert fetched[0] == 200 and f"<title>{stem[1]}</title>" in fetched[1], fetched[0]   # as the page fetches it
-    listing = page.evaluate("async url => (await (await fetch(url)).json()).content.map(f => f.name)",
-                            f"{base}/api/contents/reports?token={token}")
-    assert f"{stem[1]}.html" in listing                            # in Lab's file browser too
+    if listed is not None:
+        listed(stem[1])
 
     with page.context.expect_page() as opened:
         link.click()
@@ -193,7 +208,7 @@ def test_explorer_in_jupyterlab(browser, serve, monkeypatch, tmp_path):
     report.set_viewport_size({"width": 1440, "height": 1100})
     report.wait_for_selector(".js-plotly-plot .main-svg")          # its scripts run: served, not sandboxed
     report.wait_for_timeout(1000)
-    report.screenshot(path=str(screens / "report_opened.png"), full_page=True)
+    report.screenshot(path=str(screens / f"{name}_report_opened.png"), full_page=True)
     assert report.url == href and report.title() == stem[1]
     assert report.locator("h1").first.inner_text().startswith("Compression report")
     # one regime on the report: its comparison chart's speed panel shows the speedup its verdict prints
@@ -203,8 +218,9 @@ def test_explorer_in_jupyterlab(browser, serve, monkeypatch, tmp_path):
     text = report.evaluate("() => document.body.textContent")
     printed = next((line for line in text.splitlines() if line.strip().startswith("speed: ")), "")
     assert panel and f"{panel[0]:.2f}x" in printed, (panel, printed)
+    report.close()
     for suffix in (".ipynb", ".html", ".plan.json"):                # 5 MB each run: the screenshots stay
-        (ROOT / "reports" / f"{stem[1]}{suffix}").unlink(missing_ok=True)
+        (folder / f"{stem[1]}{suffix}").unlink(missing_ok=True)
 
 
 def test_workbench_app_in_voila(browser, serve, tmp_path):
@@ -224,6 +240,10 @@ def test_workbench_app_in_voila(browser, serve, tmp_path):
     assert loading.inner_text().startswith("Running")                # Voila's spinner, shown at once
     page.wait_for_selector(".wb-layers tbody tr")
     _edit_and_apply(page, ROOT / "test-output", "workbench_app_voila", points=1)  # the reference
+    screens = ROOT / "reports" / "screens"
+    screens.mkdir(parents=True, exist_ok=True)
+    _click_tabs(page, screens, "workbench_app_voila")
+    _open_report(page, screens, "workbench_app_voila", rf"http://127\.0\.0\.1:{port}/voila/files/", tmp_path)
     text = page.locator("body").inner_text()
     assert "reference_primary" not in text and "points =" not in text   # no raw metrics dump
     # every anywidget (charts, layer grid) initialised: their modules come by URL, once (workbench.ui.widgets)

@@ -139,6 +139,8 @@ def test_cli_app_takes_entry_points(user_package, tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "execv", execv)
     monkeypatch.setattr(os, "name", "posix")
+    for name in ("WORKBENCH_FILES_ROOT", "WORKBENCH_FILES_URL", "WORKBENCH_REPORTS", "JUPYTER_PATH"):
+        monkeypatch.delenv(name, raising=False)   # `app` sets them for the server it becomes: restored afterwards
     with pytest.raises(Served):
         main(["app", "--model", f"{user_package}:model", "--task", f"{user_package}:task", "--out", str(tmp_path)])
     path = tmp_path / f"app_{user_package}_model.ipynb"

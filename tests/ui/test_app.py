@@ -171,6 +171,8 @@ def test_plan_json_export_import_and_sensitivity(app):
 @pytest.mark.slow
 def test_report_button_runs_the_plan_report(app, tmp_path, monkeypatch):
     monkeypatch.setenv("WORKBENCH_REPORTS", str(tmp_path / "reports"))   # the one reports folder
+    for name in ("WORKBENCH_FILES_ROOT", "WORKBENCH_FILES_URL"):           # no Voila server here
+        monkeypatch.delenv(name, raising=False)
     app.report_button.click()
     assert "plan is empty" in app.status.value
     app.session.set("fc*", wb.quant.WeightOnly(bits=4, group_size=32))

@@ -91,7 +91,10 @@ class Workbench:
         self.add_candidate_button = W.Button(description="Add the technique above as a candidate",
                                              layout=W.Layout(width="auto"))
         self._show_candidates()
-        self.plan_text = W.Textarea(layout=W.Layout(width="100%", height="220px"))
+        self.plan_text = W.Textarea(placeholder="Export current plan writes the plan here as JSON (copy it, or "
+                                                "save it for `workbench report -p plan ...`); paste a plan here and "
+                                                "press Import plan to load it", layout=W.Layout(width="100%",
+                                                                                               height="150px"))
         self.export_button = W.Button(description="Export current plan")
         self.import_button = W.Button(description="Import plan")
         self.report_button = W.Button(description="Report", tooltip="run notebooks/90_report.ipynb with "
@@ -101,8 +104,8 @@ class Workbench:
 
         self.export_format = W.Dropdown(options=sorted(FORMATS), value="compressed-tensors", description="format",
                                         layout=W.Layout(width="260px"))
-        self.export_folder = W.Text(placeholder="new folder (default: reports/exports/<model>-<format>)",
-                                    description="to", layout=W.Layout(width="420px"))
+        self.export_folder = W.Text(placeholder="reports/exports/<model>-<format> (or a new folder)",
+                                    description="to", layout=W.Layout(width="480px"))
         self.export_model_button = W.Button(description="Export model", icon="download", tooltip=(
             "write the model as last applied with wb.export: compressed-tensors (vLLM, transformers), gguf "
             "(llama.cpp, Ollama) or onnx (ONNX Runtime)"))

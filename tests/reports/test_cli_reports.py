@@ -300,3 +300,19 @@ def test_the_report_button_names_each_report_by_plan_and_time(digits_mlp, digits
     assert wb.Plan.read(p1["plan"]).to_json() == app.session.plan.to_json()
     app.report(name="fixed")
     assert runs[-1][1] == "fixed" and (tmp_path / "fixed.plan.json").exists()
+
+
+def test_the_report_button_writes_where_the_browser_can_open_it(tmp_path, monkeypatch):
+    """JupyterLab started in another folder than the repository (here: notebooks/): the Report button writes into
+    reports/ of the folder the server serves, so its link opens; under `make lab` (the repository) and with no
+    server, the one reports folder."""
+    from workbench.reports import browser_url
+    from workbench.ui.app import report_folder
+
+    monkeypatch.setenv("WORKBENCH_REPORTS", str(tmp_path / "reports"))
+    _jupyter_server_root(tmp_path, monkeypatch, tmp_path / "notebooks")
+    folder = report_folder()
+    assert folder == (tmp_path / "notebooks" / "reports").resolve()
+    assert browser_url(folder / "r.html") == "/files/reports/r.html"
+    _jupyter_server_root(tmp_path, monkeypatch, tmp_path)               # the server serves the reports folder
+    assert report_folder() == (tmp_path / "reports").resolve()

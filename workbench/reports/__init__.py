@@ -21,10 +21,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from workbench.reports.html import OutsideServerRoot, browser_url, to_html
+from workbench.reports.html import OutsideServerRoot, browser_url, served_folder, to_html
 
 __all__ = ["record", "record_hidden", "recorded", "run_notebook", "to_html", "browser_url", "reports_dir",
-           "report_stem", "content_hash", "OutsideServerRoot", "METRICS_MIME"]
+           "report_stem", "content_hash", "OutsideServerRoot", "METRICS_MIME", "served_folder"]
 
 METRICS_MIME = "application/vnd.workbench.metrics+json"
 

@@ -173,6 +173,16 @@ class OutsideServerRoot(ValueError):
                          f"open {path} from a file manager{also}")
 
 
+def served_folder() -> Path | None:
+    """The folder the browser showing this kernel's outputs can fetch files from: the Voila app's
+    (``WORKBENCH_FILES_ROOT``) or the Jupyter server's root; None with no server (a script, a test)."""
+    root = os.environ.get("WORKBENCH_FILES_ROOT") if os.environ.get("WORKBENCH_FILES_URL") else None
+    if not root:
+        server = _jupyter_server()
+        root = server.get("root_dir") if server is not None else None
+    return Path(root).expanduser().resolve() if root else None
+
+
 def browser_url(path: str | os.PathLike) -> str:
     """A URL under which the browser showing this kernel's outputs fetches ``path`` as a plain file.
 

@@ -387,14 +387,14 @@ class Workbench:
         from pathlib import Path
 
         from workbench import models
-        from workbench.reports import report_stem, reports_dir, run_notebook
+        from workbench.reports import report_stem, run_notebook
 
         model = models.source_of(self.session.original)
         if model is None:
             raise ValueError("Report reloads the model by its zoo name, and this model is not from wb.models; "
                              "export the plan and use wb.sweep / wb.measure on your model instead")
         notebook = Path(__file__).resolve().parents[2] / "notebooks" / "90_report.ipynb"
-        out_dir = reports_dir() if out_dir is None else Path(out_dir)
+        out_dir = report_folder() if out_dir is None else Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         stem = name or report_stem(f"plan_report_{model}", self.session.plan.to_json(), out_dir)
         plan_file = out_dir / f"{stem}.plan.json"
@@ -603,6 +603,18 @@ def _sensitivity_summary(table) -> str:
            + (f" (no replay: {replay.split(':', 1)[1].strip()})" if ":" in replay else ""))
     return (f"sensitivity measured: {_count(layers, 'layer')} x {_count(cands, 'candidate')}"
             + (f"; {bad} did not run (grey cells: hover for why)" if bad else "") + f"; {how}")
+
+
+def report_folder():
+    """Where the Report button writes: `wb.reports.reports_dir()`, unless the browser's server (JupyterLab started
+    in another folder than the repository, a Voila app) cannot serve it - then ``reports/`` in the folder it
+    serves, so the report's link opens wherever JupyterLab was started."""
+    from workbench.reports import reports_dir, served_folder
+
+    folder, served = reports_dir().resolve(), served_folder()
+    if served is None or folder.is_relative_to(served):
+        return folder
+    return served / "reports"
 
 
 def _count(n: int, noun: str) -> str:

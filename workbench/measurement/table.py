@@ -17,32 +17,35 @@ from typing import Any, Callable
 
 import pandas as pd
 
-__all__ = ["MetricsTable", "styled", "format_value"]
+__all__ = ["MetricsTable", "styled", "format_value", "plain_number"]
 
 
-def _sig(v: float, digits: int = 4) -> str:
-    if v == 0 or not math.isfinite(v):
-        return f"{v:g}"
-    decimals = max(0, digits - 1 - math.floor(math.log10(abs(v))))
-    return f"{v:,.{decimals}f}" if abs(v) < 1e9 else f"{v:.{digits - 1}e}"
+def plain_number(value: float, digits: int = 4) -> str:
+    """A number people read at a glance: about ``digits`` significant digits in plain notation (1,380, 0.9727,
+    12.35), never 1.38e+03; scientific only outside [0.001, 1e6)."""
+    if value == 0:
+        return "0"
+    if not math.isfinite(value) or not 1e-3 <= abs(value) < 1e6:
+        return f"{value:.{digits - 1}g}"
+    return f"{value:,.{max(0, digits - 1 - math.floor(math.log10(abs(value))))}f}"
 
 
 def _bytes(v: float) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(v) >= size:
-            return f"{_sig(v / size, 4)} {unit}"
+            return f"{plain_number(v / size, 4)} {unit}"
     return f"{int(v):,} B"
 
 
 def _formatter(field: Any) -> Callable[[float], str]:
     name = str(field)
     if name in ("speedup", "speedup_low", "speedup_high") or name.endswith("_ratio"):
-        return lambda v: f"{_sig(v, 3)}x"
+        return lambda v: f"{plain_number(v, 3)}x"
     if name.endswith("_bytes") or name == "bytes" or name.startswith("bytes_"):
         return _bytes
     if name.endswith("_ms"):
-        return lambda v: f"{_sig(v, 4)} ms"
-    return lambda v: f"{v:,}" if isinstance(v, numbers.Integral) else _sig(float(v), 4)
+        return lambda v: f"{plain_number(v, 4)} ms"
+    return lambda v: f"{v:,}" if isinstance(v, numbers.Integral) else plain_number(float(v), 4)
 
 
 def format_value(field: Any, value: Any) -> str:

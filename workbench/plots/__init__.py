@@ -2,7 +2,6 @@
 ``go.FigureWidget`` for live updates); axes carry units and say when lower is better."""
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 from workbench.plots.style import TEMPLATE
@@ -36,13 +35,10 @@ def tradeoff(metrics: Sequence, labels: Sequence[str] | None = None, x: str = "s
 
 
 def _plain(value: float) -> str:
-    """A bar label people read at a glance: about 4 significant digits in plain notation (1,380, 0.9727,
-    12.35), never 1.38e+03; scientific only outside [0.001, 1e6)."""
-    if value == 0:
-        return "0"
-    if not 1e-3 <= abs(value) < 1e6:
-        return f"{value:.3g}"
-    return f"{value:,.{max(0, 3 - math.floor(math.log10(abs(value))))}f}"
+    """A bar label: `workbench.measurement.table.plain_number` (4 significant digits, plain notation)."""
+    from workbench.measurement.table import plain_number
+
+    return plain_number(value)
 
 
 def comparison_bars(metrics: Sequence, labels: Sequence[str] | None = None):

@@ -184,6 +184,18 @@ WB_TARGET("avx2,fma") void dot_avx2(const float* w, const float* x, int64_t ldx,
   }
 }
 
+// sum_g s[g] z[g] xsum[g], the zero points' share of a row's product: vectorised (one row of a g32 weight has K / 32
+// groups; a scalar loop is one dependent add per group, as long as the row's own product on AVX-512).
+WB_TARGET("avx2,fma") inline float zero_sum_avx2(const float* s, const float* z, const float* xsum, int64_t G) {
+  __m256 a = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= G; g += 8)
+    a = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(s + g), _mm256_loadu_ps(z + g)), _mm256_loadu_ps(xsum + g), a);
+  float t = hsum(a);
+  for (; g < G; ++g) t += s[g] * z[g] * xsum[g];
+  return t;
+}
+
 // Decode path for 4- and 8-bit integer codes in whole 32-value chunks (group_size a multiple of 32): the codes
 // are widened in registers, never written out. With u the codes, per output row and row m of x:
 //   y[m] = sum_g s[g] * sum_{k in g} u[k] x[m, k]  -  sum_g s[g] z[g] xsum[m, g]
@@ -229,9 +241,7 @@ WB_TARGET("avx2,fma") void gemv_row_avx2(const uint8_t* q, const float* s, const
   for (int i = 0; i < ROWS; ++i) {
     __m256 t = acc[i][0];
     for (int a = 1; a < A; ++a) t = _mm256_add_ps(t, acc[i][a]);
-    float zsum = 0.f;
-    for (int64_t g = 0; g < G; ++g) zsum += s[g] * z[g] * xsum[i * G + g];
-    out[i] = hsum(t) - zsum;
+    out[i] = hsum(t) - zero_sum_avx2(s, z, xsum + i * G, G);
   }
 }
 
@@ -262,12 +272,40 @@ WB_TARGET("avx512f") inline void codes32_avx512(const uint8_t* q, int64_t k, __m
   }
 }
 
+WB_TARGET("avx512f") inline float zero_sum_avx512(const float* s, const float* z, const float* xsum, int64_t G) {
+  __m512 a = _mm512_setzero_ps();
+  int64_t g = 0;
+  for (; g + 16 <= G; g += 16)
+    a = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(s + g), _mm512_loadu_ps(z + g)), _mm512_loadu_ps(xsum + g), a);
+  if (g < G) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (G - g)) - 1);
+    a = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + g), _mm512_maskz_loadu_ps(m, z + g)),
+                        _mm512_maskz_loadu_ps(m, xsum + g), a);
+  }
+  return _mm512_reduce_add_ps(a);
+}
+
 template <int ROWS, int BITS>
 WB_TARGET("avx512f") void gemv_row_avx512(const uint8_t* q, const float* s, const float* z, const float* x,
                                           int64_t K, int64_t group, int64_t G, const float* xsum, float* out) {
   __m512 acc[ROWS][2];
   for (int i = 0; i < ROWS; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
+    if (ROWS == 1 && group == 32) {  // groups of 32: two groups per step, each scaled as it is done
+      for (; g + 2 <= G; g += 2) {
+        const int64_t k = g * 32;
+        __m512 w0, w1, w2, w3;
+        _mm_prefetch(reinterpret_cast<const char*>(q + k * BITS / 8 + kPrefetchBytes), _MM_HINT_T0);
+        codes32_avx512<BITS>(q, k, w0, w1);
+        codes32_avx512<BITS>(q, k + 32, w2, w3);
+        const __m512 p0 = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + k + 16), _mm512_mul_ps(w0, _mm512_loadu_ps(x + k)));
+        const __m512 p1 = _mm512_fmadd_ps(w3, _mm512_loadu_ps(x + k + 48),
+                                          _mm512_mul_ps(w2, _mm512_loadu_ps(x + k + 32)));
+        acc[0][0] = _mm512_fmadd_ps(p0, _mm512_set1_ps(s[g]), acc[0][0]);
+        acc[0][1] = _mm512_fmadd_ps(p1, _mm512_set1_ps(s[g + 1]), acc[0][1]);
+      }
+      if (g == G) break;
+    }
     const __m512 vs = _mm512_set1_ps(s[g]);
     const int64_t k0 = g * group, k1 = std::min(K, k0 + group);
     if (ROWS == 1) {  // the group's unscaled sums in four chains (two chunks per step), scaled once at its end
@@ -285,6 +323,7 @@ WB_TARGET("avx512f") void gemv_row_avx512(const uint8_t* q, const float* s, cons
       }
       if (k < k1) {
         __m512 w0, w1;
+        _mm_prefetch(reinterpret_cast<const char*>(q + k * BITS / 8 + kPrefetchBytes), _MM_HINT_T0);
         codes32_avx512<BITS>(q, k, w0, w1);
         a0 = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + k), a0);
         a1 = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + k + 16), a1);
@@ -304,11 +343,8 @@ WB_TARGET("avx512f") void gemv_row_avx512(const uint8_t* q, const float* s, cons
       }
     }
   }
-  for (int i = 0; i < ROWS; ++i) {
-    float zsum = 0.f;
-    for (int64_t g = 0; g < G; ++g) zsum += s[g] * z[g] * xsum[i * G + g];
-    out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1])) - zsum;
-  }
+  for (int i = 0; i < ROWS; ++i)
+    out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1])) - zero_sum_avx512(s, z, xsum + i * G, G);
 }
 
 // Row n of the weight decoded straight from its 4- or 8-bit codes (whole 32-value groups) into fp32 - the
@@ -501,12 +537,13 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& q, const torch::
 #if WB_X86
   // Whole 32-value chunks of 4- or 8-bit integer codes: decoded in registers (gemv_row_avx512 / _avx2).
   const Isa asked = parse_isa(isa);
-  // One row of x on an AVX-512 CPU: the AVX2 row kernels for 8-bit codes and 4-bit codes in groups of 32, which
-  // stream a weight from L3 / memory faster (bench_cpu-style interleaved medians, one thread, Xeon with AMX, 4096^2
-  // and 32000 x 2048 with and without a 1 GiB read between calls: int4 g32 1.9-4.1 -> 1.9-2.1 ms / 14.7-15.8 ->
-  // 7.5-7.7 ms; int8 g32 2.9 -> 2.2 ms cold, 10.9-11.4 -> 8.0-8.2 ms; only a hot 4096^2 int8 weight ran faster on
-  // AVX-512, 1.36 vs 1.61 ms); 4-bit codes in groups of 64 and more stay on AVX-512 (equal at g64, faster at g128).
-  const Isa use = asked == Isa::Avx512 && M == 1 && (W.bits == 8 || W.group < 64) ? Isa::Avx2 : asked;
+  // One row of x on an AVX-512 CPU: 8-bit codes on the AVX2 row kernel, which streamed a weight from L3 / memory
+  // faster (bench_cpu-style interleaved medians, one thread, Xeon with AMX, 4096^2 and 32000 x 2048 with and without
+  // a 1 GiB read between calls: int8 g32 2.9 -> 2.2 ms cold, 10.9-11.4 -> 8.0-8.2 ms; only a hot 4096^2 int8 weight
+  // ran faster on AVX-512, 1.36 vs 1.61 ms; since the g32 loop below, the two are within noise). 4-bit codes on
+  // AVX-512: groups of 32 by the two-groups-a-step loop with its prefetch (cold, same process, A/B: 4096^2 2.1-2.3
+  // -> 1.3-1.5 ms, 32000 x 2048 7.8-8.7 -> 5.5-5.8 ms against the AVX2 kernel), larger groups as before.
+  const Isa use = asked == Isa::Avx512 && M == 1 && W.bits == 8 ? Isa::Avx2 : asked;
   if (use >= Isa::Avx2 && W.whole32()) {
     const RowFn* row_fns = use == Isa::Avx512 ? (W.bits == 4 ? kAvx512Rows<4> : kAvx512Rows<8>)
                                               : (W.bits == 4 ? kAvx2Rows<4> : kAvx2Rows<8>);

@@ -130,7 +130,7 @@ def test_the_custom_op_computes_what_the_eager_kernel_does(bits, group):
                                         kernel="cpu")
     w = weight_only_cpu.pack(layer._tensors(), layer.fmt, layer.K)
     args = (w.qweight, w.scale, w.zero, w.lut, linear.bias.detach(), w.bits, w.group_size, w.K,
-            [int(r) for r in w.call_rules])
+            [int(r) for r in w.call_rules], w.scale16, w.zconst)
     for shape in ((1, 200), (3, 5, 200), (40, 200)):
         x = torch.randn(shape)
         want = weight_only_cpu.linear_unchecked(x, w, linear.bias.detach())

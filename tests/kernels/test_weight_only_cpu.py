@@ -2,13 +2,16 @@
 sizes that are not multiples of the vector width, short last groups), both paths (decode: fp32 within 1e-5;
 prefill: bit for bit the reference's decoded weight times the same GEMM), each ISA this CPU has, two threads,
 fp16 / bf16 inputs, bad inputs refused by name; plus smoke runs of the benchmarks in workbench.kernels.bench_cpu."""
+import math
+
 import pytest
 import torch
 
 from workbench.kernels import weight_only_cpu as wk
 from workbench.quantization import formats as fm
 
-FORMATS = [fm.IntFormat(4, 128), fm.IntFormat(4, 32, symmetric=False), fm.IntFormat(4, 48, False, float_zero=True),
+FORMATS = [fm.IntFormat(4, 128), fm.IntFormat(4, 32), fm.IntFormat(8, 32), fm.IntFormat(4, 32, symmetric=False),
+           fm.IntFormat(4, 48, False, float_zero=True),
            fm.IntFormat(8, None), fm.IntFormat(8, 64, symmetric=False), fm.IntFormat(3, 24), fm.IntFormat(2, 16, False),
            fm.NF4Format(64)]
 ISAS = ["scalar", "avx2", "avx512"][:("scalar", "avx2", "avx512").index(wk.cpu_isa()) + 1]   # every one this CPU has
@@ -35,6 +38,27 @@ def test_matches_the_reference_on_ragged_shapes(fmt, isa):
             torch.testing.assert_close(wk.reference(x, w, bias), expected, rtol=1e-6, atol=1e-6)
         x = torch.randn(40, K)                     # prefill path: the reference's decoded weight, the same GEMM
         assert torch.equal(wk.weight_only_linear_cpu(x, w, bias, isa=isa), torch.nn.functional.linear(x, dense, bias))
+
+
+@pytest.mark.parametrize("fmt", [fm.IntFormat(4, 32), fm.IntFormat(8, 64), fm.IntFormat(4, 32, symmetric=False)],
+                         ids=str)
+@pytest.mark.parametrize("isa", ISAS)
+def test_the_decode_path_reads_the_stored_fp16_scales_and_one_zero_point(fmt, isa):
+    import dataclasses
+
+    t, w, dense = _layer(fmt, 70, 352)   # 11 groups of 32: an odd count, a short vector tail
+    assert w.scale16 is t["scale"] and w.scale16.dtype == torch.float16    # the stored tensor, no copy
+    if fmt.symmetric:
+        assert w.zconst == 1 << (fmt.bits - 1)
+    else:
+        assert math.isnan(w.zconst)                                         # NaN: the zero points per group
+    fp32_copy = dataclasses.replace(w, scale16=None, zconst=float("nan"))   # the fp32 scales and zeros instead
+    for M in (1, 2, 5):
+        x = torch.randn(M, 352)
+        got = wk.weight_only_linear_cpu(x, w, isa=isa)
+        torch.testing.assert_close(got, wk.weight_only_linear_cpu(x, fp32_copy, isa=isa), rtol=1e-6, atol=1e-6)
+        expected = torch.nn.functional.linear(x, dense)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
 @pytest.mark.parametrize("isa", ISAS)

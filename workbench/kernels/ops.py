@@ -27,20 +27,20 @@ __all__ = ["act_int8_linear_cpu", "weight_only_linear_cpu"]
 # call (0.4 ms a token on tiny-llama's 56 quantized Linears; the bare registration ~1 us more than the pybind call)
 torch.library.define("workbench::weight_only_linear_cpu",
                      "(Tensor x, Tensor qweight, Tensor scale, Tensor? zero, Tensor? lut, Tensor? bias, int bits, "
-                     "int group_size, int K, int[] rules) -> Tensor")
+                     "int group_size, int K, int[] rules, Tensor? scale16, float zconst) -> Tensor")
 
 
 @torch.library.impl("workbench::weight_only_linear_cpu", "CPU")
-def _weight_only_linear_cpu_op(x, qweight, scale, zero, lut, bias, bits, group_size, K, rules):
+def _weight_only_linear_cpu_op(x, qweight, scale, zero, lut, bias, bits, group_size, K, rules, scale16, zconst):
     # rules: CpuWeight.call_rules with its two bools as ints (an int[] holds one type)
     prefill, split, split_bf16, split_ok, amx_ok, split_min, amx_bf16, brgemm, brgemm_threads = rules
     return weight_only_cpu.load_extension().linear(
-        x, qweight, scale, zero, lut, bits, group_size, K, bias, prefill, split, split_bf16, bool(split_ok),
-        bool(amx_ok), split_min, amx_bf16, brgemm, brgemm_threads, "auto")
+        x, qweight, scale, zero, lut, bits, group_size, K, scale16, zconst, bias, prefill, split, split_bf16,
+        bool(split_ok), bool(amx_ok), split_min, amx_bf16, brgemm, brgemm_threads, "auto")
 
 
 @torch.library.register_fake("workbench::weight_only_linear_cpu")
-def _(x, qweight, scale, zero, lut, bias, bits, group_size, K, rules):
+def _(x, qweight, scale, zero, lut, bias, bits, group_size, K, rules, scale16, zconst):
     if x.shape[-1] != K:
         raise ValueError(f"weight_only_linear_cpu: x must have shape (..., K = {K}), got {tuple(x.shape)}")
     return x.new_empty((*x.shape[:-1], qweight.shape[0]))
@@ -50,7 +50,7 @@ def weight_only_linear_cpu(x: torch.Tensor, w: weight_only_cpu.CpuWeight, bias: 
     """``y (..., N)`` in x's dtype: `weight_only_cpu.linear_unchecked` (default path rules) as the custom op."""
     rules = [int(r) for r in w.call_rules]
     return torch.ops.workbench.weight_only_linear_cpu.default(x, w.qweight, w.scale, w.zero, w.lut, bias, w.bits,
-                                                              w.group_size, w.K, rules)
+                                                              w.group_size, w.K, rules, w.scale16, w.zconst)
 
 
 torch.library.define("workbench::act_int8_linear_cpu",

@@ -11,6 +11,7 @@
 #include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstdint>
 #include <string>
@@ -184,16 +185,23 @@ WB_TARGET("avx2,fma") void dot_avx2(const float* w, const float* x, int64_t ldx,
   }
 }
 
-// sum_g s[g] z[g] xsum[g], the zero points' share of a row's product: vectorised (one row of a g32 weight has K / 32
-// groups; a scalar loop is one dependent add per group, as long as the row's own product on AVX-512).
-WB_TARGET("avx2,fma") inline float zero_sum_avx2(const float* s, const float* z, const float* xsum, int64_t G) {
+// sum_g s[g] z[g] xsum[g], the zero points' share of a row's product, or zc * sum_g s[g] xsum[g] when z is null (one
+// zero point for the whole weight: symmetric formats). Vectorised: one row of a g32 weight has K / 32 groups, and a
+// scalar loop is one dependent add per group - as long as the row's own product on AVX-512.
+WB_TARGET("avx2,fma") inline float zero_sum_avx2(const float* s, const float* z, float zc, const float* xsum,
+                                                 int64_t G) {
   __m256 a = _mm256_setzero_ps();
   int64_t g = 0;
-  for (; g + 8 <= G; g += 8)
-    a = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(s + g), _mm256_loadu_ps(z + g)), _mm256_loadu_ps(xsum + g), a);
+  if (z) {
+    for (; g + 8 <= G; g += 8)
+      a = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(s + g), _mm256_loadu_ps(z + g)), _mm256_loadu_ps(xsum + g),
+                          a);
+  } else {
+    for (; g + 8 <= G; g += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(s + g), _mm256_loadu_ps(xsum + g), a);
+  }
   float t = hsum(a);
-  for (; g < G; ++g) t += s[g] * z[g] * xsum[g];
-  return t;
+  for (; g < G; ++g) t += z ? s[g] * z[g] * xsum[g] : s[g] * xsum[g];
+  return z ? t : zc * t;
 }
 
 // Decode path for 4- and 8-bit integer codes in whole 32-value chunks (group_size a multiple of 32): the codes
@@ -202,7 +210,7 @@ WB_TARGET("avx2,fma") inline float zero_sum_avx2(const float* s, const float* z,
 // (xsum: x's per-group sums, once per call) - the reference's sum of (u - z) s x, regrouped. One row of x
 // (decode) scales each group's sums once; several rows scale the widened codes once for all of them.
 template <int ROWS, int BITS>
-WB_TARGET("avx2,fma") void gemv_row_avx2(const uint8_t* q, const float* s, const float* z, const float* x,
+WB_TARGET("avx2,fma") void gemv_row_avx2(const uint8_t* q, const float* s, const float* z, float zc, const float* x,
                                          int64_t K, int64_t group, int64_t G, const float* xsum, float* out) {
   constexpr int A = ROWS == 1 ? 4 : 2;  // independent FMA chains per row of x
   __m256 acc[ROWS][A];
@@ -241,7 +249,7 @@ WB_TARGET("avx2,fma") void gemv_row_avx2(const uint8_t* q, const float* s, const
   for (int i = 0; i < ROWS; ++i) {
     __m256 t = acc[i][0];
     for (int a = 1; a < A; ++a) t = _mm256_add_ps(t, acc[i][a]);
-    out[i] = hsum(t) - zero_sum_avx2(s, z, xsum + i * G, G);
+    out[i] = hsum(t) - zero_sum_avx2(s, z, zc, xsum + i * G, G);
   }
 }
 
@@ -272,21 +280,22 @@ WB_TARGET("avx512f") inline void codes32_avx512(const uint8_t* q, int64_t k, __m
   }
 }
 
-WB_TARGET("avx512f") inline float zero_sum_avx512(const float* s, const float* z, const float* xsum, int64_t G) {
+WB_TARGET("avx512f") inline float zero_sum_avx512(const float* s, const float* z, float zc, const float* xsum,
+                                                   int64_t G) {  // as zero_sum_avx2
   __m512 a = _mm512_setzero_ps();
   int64_t g = 0;
-  for (; g + 16 <= G; g += 16)
-    a = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(s + g), _mm512_loadu_ps(z + g)), _mm512_loadu_ps(xsum + g), a);
-  if (g < G) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (G - g)) - 1);
-    a = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + g), _mm512_maskz_loadu_ps(m, z + g)),
-                        _mm512_maskz_loadu_ps(m, xsum + g), a);
+  for (; g < G; g += 16) {
+    const __mmask16 m = G - g >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (G - g)) - 1);
+    const __m512 sv = _mm512_maskz_loadu_ps(m, s + g);
+    a = _mm512_fmadd_ps(z ? _mm512_mul_ps(sv, _mm512_maskz_loadu_ps(m, z + g)) : sv, _mm512_maskz_loadu_ps(m, xsum + g),
+                        a);
   }
-  return _mm512_reduce_add_ps(a);
+  const float t = _mm512_reduce_add_ps(a);
+  return z ? t : zc * t;
 }
 
 template <int ROWS, int BITS>
-WB_TARGET("avx512f") void gemv_row_avx512(const uint8_t* q, const float* s, const float* z, const float* x,
+WB_TARGET("avx512f") void gemv_row_avx512(const uint8_t* q, const float* s, const float* z, float zc, const float* x,
                                           int64_t K, int64_t group, int64_t G, const float* xsum, float* out) {
   __m512 acc[ROWS][2];
   for (int i = 0; i < ROWS; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
@@ -344,7 +353,7 @@ WB_TARGET("avx512f") void gemv_row_avx512(const uint8_t* q, const float* s, cons
     }
   }
   for (int i = 0; i < ROWS; ++i)
-    out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1])) - zero_sum_avx512(s, z, xsum + i * G, G);
+    out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1])) - zero_sum_avx512(s, z, zc, xsum + i * G, G);
 }
 
 // Row n of the weight decoded straight from its 4- or 8-bit codes (whole 32-value groups) into fp32 - the
@@ -399,8 +408,23 @@ inline bool split_avx512() {
 }
 
 // The register-decode row kernels by rows of x (1 .. 4), for gemv's dispatch.
-using RowFn = void (*)(const uint8_t*, const float*, const float*, const float*, int64_t, int64_t, int64_t,
+using RowFn = void (*)(const uint8_t*, const float*, const float*, float, const float*, int64_t, int64_t, int64_t,
                        const float*, float*);
+
+// A row's fp16 scales (as stored) into fp32 (exact), for the row kernels: the weight's stream then carries 2 bytes
+// a group instead of the fp32 copy's 4.
+WB_TARGET("avx512f") void half_row_avx512(const at::Half* h, int64_t G, float* out) {
+  int64_t g = 0;
+  for (; g + 16 <= G; g += 16)
+    _mm512_storeu_ps(out + g, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + g))));
+  for (; g < G; ++g) out[g] = static_cast<float>(h[g]);
+}
+WB_TARGET("avx2,fma,f16c") void half_row_avx2(const at::Half* h, int64_t G, float* out) {
+  int64_t g = 0;
+  for (; g + 8 <= G; g += 8)
+    _mm256_storeu_ps(out + g, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + g))));
+  for (; g < G; ++g) out[g] = static_cast<float>(h[g]);
+}
 template <int BITS>
 constexpr RowFn kAvx2Rows[4] = {gemv_row_avx2<1, BITS>, gemv_row_avx2<2, BITS>, gemv_row_avx2<3, BITS>,
                                 gemv_row_avx2<4, BITS>};
@@ -521,11 +545,21 @@ static Weight fp32_call(const torch::Tensor& x, const torch::Tensor& q, const to
   return W;
 }
 
-// y (M, N) fp32 = x (M, K) fp32 @ W^T + bias, one decoded row of W at a time (decode / small M).
+// y (M, N) fp32 = x (M, K) fp32 @ W^T + bias, one decoded row of W at a time (decode / small M). The register
+// kernels of whole 32-value groups read the stored fp16 scales when given (``scale16``, (N, G): the values of the
+// fp32 copy, so the same result) and, for a weight with one zero point (``zconst`` not NaN: symmetric formats), no
+// zero points: the weight's stream is then its stored bytes (int4 g32: 4.5 bits a value instead of 6).
 torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
                    const c10::optional<torch::Tensor>& zero, const c10::optional<torch::Tensor>& lut,
-                   int64_t bits, int64_t group, const c10::optional<torch::Tensor>& bias, const std::string& isa) {
+                   int64_t bits, int64_t group, const c10::optional<torch::Tensor>& bias, const std::string& isa,
+                   const c10::optional<torch::Tensor>& scale16, double zconst) {
   const Weight W = fp32_call(x, q, scale, zero, lut, bits, group, bias);
+  const bool has16 = scale16.has_value() && scale16->defined();
+  TORCH_CHECK(!has16 || (scale16->scalar_type() == torch::kHalf && scale16->is_contiguous() &&
+                         scale16->numel() == W.N * W.G),
+              "weight_only_linear_cpu: scale16 must be contiguous float16 (N, G) like scale");
+  const at::Half* s16 = has16 ? scale16->data_ptr<at::Half>() : nullptr;
+  const bool one_zero = !std::isnan(zconst);
   const int64_t M = x.size(0), K = W.K, N = W.N;
   const bool has_bias = bias.has_value() && bias->defined();
   const Kernels kern = kernels_for(parse_isa(isa));
@@ -537,13 +571,12 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& q, const torch::
 #if WB_X86
   // Whole 32-value chunks of 4- or 8-bit integer codes: decoded in registers (gemv_row_avx512 / _avx2).
   const Isa asked = parse_isa(isa);
-  // One row of x on an AVX-512 CPU: 8-bit codes on the AVX2 row kernel, which streamed a weight from L3 / memory
-  // faster (bench_cpu-style interleaved medians, one thread, Xeon with AMX, 4096^2 and 32000 x 2048 with and without
-  // a 1 GiB read between calls: int8 g32 2.9 -> 2.2 ms cold, 10.9-11.4 -> 8.0-8.2 ms; only a hot 4096^2 int8 weight
-  // ran faster on AVX-512, 1.36 vs 1.61 ms; since the g32 loop below, the two are within noise). 4-bit codes on
-  // AVX-512: groups of 32 by the two-groups-a-step loop with its prefetch (cold, same process, A/B: 4096^2 2.1-2.3
-  // -> 1.3-1.5 ms, 32000 x 2048 7.8-8.7 -> 5.5-5.8 ms against the AVX2 kernel), larger groups as before.
-  const Isa use = asked == Isa::Avx512 && M == 1 && W.bits == 8 ? Isa::Avx2 : asked;
+  // AVX-512 at every M since the two-groups-a-step g32 loop (with its prefetch) and the stored fp16 scales: against
+  // the AVX2 row kernel, one row of x, one thread, Xeon with AMX, cold (a 1 GiB read between calls) interleaved
+  // medians, same process: int4 g32 4096^2 2.1-2.3 -> 1.3-1.5 ms, 32000 x 2048 7.8-8.7 -> 5.3-5.8; int8 g32 4096^2
+  // 2.4-2.6 -> 2.1-2.2, 2048 x 5632 1.9 -> 1.4-1.5, 32000 x 2048 within noise (before that loop the AVX2 kernel
+  // streamed g32 and int8 faster: the 32-code tail it ran on had no prefetch).
+  const Isa use = asked;
   if (use >= Isa::Avx2 && W.whole32()) {
     const RowFn* row_fns = use == Isa::Avx512 ? (W.bits == 4 ? kAvx512Rows<4> : kAvx512Rows<8>)
                                               : (W.bits == 4 ? kAvx2Rows<4> : kAvx2Rows<8>);
@@ -557,13 +590,21 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& q, const torch::
       for (int64_t m = 0; m < M; ++m) deinterleave32(xp + m * K, K, xd.data() + m * K);
       xs = xd.data();
     }
+    const auto half_row = use == Isa::Avx512 ? half_row_avx512 : half_row_avx2;
     at::parallel_for(0, N, rows_grain(K * M, 16), [&](int64_t n0, int64_t n1) {
       float d[4];
+      std::vector<float> srow(s16 ? W.G : 0);
       for (int64_t n = n0; n < n1; ++n) {
+        const float* s = W.scale + n * W.G;
+        if (s16) {
+          half_row(s16 + n * W.G, W.G, srow.data());
+          s = srow.data();
+        }
+        const float* z = one_zero ? nullptr : W.zero + n * W.G;
         for (int64_t m = 0; m < M; m += 4) {
           const int rows = static_cast<int>(std::min<int64_t>(4, M - m));
-          row_fns[rows - 1](W.q + n * W.row_bytes, W.scale + n * W.G, W.zero + n * W.G, xs + m * K, K, W.group,
-                            W.G, xsum.data() + m * W.G, d);
+          row_fns[rows - 1](W.q + n * W.row_bytes, s, z, static_cast<float>(zconst), xs + m * K, K, W.group, W.G,
+                            xsum.data() + m * W.G, d);
           for (int i = 0; i < rows; ++i) op[(m + i) * N + n] = bp ? d[i] + bp[n] : d[i];
         }
       }
@@ -1200,7 +1241,8 @@ torch::Tensor prefill_f32(const torch::Tensor& x, const torch::Tensor& q, const 
 // share of the call (workbench/kernels/README.md). No autograd graph is recorded.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
                      const c10::optional<torch::Tensor>& zero, const c10::optional<torch::Tensor>& lut, int64_t bits,
-                     int64_t group, int64_t K, const c10::optional<torch::Tensor>& bias, int64_t prefill_rows,
+                     int64_t group, int64_t K, const c10::optional<torch::Tensor>& scale16, double zconst,
+                     const c10::optional<torch::Tensor>& bias, int64_t prefill_rows,
                      int64_t split_rows, int64_t split_rows_bf16, bool split_ok, bool amx_ok, int64_t split_min_rows,
                      int64_t amx_bf16_rows, int64_t brgemm_rows, int64_t brgemm_rows_threads,
                      const std::string& isa) {
@@ -1246,7 +1288,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& q, const torch
   if (amx && split_ok && M > split_min_rows && M <= split_rows) {
     y = prefill_split(x2, q, scale, *zero, bits, group, b);
   } else if (M <= prefill_rows) {
-    y = gemv(x2, q, scale, zero, lut, bits, group, b, isa);
+    y = gemv(x2, q, scale, zero, lut, bits, group, b, isa, scale16, zconst);
   } else if (M <= (at::get_num_threads() > 1 ? brgemm_rows_threads : brgemm_rows) && isa == "auto" &&
              brgemm_f32_here()) {
     y = prefill_f32(x2, q, scale, zero, lut, bits, group, b, isa);

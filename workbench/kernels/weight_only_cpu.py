@@ -55,9 +55,10 @@ side by side).
 
 Vector code chosen at run time (``cpu_isa()``; ``WORKBENCH_CPU_ISA`` caps it, `workbench.kernels.isa`): AVX-512
 for the decode path of 4- and 8-bit integer codes in whole 32-value groups (16 lanes; 4-bit codes meet x
-reordered to their nibble order instead of being put back in order) - except one row of x with 8-bit codes or
-4-bit codes in groups of 32, which the AVX2 code streams from L3 / memory faster (int4 g32 on 32000 x 2048:
-7.5 ms against 15 ms) -, AVX2 + FMA for the rest and on AVX2-only CPUs, a scalar loop elsewhere;
+reordered to their nibble order instead of being put back in order; groups of 32 two at a time), AVX2 + FMA for
+the rest and on AVX2-only CPUs, a scalar loop elsewhere. That decode path reads the weight as stored: the fp16 scales
+(`CpuWeight.scale16`, converted a row at a time) and, for symmetric formats, no zero points (`CpuWeight.zconst`),
+so int4 g32 streams 4.5 bits a value, not the fp32 copies' 6;
 ``isa=`` forces one for tests. The decode paths prefetch the weight a few KB ahead of the row they are on (one
 core's stream of a weight that is not in cache otherwise stalls on memory latency at a fraction of the bandwidth).
 Built like `workbench.kernels.w8a8_cpu`: by ``make install`` (``python -m workbench.kernels.build``) or on first use
@@ -140,6 +141,8 @@ class CpuWeight:
     bits: int                        # code slot width: 2, 4 or 8
     group_size: int
     K: int
+    scale16: torch.Tensor | None = None   # (N, G) the stored fp16 scales (no copy), read by the decode path
+    zconst: float = float("nan")          # the one zero point of a symmetric format (NaN: per group, `zero`)
 
     @property
     def N(self) -> int:
@@ -153,7 +156,8 @@ class CpuWeight:
     @functools.cached_property
     def call_args(self) -> tuple:
         """The weight's arguments of the extension's ``linear``, in order (worked out once)."""
-        return (self.qweight, self.scale, self.zero, self.lut, self.bits, self.group_size, self.K)
+        return (self.qweight, self.scale, self.zero, self.lut, self.bits, self.group_size, self.K, self.scale16,
+                self.zconst)
 
     @functools.cached_property
     def call_rules(self) -> tuple:

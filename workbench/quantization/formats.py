@@ -176,8 +176,12 @@ class IntFormat(WeightFormat):
 
     def cpu_layout(self, t: dict[str, torch.Tensor], K: int) -> dict:
         scale = t["scale"].float().contiguous()
+        stored = t["scale"]
         return {"qweight": t["qweight"].contiguous(), "scale": scale, "zero": self._zero(t, scale).contiguous(),
-                "lut": None, "bits": self.slot_bits, "group_size": self.groups(K)[0], "K": K}
+                "lut": None, "bits": self.slot_bits, "group_size": self.groups(K)[0], "K": K,
+                # the decode path reads the stored fp16 scales and, symmetric, no zero points (the same values)
+                "scale16": stored if stored.dtype == torch.float16 and stored.is_contiguous() else None,
+                "zconst": float("nan") if "zero" in t else float(1 << (self.bits - 1))}
 
 
 @register_format

@@ -45,14 +45,17 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
 
-from workbench.export.llama_cpp import LlamaCpp
 from workbench.export.onnx import FILE_NAME as ONNX_FILE
 from workbench.measurement.footprint import FileModel
+
+if TYPE_CHECKING:   # (imported where used: `python -m workbench.export.llama_cpp` runs that module as __main__, and
+    # runpy warns when the package's import has already loaded it)
+    from workbench.export.llama_cpp import LlamaCpp
 
 __all__ = ["OnnxRuntimeModel", "LlamaCppModel", "gguf_config", "runtime_model"]
 
@@ -187,6 +190,8 @@ class LlamaCppModel(FileModel):
                  context: int | None = None, kv_type: str = "f16", flash_attention: bool = False):
         super().__init__()
         self.threads = _threads(threads)
+        from workbench.export.llama_cpp import LlamaCpp
+
         self.runtime = LlamaCpp(path, threads=threads, context=context, kv_type=kv_type,
                                 flash_attention=flash_attention)
         self.path = self.runtime.path

@@ -570,13 +570,12 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& q, const torch::
   float* op = out.data_ptr<float>();
 #if WB_X86
   // Whole 32-value chunks of 4- or 8-bit integer codes: decoded in registers (gemv_row_avx512 / _avx2).
-  const Isa asked = parse_isa(isa);
-  // AVX-512 at every M since the two-groups-a-step g32 loop (with its prefetch) and the stored fp16 scales: against
-  // the AVX2 row kernel, one row of x, one thread, Xeon with AMX, cold (a 1 GiB read between calls) interleaved
-  // medians, same process: int4 g32 4096^2 2.1-2.3 -> 1.3-1.5 ms, 32000 x 2048 7.8-8.7 -> 5.3-5.8; int8 g32 4096^2
-  // 2.4-2.6 -> 2.1-2.2, 2048 x 5632 1.9 -> 1.4-1.5, 32000 x 2048 within noise (before that loop the AVX2 kernel
-  // streamed g32 and int8 faster: the 32-code tail it ran on had no prefetch).
-  const Isa use = asked;
+  // AVX-512 where the CPU has it, at every M, since the two-groups-a-step g32 loop (with its prefetch) and the stored
+  // fp16 scales: against the AVX2 row kernel, one row of x, one thread, Xeon with AMX, cold (a 1 GiB read between
+  // calls) interleaved medians, same process: int4 g32 4096^2 2.1-2.3 -> 1.3-1.5 ms, 32000 x 2048 7.8-8.7 -> 5.3-5.8;
+  // int8 g32 4096^2 2.4-2.6 -> 2.1-2.2, 2048 x 5632 1.9 -> 1.4-1.5, 32000 x 2048 within noise (before that loop the
+  // AVX2 kernel streamed g32 and int8 faster: the 32-code tail it ran on had no prefetch).
+  const Isa use = parse_isa(isa);
   if (use >= Isa::Avx2 && W.whole32()) {
     const RowFn* row_fns = use == Isa::Avx512 ? (W.bits == 4 ? kAvx512Rows<4> : kAvx512Rows<8>)
                                               : (W.bits == 4 ? kAvx2Rows<4> : kAvx2Rows<8>);

@@ -591,7 +591,20 @@ torch::Tensor round_activations(const torch::Tensor& x_in) {
   return out;
 }
 
+// The op workbench::act_int8_linear_cpu (schema in kernels/ops.py): x (..., K) -> (..., N), registered here so
+// that a compiled graph reaches the kernel through the dispatcher alone (no Python implementation in between).
+torch::Tensor linear_op(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
+                        const c10::optional<torch::Tensor>& zero, double zconst, int64_t bits, int64_t group,
+                        int64_t K, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "act_int8_linear_cpu: x must have shape (..., K = ", K, ")");
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = q.size(0);
+  return linear(x.reshape({-1, K}), q, scale, zero, zconst, bits, group, K, bias, "auto").view(shape);
+}
+
 }  // namespace
+
+TORCH_LIBRARY_IMPL(workbench, CPU, m) { m.impl("act_int8_linear_cpu", &linear_op); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "y = round_int8(x) @ W^T + bias (4- or 8-bit codes, fp16 scales)");

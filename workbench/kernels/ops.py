@@ -23,20 +23,14 @@ from workbench.kernels import act_int8_cpu, weight_only_cpu
 __all__ = ["act_int8_linear_cpu", "weight_only_linear_cpu"]
 
 
-# torch.library.define / impl rather than the @custom_op decorator: the decorator's Python wrappers cost ~7 us a
-# call (0.4 ms a token on tiny-llama's 56 quantized Linears; the bare registration ~1 us more than the pybind call)
+# The schema here, the CPU implementation in weight_only_cpu.cpp (TORCH_LIBRARY_IMPL, registered when the extension
+# loads, below): the dispatcher calls the C++ directly. A Python implementation (torch.library.impl) cost ~14 us a
+# call over the bare extension call (0.8 ms a token on tiny-llama's 56 quantized Linears; the @custom_op
+# decorator's wrappers ~7 us more).
 torch.library.define("workbench::weight_only_linear_cpu",
                      "(Tensor x, Tensor qweight, Tensor scale, Tensor? zero, Tensor? lut, Tensor? bias, int bits, "
                      "int group_size, int K, int[] rules, Tensor? scale16, float zconst) -> Tensor")
-
-
-@torch.library.impl("workbench::weight_only_linear_cpu", "CPU")
-def _weight_only_linear_cpu_op(x, qweight, scale, zero, lut, bias, bits, group_size, K, rules, scale16, zconst):
-    # rules: CpuWeight.call_rules with its two bools as ints (an int[] holds one type)
-    prefill, split, split_bf16, split_ok, amx_ok, split_min, amx_bf16, brgemm, brgemm_threads = rules
-    return weight_only_cpu.load_extension().linear(
-        x, qweight, scale, zero, lut, bits, group_size, K, scale16, zconst, bias, prefill, split, split_bf16,
-        bool(split_ok), bool(amx_ok), split_min, amx_bf16, brgemm, brgemm_threads, "auto")
+weight_only_cpu.load_extension()   # (this module is imported where the kernel runs: its extension is built)
 
 
 @torch.library.register_fake("workbench::weight_only_linear_cpu")
@@ -58,9 +52,7 @@ torch.library.define("workbench::act_int8_linear_cpu",
                      "int K, Tensor? bias) -> Tensor")
 
 
-@torch.library.impl("workbench::act_int8_linear_cpu", "CPU")
-def _act_int8_linear_cpu_op(x, qweight, scale, zero, zconst, bits, group, K, bias):
-    return act_int8_cpu.linear_unchecked(x, qweight, scale, zero, zconst, bits, group, K, bias)
+act_int8_cpu.load_extension()   # (its CPU implementation: act_int8_cpu.cpp, as above)
 
 
 @torch.library.register_fake("workbench::act_int8_linear_cpu")

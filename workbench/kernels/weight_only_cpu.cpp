@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -209,9 +210,14 @@ WB_TARGET("avx2,fma") inline float zero_sum_avx2(const float* s, const float* z,
 //   y[m] = sum_g s[g] * sum_{k in g} u[k] x[m, k]  -  sum_g s[g] z[g] xsum[m, g]
 // (xsum: x's per-group sums, once per call) - the reference's sum of (u - z) s x, regrouped. One row of x
 // (decode) scales each group's sums once; several rows scale the widened codes once for all of them.
-template <int ROWS, int BITS>
+// FOLD (symmetric formats, one integer zero point zc that keeps u - zc within a byte: 4-bit codes, or 8-bit codes
+// with zc = 128): the codes become u - zc in their bytes (one byte subtraction, then a signed widening) and the
+// zero points' share vanishes - no per-group sums of x, and no large sum of u x cancelled by a large zero share
+// (closer to the reference's sum of (u - z) s x).
+template <int ROWS, int BITS, bool FOLD>
 WB_TARGET("avx2,fma") void gemv_row_avx2(const uint8_t* q, const float* s, const float* z, float zc, const float* x,
                                          int64_t K, int64_t group, int64_t G, const float* xsum, float* out) {
+  const __m128i zb = _mm_set1_epi8(static_cast<char>(FOLD ? static_cast<int>(zc) : 0));
   constexpr int A = ROWS == 1 ? 4 : 2;  // independent FMA chains per row of x
   __m256 acc[ROWS][A];
   for (int i = 0; i < ROWS; ++i)
@@ -226,10 +232,19 @@ WB_TARGET("avx2,fma") void gemv_row_avx2(const uint8_t* q, const float* s, const
       __m128i c0, c1;  // codes k .. k + 15 and k + 16 .. k + 31 as bytes
       codes32_in_order(q, k, BITS, c0, c1);
       __m256 w[4];
-      w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c0));
-      w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(c0, 8)));
-      w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c1));
-      w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(c1, 8)));
+      if (FOLD) {
+        c0 = _mm_sub_epi8(c0, zb);
+        c1 = _mm_sub_epi8(c1, zb);
+        w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c0));
+        w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c0, 8)));
+        w[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c1));
+        w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c1, 8)));
+      } else {
+        w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c0));
+        w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(c0, 8)));
+        w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c1));
+        w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(c1, 8)));
+      }
       if (ROWS == 1) {  // the group's scale is applied once, when the group is done (below)
         for (int j = 0; j < 4; ++j) gacc[j] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(x + k + 8 * j), gacc[j]);
         continue;
@@ -249,7 +264,7 @@ WB_TARGET("avx2,fma") void gemv_row_avx2(const uint8_t* q, const float* s, const
   for (int i = 0; i < ROWS; ++i) {
     __m256 t = acc[i][0];
     for (int a = 1; a < A; ++a) t = _mm256_add_ps(t, acc[i][a]);
-    out[i] = hsum(t) - zero_sum_avx2(s, z, zc, xsum + i * G, G);
+    out[i] = FOLD ? hsum(t) : hsum(t) - zero_sum_avx2(s, z, zc, xsum + i * G, G);
   }
 }
 
@@ -267,16 +282,25 @@ void deinterleave32(const float* x, int64_t K, float* out) {   // K a multiple o
     }
 }
 
-template <int BITS>
-WB_TARGET("avx512f") inline void codes32_avx512(const uint8_t* q, int64_t k, __m512& w0, __m512& w1) {
+template <int BITS, bool FOLD = false>   // FOLD: the codes less zb (bytes), widened signed (see gemv_row_avx2)
+WB_TARGET("avx512f") inline void codes32_avx512(const uint8_t* q, int64_t k, __m512& w0, __m512& w1,
+                                                __m128i zb = __m128i()) {
+  __m128i c0, c1;
   if (BITS == 4) {
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k / 2));
     const __m128i m4 = _mm_set1_epi8(0x0F);
-    w0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, m4)));
-    w1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), m4)));
+    c0 = _mm_and_si128(v, m4);
+    c1 = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
   } else {
-    w0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k))));
-    w1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k + 16))));
+    c0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k));
+    c1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k + 16));
+  }
+  if (FOLD) {
+    w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_sub_epi8(c0, zb)));
+    w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_sub_epi8(c1, zb)));
+  } else {
+    w0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c0));
+    w1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c1));
   }
 }
 
@@ -294,9 +318,10 @@ WB_TARGET("avx512f") inline float zero_sum_avx512(const float* s, const float* z
   return z ? t : zc * t;
 }
 
-template <int ROWS, int BITS>
+template <int ROWS, int BITS, bool FOLD>
 WB_TARGET("avx512f") void gemv_row_avx512(const uint8_t* q, const float* s, const float* z, float zc, const float* x,
                                           int64_t K, int64_t group, int64_t G, const float* xsum, float* out) {
+  const __m128i zb = _mm_set1_epi8(static_cast<char>(FOLD ? static_cast<int>(zc) : 0));
   __m512 acc[ROWS][2];
   for (int i = 0; i < ROWS; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
@@ -305,8 +330,8 @@ WB_TARGET("avx512f") void gemv_row_avx512(const uint8_t* q, const float* s, cons
         const int64_t k = g * 32;
         __m512 w0, w1, w2, w3;
         _mm_prefetch(reinterpret_cast<const char*>(q + k * BITS / 8 + kPrefetchBytes), _MM_HINT_T0);
-        codes32_avx512<BITS>(q, k, w0, w1);
-        codes32_avx512<BITS>(q, k + 32, w2, w3);
+        codes32_avx512<BITS, FOLD>(q, k, w0, w1, zb);
+        codes32_avx512<BITS, FOLD>(q, k + 32, w2, w3, zb);
         const __m512 p0 = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + k + 16), _mm512_mul_ps(w0, _mm512_loadu_ps(x + k)));
         const __m512 p1 = _mm512_fmadd_ps(w3, _mm512_loadu_ps(x + k + 48),
                                           _mm512_mul_ps(w2, _mm512_loadu_ps(x + k + 32)));
@@ -323,8 +348,8 @@ WB_TARGET("avx512f") void gemv_row_avx512(const uint8_t* q, const float* s, cons
       for (; k + 64 <= k1; k += 64) {
         __m512 w0, w1, w2, w3;
         _mm_prefetch(reinterpret_cast<const char*>(q + k * BITS / 8 + kPrefetchBytes), _MM_HINT_T0);
-        codes32_avx512<BITS>(q, k, w0, w1);
-        codes32_avx512<BITS>(q, k + 32, w2, w3);
+        codes32_avx512<BITS, FOLD>(q, k, w0, w1, zb);
+        codes32_avx512<BITS, FOLD>(q, k + 32, w2, w3, zb);
         a0 = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + k), a0);
         a1 = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + k + 16), a1);
         a2 = _mm512_fmadd_ps(w2, _mm512_loadu_ps(x + k + 32), a2);
@@ -333,7 +358,7 @@ WB_TARGET("avx512f") void gemv_row_avx512(const uint8_t* q, const float* s, cons
       if (k < k1) {
         __m512 w0, w1;
         _mm_prefetch(reinterpret_cast<const char*>(q + k * BITS / 8 + kPrefetchBytes), _MM_HINT_T0);
-        codes32_avx512<BITS>(q, k, w0, w1);
+        codes32_avx512<BITS, FOLD>(q, k, w0, w1, zb);
         a0 = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + k), a0);
         a1 = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + k + 16), a1);
       }
@@ -343,7 +368,7 @@ WB_TARGET("avx512f") void gemv_row_avx512(const uint8_t* q, const float* s, cons
     }
     for (int64_t k = k0; k < k1; k += 32) {  // several rows of x: the codes are scaled once for all of them
       __m512 w0, w1;
-      codes32_avx512<BITS>(q, k, w0, w1);
+      codes32_avx512<BITS, FOLD>(q, k, w0, w1, zb);
       w0 = _mm512_mul_ps(w0, vs);
       w1 = _mm512_mul_ps(w1, vs);
       for (int i = 0; i < ROWS; ++i) {
@@ -353,7 +378,8 @@ WB_TARGET("avx512f") void gemv_row_avx512(const uint8_t* q, const float* s, cons
     }
   }
   for (int i = 0; i < ROWS; ++i)
-    out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1])) - zero_sum_avx512(s, z, zc, xsum + i * G, G);
+    out[i] = FOLD ? _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]))
+                  : _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1])) - zero_sum_avx512(s, z, zc, xsum + i * G, G);
 }
 
 // Row n of the weight decoded straight from its 4- or 8-bit codes (whole 32-value groups) into fp32 - the
@@ -413,24 +439,38 @@ using RowFn = void (*)(const uint8_t*, const float*, const float*, float, const 
 
 // A row's fp16 scales (as stored) into fp32 (exact), for the row kernels: the weight's stream then carries 2 bytes
 // a group instead of the fp32 copy's 4.
+// (the tail through a small buffer, converted as one vector too: a scalar fp16 -> fp32 conversion is a dozen
+// instructions, and a g32 row of K = 320 has 10 scales, all in the tail)
 WB_TARGET("avx512f") void half_row_avx512(const at::Half* h, int64_t G, float* out) {
   int64_t g = 0;
   for (; g + 16 <= G; g += 16)
     _mm512_storeu_ps(out + g, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + g))));
-  for (; g < G; ++g) out[g] = static_cast<float>(h[g]);
+  if (g < G) {
+    alignas(32) uint16_t t[16] = {};
+    alignas(64) float f[16];
+    std::memcpy(t, h + g, (G - g) * sizeof(uint16_t));
+    _mm512_store_ps(f, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(t))));
+    std::memcpy(out + g, f, (G - g) * sizeof(float));
+  }
 }
 WB_TARGET("avx2,fma,f16c") void half_row_avx2(const at::Half* h, int64_t G, float* out) {
   int64_t g = 0;
   for (; g + 8 <= G; g += 8)
     _mm256_storeu_ps(out + g, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + g))));
-  for (; g < G; ++g) out[g] = static_cast<float>(h[g]);
+  if (g < G) {
+    alignas(16) uint16_t t[8] = {};
+    alignas(32) float f[8];
+    std::memcpy(t, h + g, (G - g) * sizeof(uint16_t));
+    _mm256_store_ps(f, _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(t))));
+    std::memcpy(out + g, f, (G - g) * sizeof(float));
+  }
 }
-template <int BITS>
-constexpr RowFn kAvx2Rows[4] = {gemv_row_avx2<1, BITS>, gemv_row_avx2<2, BITS>, gemv_row_avx2<3, BITS>,
-                                gemv_row_avx2<4, BITS>};
-template <int BITS>
-constexpr RowFn kAvx512Rows[4] = {gemv_row_avx512<1, BITS>, gemv_row_avx512<2, BITS>, gemv_row_avx512<3, BITS>,
-                                  gemv_row_avx512<4, BITS>};
+template <int BITS, bool FOLD>
+constexpr RowFn kAvx2Rows[4] = {gemv_row_avx2<1, BITS, FOLD>, gemv_row_avx2<2, BITS, FOLD>,
+                                gemv_row_avx2<3, BITS, FOLD>, gemv_row_avx2<4, BITS, FOLD>};
+template <int BITS, bool FOLD>
+constexpr RowFn kAvx512Rows[4] = {gemv_row_avx512<1, BITS, FOLD>, gemv_row_avx512<2, BITS, FOLD>,
+                                  gemv_row_avx512<3, BITS, FOLD>, gemv_row_avx512<4, BITS, FOLD>};
 #endif  // WB_X86
 
 // WORKBENCH_CPU_ISA (avx2 / scalar) caps the vector ISA below the CPU's, so that one machine runs the code an
@@ -577,11 +617,19 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& q, const torch::
   // AVX2 kernel streamed g32 and int8 faster: the 32-code tail it ran on had no prefetch).
   const Isa use = parse_isa(isa);
   if (use >= Isa::Avx2 && W.whole32()) {
-    const RowFn* row_fns = use == Isa::Avx512 ? (W.bits == 4 ? kAvx512Rows<4> : kAvx512Rows<8>)
-                                              : (W.bits == 4 ? kAvx2Rows<4> : kAvx2Rows<8>);
-    std::vector<float> xsum(M * W.G, 0.f);  // (M, G): x's per-group sums
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t k = 0; k < K; ++k) xsum[m * W.G + k / W.group] += xp[m * K + k];
+    // one integer zero point that keeps u - zc within a signed byte: folded into the codes (gemv_row_avx2)
+    const bool fold = one_zero && zconst == std::floor(zconst) &&
+                      (W.bits == 4 ? zconst >= 0 && zconst <= 15 : zconst == 128);
+    const RowFn* row_fns =
+        use == Isa::Avx512
+            ? (W.bits == 4 ? (fold ? kAvx512Rows<4, true> : kAvx512Rows<4, false>)
+                           : (fold ? kAvx512Rows<8, true> : kAvx512Rows<8, false>))
+            : (W.bits == 4 ? (fold ? kAvx2Rows<4, true> : kAvx2Rows<4, false>)
+                           : (fold ? kAvx2Rows<8, true> : kAvx2Rows<8, false>));
+    std::vector<float> xsum(fold ? 0 : M * W.G, 0.f);  // (M, G): x's per-group sums (not needed when folded)
+    if (!fold)
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t k = 0; k < K; ++k) xsum[m * W.G + k / W.group] += xp[m * K + k];
     std::vector<float> xd;                  // AVX-512, 4-bit codes: x in the nibble order (deinterleave32)
     const float* xs = xp;
     if (use == Isa::Avx512 && W.bits == 4) {
@@ -603,7 +651,7 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& q, const torch::
         for (int64_t m = 0; m < M; m += 4) {
           const int rows = static_cast<int>(std::min<int64_t>(4, M - m));
           row_fns[rows - 1](W.q + n * W.row_bytes, s, z, static_cast<float>(zconst), xs + m * K, K, W.group, W.G,
-                            xsum.data() + m * W.G, d);
+                            fold ? nullptr : xsum.data() + m * W.G, d);
           for (int i = 0; i < rows; ++i) op[(m + i) * N + n] = bp ? d[i] + bp[n] : d[i];
         }
       }
@@ -1297,6 +1345,22 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& q, const torch
   y = y.view(shape);
   return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
 }
+
+// The op workbench::weight_only_linear_cpu (schema in kernels/ops.py): the default call of `linear`, its path rules
+// as one int[] (CpuWeight.call_rules, the two bools as ints). Registered here, not in Python: a compiled decode step
+// then reaches the kernel through the dispatcher alone (a Python implementation cost ~14 us a call, more than the
+// kernel of a small layer).
+static torch::Tensor linear_op(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
+                        const c10::optional<torch::Tensor>& zero, const c10::optional<torch::Tensor>& lut,
+                        const c10::optional<torch::Tensor>& bias, int64_t bits, int64_t group, int64_t K,
+                        c10::IntArrayRef rules, const c10::optional<torch::Tensor>& scale16, double zconst) {
+  TORCH_CHECK(rules.size() == 9, "weight_only_linear_cpu: rules must hold 9 ints (CpuWeight.call_rules), got ",
+              rules.size());
+  return linear(x, q, scale, zero, lut, bits, group, K, scale16, zconst, bias, rules[0], rules[1], rules[2],
+                rules[3] != 0, rules[4] != 0, rules[5], rules[6], rules[7], rules[8], "auto");
+}
+
+TORCH_LIBRARY_IMPL(workbench, CPU, m) { m.impl("weight_only_linear_cpu", &linear_op); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv, "weight-only Linear, one decoded weight row at a time (see kernels/weight_only_cpu.py)");

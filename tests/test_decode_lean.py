@@ -168,6 +168,48 @@ def test_cpu_int8_layers_compile_into_the_graph_with_the_eager_numbers():
                           test_utils=("test_schema", "test_faketensor"))
 
 
+def test_the_dense_gemv_op_is_linear_on_one_row_and_any_other_input():
+    torch.manual_seed(0)
+    for N, K in ((37, 203), (8, 256), (5, 17), (64, 40)):   # K with and without a vector tail, N with a row tail
+        w, b = torch.randn(N, K), torch.randn(N)
+        for x in (torch.randn(1, K), torch.randn(1, 1, K), torch.randn(3, K), torch.randn(1, K).double()):
+            for bias in (None, b.to(x.dtype)):
+                want = torch.nn.functional.linear(x, w.to(x.dtype), bias)
+                got = ops.dense_gemv_cpu(x, w.to(x.dtype), bias)
+                assert got.shape == want.shape and got.dtype == want.dtype
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * K ** 0.5)
+    with pytest.raises(RuntimeError, match=r"dense_gemv_cpu: x \(\.\.\., K = 8\)"):
+        ops.dense_gemv_cpu(torch.randn(1, 9), torch.randn(4, 8))
+    torch.library.opcheck(torch.ops.workbench.dense_gemv_cpu.default,
+                          (torch.randn(1, 64), torch.randn(9, 64), torch.randn(9)))
+
+
+def test_the_dense_gemv_pass_takes_one_row_linears_only():
+    from torch._inductor.utils import run_and_get_code
+
+    from workbench.kernels.isa import inductor_cache_per_capability
+
+    inductor_cache_per_capability()   # (an ATen capability capped by the test tier: inductor's cache of its own)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(96, 64), torch.nn.SiLU(), torch.nn.Linear(64, 32, bias=False)).eval()
+    for rows, expected_calls in ((1, 2), (3, 0)):
+        x = torch.randn(rows, 96)
+        torch._dynamo.reset()
+        step = torch.compile(model, fullgraph=True,
+                             options={"post_grad_custom_post_pass": ops.DenseGemvPass()})
+        with torch.inference_mode():
+            got, code = run_and_get_code(step, x)
+            want = model(x)
+        assert "".join(code).count("torch.ops.workbench.dense_gemv_cpu.default(") == expected_calls
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_compiled_decode_step_runs_fp32_linears_on_the_dense_gemv():
+    options = D._inductor_options()
+    assert isinstance(options["post_grad_custom_post_pass"], ops.DenseGemvPass)
+    assert options["size_asserts"] is False
+
+
 def test_compiled_decode_of_a_cpu_int8_llama_gives_its_eager_tokens(llama):
     model = wb.apply(llama, {"model.layers.*": wb.quant.WeightOnly(bits=4, group_size=32, kernel="cpu-int8")},
                      progress=False)

@@ -17,10 +17,11 @@ kernels, whose source files are shared with other work.)
 from __future__ import annotations
 
 import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from workbench.kernels import act_int8_cpu, weight_only_cpu
 
-__all__ = ["act_int8_linear_cpu", "weight_only_linear_cpu"]
+__all__ = ["DenseGemvPass", "act_int8_linear_cpu", "dense_gemv_cpu", "weight_only_linear_cpu"]
 
 
 # The schema here, the CPU implementation in weight_only_cpu.cpp (TORCH_LIBRARY_IMPL, registered when the extension
@@ -66,3 +67,81 @@ def act_int8_linear_cpu(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Ten
                         zconst: float, bits: int, group: int, K: int, bias: torch.Tensor | None) -> torch.Tensor:
     """``y (..., N)`` in x's dtype: `act_int8_cpu.linear_unchecked` as the custom op."""
     return torch.ops.workbench.act_int8_linear_cpu.default(x, qweight, scale, zero, zconst, bits, group, K, bias)
+
+
+# fp32 Linears at one row (a decode step's dense layers and head): weight_only_cpu.cpp's dense GEMV (AVX-512 / AVX2;
+# elsewhere at::linear). Reached in a compiled graph through `DenseGemvPass`, not through the modules.
+torch.library.define("workbench::dense_gemv_cpu", "(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+
+
+@torch.library.register_fake("workbench::dense_gemv_cpu")
+def _(x, weight, bias):
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"dense_gemv_cpu: x must have shape (..., K = {weight.shape[1]}), got {tuple(x.shape)}")
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def dense_gemv_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x (..., K) @ weight.T + bias``: the dense GEMV where x is one fp32 row (see above), else ``F.linear``."""
+    return torch.ops.workbench.dense_gemv_cpu.default(x, weight, bias)
+
+
+class DenseGemvPass(CustomGraphPass):
+    """An inductor post-grad pass (``options={"post_grad_custom_post_pass": DenseGemvPass()}``): every product of
+    one fp32 row by a transposed 2-D fp32 CPU tensor - ``mm(x, permute(w, [1, 0]))`` or ``addmm(b, x, permute(w,
+    [1, 0]))``, what ``F.linear`` becomes - runs `dense_gemv_cpu` on ``w`` as stored. Other products are left
+    as they are."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        aten = torch.ops.aten
+        for node in list(graph.nodes):
+            if node.op != "call_function" or node.target not in (aten.mm.default, aten.addmm.default):
+                continue
+            if node.target is aten.addmm.default:
+                if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
+                    continue
+                bias, x, wt = node.args[:3]
+                if not _is_row_bias(bias, wt):
+                    continue
+            else:
+                bias, (x, wt) = None, node.args[:2]
+            if not (_is_one_fp32_row(x) and _is_transposed_weight(wt)):
+                continue
+            with graph.inserting_before(node):
+                new = graph.call_function(torch.ops.workbench.dense_gemv_cpu.default, (x, wt.args[0], bias))
+            new.meta.update(node.meta)
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+            if not wt.users:
+                graph.erase_node(wt)
+
+    def uuid(self) -> str:
+        return f"workbench.DenseGemvPass:{_PASS_VERSION}"
+
+
+_PASS_VERSION = 1   # (part of inductor's cache key: bump when the pass changes what it rewrites)
+
+
+def _val(node):
+    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+
+
+def _is_one_fp32_row(x) -> bool:
+    v = _val(x)
+    return (isinstance(v, torch.Tensor) and v.dim() == 2 and v.shape[0] == 1 and v.dtype == torch.float32
+            and v.device.type == "cpu" and v.is_contiguous())
+
+
+def _is_transposed_weight(wt) -> bool:
+    if not (isinstance(wt, torch.fx.Node) and wt.target is torch.ops.aten.permute.default
+            and list(wt.args[1]) == [1, 0]):
+        return False
+    v = _val(wt.args[0])
+    return (isinstance(v, torch.Tensor) and v.dim() == 2 and v.dtype == torch.float32 and v.device.type == "cpu"
+            and v.is_contiguous())
+
+
+def _is_row_bias(bias, wt) -> bool:
+    v, w = _val(bias), _val(wt)
+    return (isinstance(v, torch.Tensor) and isinstance(w, torch.Tensor) and v.dim() == 1 and v.dtype == torch.float32
+            and v.shape[0] == w.shape[1] and v.is_contiguous())

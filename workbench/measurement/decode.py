@@ -36,7 +36,9 @@ paths with `greedy`.
 """
 from __future__ import annotations
 
+import contextlib
 import enum
+import os
 import statistics
 import time
 import types
@@ -196,6 +198,20 @@ _NEUTRAL_GENERATION_KEYS = frozenset({
 # output in the Python wrapper (~270 calls a token on tiny-llama, ~0.3 ms of a 3 ms token; dynamo's guards have checked
 # the inputs, and the ops' fake implementations give the outputs' shapes)
 _INDUCTOR_OPTIONS = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
+
+
+def _inductor_options() -> dict:
+    """`_INDUCTOR_OPTIONS`, and the fp32 Linears at one row on the dense GEMV of the CPU kernels
+    (`workbench.kernels.ops.DenseGemvPass`) where those are built."""
+    options = dict(_INDUCTOR_OPTIONS)
+    try:
+        from workbench.kernels.ops import DenseGemvPass
+    except RuntimeError:   # the C++ kernels cannot be built here: PyTorch's GEMM
+        return options
+    options["post_grad_custom_post_pass"] = DenseGemvPass()
+    return options
+
+
 # the static cache's length is a multiple of this, so prompts and lengths within one bucket share a compiled step
 _CACHE_BUCKET = 128
 
@@ -220,7 +236,7 @@ class _LeanDecoder:
             # (8), after which it runs eagerly - one per model, so no model's step evicts another's
             code = _decode_step.__code__.replace()
             self.step = torch.compile(types.FunctionType(code, _decode_step.__globals__, "decode_step"),
-                                      fullgraph=True, dynamic=False, options=dict(_INDUCTOR_OPTIONS))
+                                      fullgraph=True, dynamic=False, options=_inductor_options())
 
     @property
     def path(self) -> DecodePath:
@@ -262,11 +278,33 @@ class _LeanDecoder:
         logits = model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         tok = _masked_argmax(logits.float(), self.eos)                          # (1, 1)
         out, pos = [prompt, tok], torch.tensor([T], device=prompt.device)
-        for _ in range(new_tokens - 1):
-            tok = step(model, tok, pos, cache, self.eos)
-            out.append(tok)
-            pos += 1
+        with _sdpa_gqa() if step is not _decode_step else contextlib.nullcontext():
+            for _ in range(new_tokens - 1):
+                tok = step(model, tok, pos, cache, self.eos)
+                out.append(tok)
+                pos += 1
         return torch.cat(out, dim=1)                                            # (1, T + new_tokens)
+
+
+# transformers' sdpa attention gives PyTorch's sdpa each key / value head repeated for its query heads - in a compiled
+# step a copy of the whole cache, every layer and token (llama-480m: 2 MB a layer, ~0.7 ms of a 40 ms int4 token;
+# eager decoding packs the query heads instead) - unless this switch of transformers' tells it to pass enable_gqa
+# (PyTorch's CPU flash attention takes grouped heads and the mask as they are). It is read when the step is traced
+# and guarded on (a compiled step records the value), so it is set around every compiled decoding loop, and only there.
+_GQA_SWITCH = "TRANSFORMERS_SDPA_FORCE_GQA"
+
+
+@contextlib.contextmanager
+def _sdpa_gqa():
+    old = os.environ.get(_GQA_SWITCH)
+    os.environ[_GQA_SWITCH] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[_GQA_SWITCH]
+        else:
+            os.environ[_GQA_SWITCH] = old
 
 
 def _masked_argmax(logits: torch.Tensor, eos: list[int]) -> torch.Tensor:  # (1, vocab) -> (1, 1)

@@ -102,6 +102,21 @@ def test_a_failed_compile_falls_back_to_the_eager_loop_with_a_warning(llama, mon
     assert torch.equal(out, _generate(model, ids, 12)) and D._path(model, True) is D.DecodePath.STATIC_CACHE
 
 
+def test_a_compiled_step_whose_logits_are_wrong_is_refused(llama, monkeypatch):
+    def off(fn, **kwargs):   # a "compiled" step one logit of which is off by a tenth of the largest
+        def step(model, tok, pos, cache, eos):
+            next_tok, logits = fn(model, tok, pos, cache, eos)
+            logits[0, 7] += 0.1 * float(logits[torch.isfinite(logits)].abs().max())
+            return next_tok, logits
+        return step
+
+    model = wb.apply(llama, {}, progress=False)
+    monkeypatch.setattr(torch, "compile", off)
+    with pytest.warns(RuntimeWarning, match="logits differ from the eager step's at new token 2"):
+        out = D.greedy(model, _prompt(7), 12)
+    assert torch.equal(out, _generate(model, _prompt(7), 12)) and D._path(model, True) is D.DecodePath.STATIC_CACHE
+
+
 def test_models_the_loop_cannot_take_keep_their_path(llama):
     tiny_lm = wb.models.load("tiny-lm").eval()
     assert "not a Hugging Face causal LM" in D.lean_unsupported(tiny_lm)

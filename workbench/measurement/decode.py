@@ -7,7 +7,9 @@ Greedy, batch 1, exactly ``new_tokens`` new tokens (no early stop at an end-of-t
   prompt runs eagerly through the model into a `transformers.StaticCache` (its tensors are allocated once, so
   every decode step has the same shapes), then each token is one call of the decode step - the model's forward on
   one token, the end-of-text logits masked, argmax - compiled once per model by ``torch.compile`` (inductor;
-  `workbench.kernels.ops` keeps the workbench's CPU kernels in the graph as custom ops). No ``generate``: its
+  `workbench.kernels.ops` keeps the workbench's CPU kernels in the graph as custom ops, and its `DenseGemvPass`
+  runs fp32 Linears - a head left in fp32 - on the kernels' dense GEMV; grouped-query attention reads the cache's
+  key / value heads as they are, see `_sdpa_gqa`). No ``generate``: its
   per-token Python (logits processors, stopping criteria, cache bookkeeping) costs more than a small model's
   forward. The tokens are ``generate``'s: the loop applies what ``generate(min_new_tokens=n)`` applies - the
   end-of-text tokens masked, argmax (tests: identical on tiny-llama, fp32, int8 and int4 weight-only). A model
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import itertools
 import os
 import statistics
 import time
@@ -255,13 +258,9 @@ class _LeanDecoder:
 
     def __call__(self, model: nn.Module, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
         if self.compile and not self.checked and new_tokens > 1:
-            try:   # the first call that decodes compiles; its tokens must be the eager loop's
-                out = self._run(model, prompt, new_tokens, self.step)
-                eager = self._run(model, prompt, new_tokens, _decode_step)
-                if not torch.equal(out, eager):
-                    diff = int((out != eager).nonzero()[0, 1]) - prompt.shape[1]
-                    raise RuntimeError(f"the compiled decode step's tokens differ from the eager one's from new "
-                                       f"token {diff} on")
+            try:   # the first call that decodes compiles; its logits must be the eager step's
+                out, logits = self._run(model, prompt, new_tokens, self.step, keep=True)
+                self._check(model, prompt, out, logits)
                 self.checked = True
                 return out
             except Exception as e:  # noqa: BLE001 - any compile failure: the eager loop, saying why
@@ -269,21 +268,58 @@ class _LeanDecoder:
                               f"step failed ({type(e).__name__}: {' '.join(str(e).split())[:300]}); decoding "
                               f"with the eager step instead", RuntimeWarning, stacklevel=3)
                 self.compile, self.step = False, _decode_step
-        return self._run(model, prompt, new_tokens, self.step)
+        return self._run(model, prompt, new_tokens, self.step)[0]
 
-    def _run(self, model: nn.Module, prompt: torch.Tensor, new_tokens: int, step: Callable) -> torch.Tensor:
+    def _run(self, model: nn.Module, prompt: torch.Tensor, new_tokens: int, step: Callable,
+             keep: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(prompt and new tokens (1, T + new_tokens), where ``keep`` the masked fp32 logits of the first
+        `_CHECK_STEPS` decode steps)."""
         T = prompt.shape[1]
         cache = self._cache(T + new_tokens)
         # prefill, eager (one call per prompt length; generate's logits: the last position's, in fp32)
         logits = model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         tok = _masked_argmax(logits.float(), self.eos)                          # (1, 1)
-        out, pos = [prompt, tok], torch.tensor([T], device=prompt.device)
+        out, kept, pos = [prompt, tok], [], torch.tensor([T], device=prompt.device)
         with _sdpa_gqa() if step is not _decode_step else contextlib.nullcontext():
             for _ in range(new_tokens - 1):
-                tok = step(model, tok, pos, cache, self.eos)
+                tok, logits = step(model, tok, pos, cache, self.eos)
                 out.append(tok)
+                if keep and len(kept) < _CHECK_STEPS:
+                    kept.append(logits)
                 pos += 1
-        return torch.cat(out, dim=1)                                            # (1, T + new_tokens)
+        return torch.cat(out, dim=1), kept                                      # (1, T + new_tokens)
+
+    def _check(self, model: nn.Module, prompt: torch.Tensor, out: torch.Tensor, logits: list[torch.Tensor]) -> None:
+        """The eager step, fed the compiled loop's tokens, gives its logits within `_CHECK_RTOL` of their largest
+        magnitude (eight units of rounding of the model's least precise float tensors where that is more), and each compiled token is an argmax of the eager logits within that tolerance. (Not the tokens
+        themselves: the compiled step sums in another order - inductor's fusions, the dense GEMV, grouped-query
+        attention - and a random-init model's near-ties then pick another token, after which the texts part.)"""
+        T = prompt.shape[1]
+        cache = self._cache(out.shape[1])   # (the compiled run's bucket: no second cache)
+        model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        # (a model with bf16 / fp16 tensors - cast layers, fp16 scales - computes some of it at their rounding)
+        eps = max((torch.finfo(t.dtype).eps for t in itertools.chain(model.parameters(), model.buffers())
+                   if t.dtype.is_floating_point), default=0.0)
+        rtol = max(_CHECK_RTOL, 8 * eps)
+        pos = torch.tensor([T], device=prompt.device)
+        for i, compiled in enumerate(logits):
+            _, eager = _decode_step(model, out[:, T + i:T + i + 1], pos, cache, self.eos)
+            finite = torch.isfinite(eager)
+            tol = rtol * float(eager[finite].abs().max())
+            if not torch.equal(finite, torch.isfinite(compiled)) or float((compiled - eager)[finite].abs().max()) > tol:
+                raise RuntimeError(f"the compiled decode step's logits differ from the eager step's at new token "
+                                   f"{i + 2}: max |difference| {float((compiled - eager)[finite].abs().max()):.3g}, "
+                                   f"tolerance {tol:.3g}")
+            if float(eager[0, out[0, T + i + 1]]) < float(eager.max()) - tol:
+                raise RuntimeError(f"the compiled decode step's token {i + 2} is not an argmax of the eager "
+                                   f"step's logits")
+            pos += 1
+
+
+# `_LeanDecoder._check`'s tolerance, relative to the largest |logit|: fp32 sums in another order differ by ~1e-6 of
+# it per layer (llama-480m: ~1e-5 after 8 layers); a wrong graph differs by far more
+_CHECK_RTOL = 1e-3
+_CHECK_STEPS = 32   # decode steps checked (their logits kept: vocabulary x 4 bytes each)
 
 
 # transformers' sdpa attention gives PyTorch's sdpa each key / value head repeated for its query heads - in a compiled
@@ -314,11 +350,13 @@ def _masked_argmax(logits: torch.Tensor, eos: list[int]) -> torch.Tensor:  # (1,
     return logits.argmax(-1, keepdim=True)
 
 
-def _decode_step(model: nn.Module, tok: torch.Tensor, pos: torch.Tensor, cache, eos: list[int]) -> torch.Tensor:
-    """One greedy token: ``tok`` (1, 1) at position ``pos`` (1,) through the model into ``cache`` -> (1, 1)."""
+def _decode_step(model: nn.Module, tok: torch.Tensor, pos: torch.Tensor, cache,
+                 eos: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One greedy token: ``tok`` (1, 1) at position ``pos`` (1,) through the model into ``cache`` -> the next token
+    (1, 1) and its masked fp32 logits (1, vocab)."""
     logits = model(input_ids=tok, past_key_values=cache, cache_position=pos, position_ids=pos.unsqueeze(0),
-                   use_cache=True).logits[:, -1]                               # (1, vocab)
-    return _masked_argmax(logits.float(), eos)
+                   use_cache=True).logits[:, -1].float()                       # (1, vocab)
+    return _masked_argmax(logits, eos), logits
 
 
 _DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> {(compile, threads): _LeanDecoder}

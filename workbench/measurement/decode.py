@@ -291,9 +291,10 @@ class _LeanDecoder:
 
     def _check(self, model: nn.Module, prompt: torch.Tensor, out: torch.Tensor, logits: list[torch.Tensor]) -> None:
         """The eager step, fed the compiled loop's tokens, gives its logits within `_CHECK_RTOL` of their largest
-        magnitude (eight units of rounding of the model's least precise float tensors where that is more), and each compiled token is an argmax of the eager logits within that tolerance. (Not the tokens
-        themselves: the compiled step sums in another order - inductor's fusions, the dense GEMV, grouped-query
-        attention - and a random-init model's near-ties then pick another token, after which the texts part.)"""
+        magnitude (eight units of rounding of the model's least precise float tensors where that is more), and
+        each compiled token is an argmax of the eager logits within that tolerance. (Not the tokens themselves:
+        the compiled step sums in another order - inductor's fusions, the dense GEMV, grouped-query attention -
+        and a random-init model's near-ties then pick another token, after which the texts part.)"""
         T = prompt.shape[1]
         cache = self._cache(out.shape[1])   # (the compiled run's bucket: no second cache)
         model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)

@@ -51,8 +51,7 @@ log = logging.getLogger(__name__)
 ISAS = ("auto", "avx512", "avx2", "scalar")
 
 
-@functools.cache
-def rows_for(N: int, K: int, bits: int) -> int:
+def rows_for(N: int, K: int, bits: int) -> int:   # (no cache: three comparisons, and dynamo traces it plainly)
     """Rows of x up to which `WeightOnlyLinear` runs this kernel on an (N, K) weight of ``bits``-bit codes; above,
     the rounded x goes to the exact kernel's GEMM paths. This kernel's cost grows with every row (each row of x is
     its own dot products) while the GEMM's barely does: measured side by side (one thread, int4 / int8 g32,

@@ -11,6 +11,13 @@ shape and dtype: ``x (..., K) -> (..., N)`` in x's dtype.
 ``workbench::act_int8_linear_cpu`` is `workbench.kernels.act_int8_cpu`'s kernel (``kernel="cpu-int8"``: activations
 rounded to int8) the same way: the stored tensors as they are, the same extension call.
 
+``workbench::dense_gemv_cpu`` is the dense fp32 GEMV of ``weight_only_cpu.cpp``; no module calls it: `DenseGemvPass`,
+an inductor post-grad pass, puts it in place of the products of one fp32 row by an fp32 weight in a compiled graph
+(the decode step of `workbench.measurement.decode` compiles with it).
+
+Each op's schema and fake implementation are defined here, its CPU implementation by the extension (C++
+``TORCH_LIBRARY_IMPL``, registered when the extension loads): no Python runs between the dispatcher and the kernel.
+
 (`workbench.kernels.w8a8_cpu` registers its own op next to its kernel; this file holds the ops of the weight-only
 kernels, whose source files are shared with other work.)
 """
@@ -53,7 +60,10 @@ torch.library.define("workbench::act_int8_linear_cpu",
                      "int K, Tensor? bias) -> Tensor")
 
 
-act_int8_cpu.load_extension()   # (its CPU implementation: act_int8_cpu.cpp, as above)
+try:
+    act_int8_cpu.load_extension()   # (its CPU implementation: act_int8_cpu.cpp, as above)
+except RuntimeError:   # not built here: no layer runs kernel="cpu-int8" then (the other ops stand on their own)
+    pass
 
 
 @torch.library.register_fake("workbench::act_int8_linear_cpu")

@@ -116,6 +116,8 @@ class Fp8Linear(nn.Module):
     """An ``nn.Linear`` trained with fp8 numerics (see the module docstring); ``weight`` / ``bias`` stay fp32
     master parameters. In eval mode it casts the same way but records nothing (no amax history, no counts)."""
 
+    rounds_activations = True   # (to fp8; see WeightOnlyLinear.rounds_activations)
+
     def __init__(self, linear: nn.Linear, recipe: Fp8Recipe):
         super().__init__()
         if not isinstance(linear, nn.Linear):

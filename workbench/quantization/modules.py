@@ -508,6 +508,12 @@ class WeightOnlyLinear(_FollowsDevice, _PackedWeight):
                   bias_dtype=w.dtype, smooth=smooth is not None, device=w.device, perm=perm is not None)
         return _fill(new, linear, smooth=smooth, perm=perm).set_kernel(kernel)
 
+    @property
+    def rounds_activations(self) -> bool:
+        """Whether the layer rounds its input (to int8 per 32 values: ``kernel="cpu-int8"``); a model-wide
+        attribute of the modules that do (`workbench.measurement.decode` widens its compiled-vs-eager check)."""
+        return self.kernel is KernelPath.CPU_INT8
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., in)
         # (module attributes are read from nn.Module's own dicts: on small layers the per-call Python cost is a
         # measurable share of the whole forward, see workbench/kernels/README.md)
@@ -679,6 +685,7 @@ class W8A8Linear(_FollowsDevice, nn.Module):
     rescale fused block by block in C++, bit-identical to the reference); ``"triton"`` the Triton kernel on a GPU;
     ``"reference"`` the same math in fp32.
     """
+    rounds_activations = True   # (per token to int8; see WeightOnlyLinear.rounds_activations)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, static: bool = False,
                  smooth: bool = False, device=None, kernel: str = "auto"):
@@ -791,6 +798,7 @@ class _W8A8Conv(nn.Module):
     ``kernel="reference"`` only: activations are quantized and dequantized with the stored scale and the
     convolution runs on the dequantized int8 weights (the same numbers an integer kernel would produce).
     """
+    rounds_activations = True
 
     def __init__(self, args: dict, bias: bool = True, device=None):
         super().__init__()

@@ -57,6 +57,10 @@ def _grad_scale(t: torch.Tensor, factor: float) -> torch.Tensor:
 class _QATMixin:
     """Shared by QATLinear / QATConv2d: fake-quantized weight (and optionally activations)."""
 
+    @property
+    def rounds_activations(self) -> bool:   # (see WeightOnlyLinear.rounds_activations)
+        return bool(getattr(self, "act_quant", False))
+
     def _setup(self, config, learnable_scales: bool, kernel: str = "reference") -> None:
         self.qconfig = config
         self.kernel = KernelPath(kernel)   # chosen once; compared by identity in forward

@@ -49,6 +49,8 @@ class _DynamicQuantRNN(nn.Module):
     """The shared structure: options, children, input handling and the layer/direction loop; the subclasses
     give the gate count, the conversion of PyTorch's weights and one direction's time loop."""
 
+    rounds_activations = True   # (per step to int8; see WeightOnlyLinear.rounds_activations)
+
     GATES: int = 0
     FLOAT: type = nn.Module
 

@@ -1350,7 +1350,10 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& q, const torch
 // Dense fp32 weights at one row of x (the decode step's fp32 Linears and heads): y (1, N) = x (1, K) W^T + bias.
 // A GEMV reads the weight once and computes little; PyTorch's fp32 GEMM at M = 1 reached 60-90 % of the stream
 // this reaches on weights that are not in cache (prototype, 1 thread, Xeon: 5632 x 2048 9.0 -> 11.8 GB/s, 32000 x
-// 2048 11.6 -> 12.4). Four weight rows a step share each load of x; each row's stream is prefetched ahead.
+// 2048 11.6 -> 12.4); on a whole model whose weights come from memory (llama-480m fp32, its decode step side by
+// side with and without this kernel) no difference was measurable, on layers in cache it is ~2x (tiny-llama: a
+// 864 x 320 layer 12 vs 25 us, the fp32 step 6.6 -> 5.5 ms). Four weight rows a step share each load of x; each
+// row's stream is prefetched ahead.
 constexpr int64_t kDensePrefetchBytes = 1024;
 
 #if WB_X86

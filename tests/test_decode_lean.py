@@ -1,6 +1,7 @@
 """The lean decode path of `workbench.measurement.decode`: the static-cache greedy loop gives `generate`'s tokens
 (eager: fp32, int8 and int4 weight-only; compiled: fp32, int4 and cpu-int8), the CPU kernels' custom ops compute
-what the eager kernels do, models the loop cannot take keep their path, a failed compile falls back saying so, and
+what the eager kernels do, the decode step's passes put the dense GEMV and the decode attention where one row / one
+query position runs (and nowhere else), models the loop cannot take keep their path, a failed compile falls back saying so, and
 the README's ``wb.measurement.decode`` resolves after ``import workbench``. The compiled fp32 run is marked ``slow``
 (a compile takes 5-25 s on the 2-core machine)."""
 import subprocess
@@ -219,10 +220,78 @@ def test_the_dense_gemv_pass_takes_one_row_linears_only():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_the_compiled_decode_step_runs_fp32_linears_on_the_dense_gemv():
+def test_the_compiled_decode_step_runs_fp32_linears_on_the_dense_gemv_and_its_attention_on_the_decode_kernel():
     options = D._inductor_options()
-    assert isinstance(options["post_grad_custom_post_pass"], ops.DenseGemvPass)
+    assert isinstance(options["post_grad_custom_post_pass"], ops.DecodeStepPass)
     assert options["size_asserts"] is False
+
+
+def _attention_masks(B, H, L, gen):
+    keep = torch.rand(B, 1, 1, L, generator=gen) > 0.3
+    keep[..., 0] = True
+    lowest = torch.finfo(torch.float32).min
+    return {"none": None, "bool": keep, "-inf": torch.zeros(B, 1, 1, L).masked_fill(~keep, float("-inf")),
+            "lowest float": torch.zeros(B, 1, 1, L).masked_fill(~keep, lowest),   # (transformers' masks)
+            "float": torch.randn(B, 1, 1, L, generator=gen).masked_fill(~keep, float("-inf")),
+            "per head": torch.randn(B, H, 1, L, generator=gen),
+            "all masked": torch.zeros(B, 1, 1, L, dtype=torch.bool),
+            "all lowest": torch.full((B, 1, 1, L), lowest)}
+
+
+def test_the_decode_attention_op_is_attention_of_one_query_with_grouped_heads():
+    F = torch.nn.functional
+    gen = torch.Generator().manual_seed(0)
+    # (B, Hq, Hkv, L, Dh): tiny-llama's and llama-480m's heads, D with a vector tail, D over 64 (two column blocks)
+    for B, Hq, Hkv, L, Dh in ((1, 4, 2, 128, 80), (1, 32, 4, 128, 64), (2, 4, 4, 33, 17), (1, 4, 1, 300, 130)):
+        q = torch.randn(B, Hq, 1, Dh, generator=gen) * 3
+        k, v = torch.randn(B, Hkv, L, Dh, generator=gen), torch.randn(B, Hkv, L, Dh, generator=gen)
+        for name, mask in _attention_masks(B, Hq, L, gen).items():
+            got = ops.decode_attention_cpu(q, k, v, mask)
+            assert got.shape == (B, Hq, 1, Dh) and got.is_contiguous()
+            if name == "all masked":   # PyTorch's CPU flash attention's answer: zeros
+                assert torch.equal(got, torch.zeros_like(got))
+                continue
+            m64 = mask if mask is None or mask.dtype == torch.bool else mask.double()
+            want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=m64, enable_gqa=True)
+            if name == "all lowest":   # every score the same lowest float in fp32: the plain average of v
+                want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            torch.testing.assert_close(got, want.float(), rtol=0, atol=5e-6, msg=f"{(B, Hq, Hkv, L, Dh)} {name}")
+    # a strided cache view (rows not D apart), several query positions and fp64: the reference's answer
+    k, v = torch.randn(1, 2, 40, 32, generator=gen), torch.randn(1, 2, 40, 32, generator=gen)
+    for q, kk, vv in ((torch.randn(1, 4, 1, 16, generator=gen), k[..., :16], v[..., :16]),
+                      (torch.randn(1, 4, 3, 32, generator=gen), k, v),
+                      (torch.randn(1, 4, 1, 32, generator=gen).double(), k.double(), v.double())):
+        want = F.scaled_dot_product_attention(q, kk, vv, enable_gqa=True, scale=0.3)
+        torch.testing.assert_close(ops.decode_attention_cpu(q, kk, vv, None, 0.3), want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match=r"decode_attention_cpu: q \(B, Hq, T, D\)"):
+        ops.decode_attention_cpu(torch.randn(1, 3, 1, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8))
+    torch.library.opcheck(torch.ops.workbench.decode_attention_cpu.default,
+                          (torch.randn(1, 4, 1, 16), torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16),
+                           torch.rand(1, 1, 1, 9) > 0.5, None))
+
+
+def test_the_decode_attention_pass_takes_attention_of_one_query_only():
+    from torch._inductor.utils import run_and_get_code
+
+    from workbench.kernels.isa import inductor_cache_per_capability
+
+    inductor_cache_per_capability()
+    F = torch.nn.functional
+    gen = torch.Generator().manual_seed(1)
+    k, v = torch.randn(1, 2, 24, 16, generator=gen), torch.randn(1, 2, 24, 16, generator=gen)
+    mask = torch.arange(24).view(1, 1, 1, 24) < 10
+
+    def attend(q, k, v, mask):
+        return F.scaled_dot_product_attention(q * 2, k, v, attn_mask=mask, enable_gqa=True).transpose(1, 2).flatten(2)
+
+    for T, expected_calls in ((1, 1), (3, 0)):
+        q = torch.randn(1, 4, T, 16, generator=gen)
+        torch._dynamo.reset()
+        step = torch.compile(attend, fullgraph=True, options={"post_grad_custom_post_pass": ops.DecodeStepPass()})
+        with torch.inference_mode():
+            got, code = run_and_get_code(step, q, k, v, mask)
+        assert "".join(code).count("torch.ops.workbench.decode_attention_cpu.default(") == expected_calls
+        torch.testing.assert_close(got, attend(q, k, v, mask), rtol=1e-5, atol=1e-5)
 
 
 def test_compiled_decode_of_a_cpu_int8_llama_gives_its_eager_tokens(llama):

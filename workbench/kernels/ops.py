@@ -15,6 +15,11 @@ rounded to int8) the same way: the stored tensors as they are, the same extensio
 an inductor post-grad pass, puts it in place of the products of one fp32 row by an fp32 weight in a compiled graph
 (the decode step of `workbench.measurement.decode` compiles with it).
 
+``workbench::decode_attention_cpu`` is the attention of one query position over a key / value cache (fp32, grouped
+query heads read as they are, the positions a mask leaves and no others); `DecodeAttentionPass` puts it in place of
+PyTorch's CPU flash attention where the query is one position (a decode step: ~40 us a layer for flash attention's
+set-up on tiny-llama's 4 heads, against a few us). `DecodeStepPass` runs both passes.
+
 Each op's schema and fake implementation are defined here, its CPU implementation by the extension (C++
 ``TORCH_LIBRARY_IMPL``, registered when the extension loads): no Python runs between the dispatcher and the kernel.
 
@@ -28,7 +33,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from workbench.kernels import act_int8_cpu, weight_only_cpu
 
-__all__ = ["DenseGemvPass", "act_int8_linear_cpu", "dense_gemv_cpu", "weight_only_linear_cpu"]
+__all__ = ["DecodeAttentionPass", "DecodeStepPass", "DenseGemvPass", "act_int8_linear_cpu", "decode_attention_cpu",
+           "dense_gemv_cpu", "weight_only_linear_cpu"]
 
 
 # The schema here, the CPU implementation in weight_only_cpu.cpp (TORCH_LIBRARY_IMPL, registered when the extension
@@ -96,6 +102,76 @@ def dense_gemv_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.workbench.dense_gemv_cpu.default(x, weight, bias)
 
 
+# attention of one query position (a decode step): weight_only_cpu.cpp's kernel for fp32 (AVX-512 / AVX2 / scalar);
+# other inputs go to PyTorch's CPU flash attention, the op the pass below replaces
+torch.library.define("workbench::decode_attention_cpu",
+                     "(Tensor q, Tensor k, Tensor v, Tensor? mask, float? scale) -> Tensor")
+
+
+@torch.library.register_fake("workbench::decode_attention_cpu")
+def _(q, k, v, mask, scale):
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.shape[1] % k.shape[1] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"decode_attention_cpu: q (B, Hq, T, D), k (B, Hkv, L, D) and v (B, Hkv, L, Dv) with Hq a "
+                         f"multiple of Hkv are needed, got q {tuple(q.shape)}, k {tuple(k.shape)} and v "
+                         f"{tuple(v.shape)}")
+    return q.new_empty((*q.shape[:3], v.shape[3]))
+
+
+def decode_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                         scale: float | None = None) -> torch.Tensor:
+    """``softmax(q k^T * scale + mask) v`` for q ``(B, Hq, T, D)`` and k / v ``(B, Hkv, L, D)``, query head h
+    reading key / value head ``h // (Hq // Hkv)``; ``mask`` broadcastable to ``(B, Hq, T, L)``, bool (True:
+    attend) or float (added); ``scale`` 1 / sqrt(D) by default. The kernel where T is 1 and the tensors are fp32,
+    PyTorch's CPU flash attention otherwise; a query head with every position masked gives zeros."""
+    return torch.ops.workbench.decode_attention_cpu.default(q, k, v, mask, scale)
+
+
+class DecodeAttentionPass(CustomGraphPass):
+    """An inductor post-grad pass: PyTorch's CPU flash attention
+    (``aten._scaled_dot_product_flash_attention_for_cpu``, what ``F.scaled_dot_product_attention`` becomes on the
+    CPU) of one fp32 query position, no dropout, not causal, its log-sum-exp unused, runs `decode_attention_cpu`.
+    Other attention is left as it is."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        import operator
+
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+        for node in list(graph.nodes):
+            if node.op != "call_function" or node.target is not flash:
+                continue
+            q, k, v = node.args[:3]
+            dropout = node.args[3] if len(node.args) > 3 else node.kwargs.get("dropout_p", 0.0)
+            causal = node.args[4] if len(node.args) > 4 else node.kwargs.get("is_causal", False)
+            mask, scale = node.kwargs.get("attn_mask"), node.kwargs.get("scale")
+            users = list(node.users)
+            if (not users or dropout != 0.0 or causal or not _is_one_query(q)
+                    or not all(_is_fp32_cpu(t, 4) for t in (k, v))
+                    or not all(u.target is operator.getitem and u.args[1] == 0 for u in users)
+                    or (mask is not None and _val(mask) is None)):
+                continue
+            with graph.inserting_before(node):
+                new = graph.call_function(torch.ops.workbench.decode_attention_cpu.default, (q, k, v, mask, scale))
+            new.meta.update(users[0].meta)   # (the output's val: (B, Hq, 1, Dv), the op's own layout)
+            for u in users:
+                u.replace_all_uses_with(new)
+                graph.erase_node(u)
+            graph.erase_node(node)
+
+    def uuid(self) -> str:
+        return f"workbench.DecodeAttentionPass:{_PASS_VERSION}"
+
+
+class DecodeStepPass(CustomGraphPass):
+    """`DenseGemvPass`, then `DecodeAttentionPass`: the post-grad pass the decode step compiles with."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        DenseGemvPass()(graph)
+        DecodeAttentionPass()(graph)
+
+    def uuid(self) -> str:
+        return f"workbench.DecodeStepPass:{_PASS_VERSION}"
+
+
 class DenseGemvPass(CustomGraphPass):
     """An inductor post-grad pass (``options={"post_grad_custom_post_pass": DenseGemvPass()}``): every product of
     one fp32 row by a transposed 2-D fp32 CPU tensor - ``mm(x, permute(w, [1, 0]))`` or ``addmm(b, x, permute(w,
@@ -140,6 +216,15 @@ def _is_one_fp32_row(x) -> bool:
     v = _val(x)
     return (isinstance(v, torch.Tensor) and v.dim() == 2 and v.shape[0] == 1 and v.dtype == torch.float32
             and v.device.type == "cpu" and v.is_contiguous())
+
+
+def _is_fp32_cpu(x, dim: int) -> bool:
+    v = _val(x)
+    return isinstance(v, torch.Tensor) and v.dim() == dim and v.dtype == torch.float32 and v.device.type == "cpu"
+
+
+def _is_one_query(q) -> bool:
+    return _is_fp32_cpu(q, 4) and _val(q).shape[2] == 1
 
 
 def _is_transposed_weight(wt) -> bool:

@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -1464,6 +1465,221 @@ torch::Tensor dense_gemv(const torch::Tensor& x, const torch::Tensor& w, const c
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// Attention of one query position (a decode step): q (B, Hq, 1, D), the cache's k / v (B, Hkv, L, D) with Hq a
+// multiple of Hkv (query head h reads key / value head h / (Hq / Hkv)), a mask broadcastable to (B, Hq, 1, L) -
+// bool (true: attend) or float (added to the scores) - and the scale. Per head: the scores of the positions the
+// mask leaves (a static cache's unfilled tail is skipped, not computed and masked), their softmax in two passes,
+// the weighted sum of v. A head with every position masked gives zeros (as PyTorch's CPU flash attention).
+namespace {
+
+#if WB_X86
+WB_TARGET("avx512f,fma") float attn_dot_avx512(const float* a, const float* b, int64_t D) {
+  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+  int64_t d = 0;
+  for (; d + 32 <= D; d += 32) {
+    s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), s0);
+    s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + d + 16), _mm512_loadu_ps(b + d + 16), s1);
+  }
+  for (; d < D; d += 16) {
+    const __mmask16 m = D - d >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (D - d)) - 1);
+    s0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + d), _mm512_maskz_loadu_ps(m, b + d), s0);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+}
+
+// e[l] = exp(s[l] - top) for l < L (0 where s[l] is -inf: a masked position), their sum returned. exp as Cephes'
+// expf: 2^n times a degree-7 polynomial of the remainder (within 2 ulp of expf over the softmax's range x <= 0).
+WB_TARGET("avx512f,fma") float attn_exp_avx512(const float* s, int64_t L, float top, float* e) {
+  const __m512 t = _mm512_set1_ps(top), lo = _mm512_set1_ps(-87.33654f), log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 c1 = _mm512_set1_ps(0.693359375f), c2 = _mm512_set1_ps(-2.12194440e-4f);
+  const __m512 p0 = _mm512_set1_ps(1.9875691500e-4f), p1 = _mm512_set1_ps(1.3981999507e-3f),
+               p2 = _mm512_set1_ps(8.3334519073e-3f), p3 = _mm512_set1_ps(4.1665795894e-2f),
+               p4 = _mm512_set1_ps(1.6666665459e-1f), p5 = _mm512_set1_ps(5.0000001201e-1f), one = _mm512_set1_ps(1.f);
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t l = 0; l < L; l += 16) {
+    const __mmask16 m = L - l >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (L - l)) - 1);
+    const __m512 sv = _mm512_maskz_loadu_ps(m, s + l);
+    const __mmask16 live = m & _mm512_cmp_ps_mask(sv, _mm512_set1_ps(-std::numeric_limits<float>::infinity()),
+                                                    _CMP_NEQ_OQ);
+    const __m512 x = _mm512_max_ps(_mm512_sub_ps(sv, t), lo);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fnmadd_ps(n, c2, _mm512_fnmadd_ps(n, c1, x));
+    __m512 y = _mm512_fmadd_ps(p0, r, p1);
+    y = _mm512_fmadd_ps(y, r, p2);
+    y = _mm512_fmadd_ps(y, r, p3);
+    y = _mm512_fmadd_ps(y, r, p4);
+    y = _mm512_fmadd_ps(y, r, p5);
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, one));
+    const __m512 ev = _mm512_maskz_mov_ps(live, _mm512_scalef_ps(y, n));
+    _mm512_mask_storeu_ps(e + l, m, ev);
+    acc = _mm512_add_ps(acc, ev);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+// o[0 .. Dv) = sum over l of e[l] v[l] (rows of v vs apart; positions with e[l] = 0 skipped): 64 columns at a time
+// in registers
+WB_TARGET("avx512f,fma") void attn_pv_avx512(const float* e, const float* v, int64_t vs, int64_t L, int64_t Dv,
+                                             float* o) {
+  for (int64_t d0 = 0; d0 < Dv; d0 += 64) {
+    __mmask16 mk[4];
+    __m512 acc[4];
+    for (int j = 0; j < 4; ++j) {
+      const int64_t rem = Dv - d0 - 16 * j;
+      mk[j] = rem >= 16 ? __mmask16(0xFFFF) : rem > 0 ? __mmask16((1u << rem) - 1) : __mmask16(0);
+      acc[j] = _mm512_setzero_ps();
+    }
+    for (int64_t l = 0; l < L; ++l) {
+      if (e[l] == 0.f) continue;
+      const __m512 w = _mm512_set1_ps(e[l]);
+      const float* row = v + l * vs + d0;
+      for (int j = 0; j < 4; ++j)
+        if (mk[j]) acc[j] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(mk[j], row + 16 * j), acc[j]);
+    }
+    for (int j = 0; j < 4; ++j)
+      if (mk[j]) _mm512_mask_storeu_ps(o + d0 + 16 * j, mk[j], acc[j]);
+  }
+}
+
+WB_TARGET("avx2,fma") float attn_dot_avx2(const float* a, const float* b, int64_t D) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), s1);
+  }
+  for (; d + 8 <= D; d += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s0);
+  float t = hsum(_mm256_add_ps(s0, s1));
+  for (; d < D; ++d) t += a[d] * b[d];
+  return t;
+}
+
+WB_TARGET("avx2,fma") void attn_axpy_avx2(float w, const float* x, int64_t D, float* y) {
+  const __m256 ww = _mm256_set1_ps(w);
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) _mm256_storeu_ps(y + d, _mm256_fmadd_ps(ww, _mm256_loadu_ps(x + d), _mm256_loadu_ps(y + d)));
+  for (; d < D; ++d) y[d] += w * x[d];
+}
+#endif  // WB_X86
+
+float attn_dot_scalar(const float* a, const float* b, int64_t D) {
+  float t = 0.f;
+  for (int64_t d = 0; d < D; ++d) t += a[d] * b[d];
+  return t;
+}
+
+void attn_axpy_scalar(float w, const float* x, int64_t D, float* y) {
+  for (int64_t d = 0; d < D; ++d) y[d] += w * x[d];
+}
+
+}  // namespace
+
+torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                               const c10::optional<torch::Tensor>& mask, c10::optional<double> scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(0) == k.size(0) && k.size(0) == v.size(0) &&
+                  q.size(3) == k.size(3) && k.size(2) == v.size(2) && k.size(1) == v.size(1) && k.size(1) > 0 &&
+                  q.size(1) % k.size(1) == 0,
+              "decode_attention_cpu: q (B, Hq, T, D), k (B, Hkv, L, D) and v (B, Hkv, L, Dv) with Hq a multiple of "
+              "Hkv are needed, got q ", q.sizes(), ", k ", k.sizes(), " and v ", v.sizes());
+  const bool has_mask = mask.has_value() && mask->defined();
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(3), Hkv = k.size(1), L = k.size(2), Dv = v.size(3);
+  const double s = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(D));
+  const Isa use = best_isa();
+  auto f32 = [](const torch::Tensor& t) { return t.scalar_type() == torch::kFloat && t.device().is_cpu(); };
+  const bool fast = q.size(2) == 1 && f32(q) && f32(k) && f32(v) && q.stride(3) == 1 && k.stride(3) == 1 &&
+                    v.stride(3) == 1 &&
+                    (!has_mask || ((mask->scalar_type() == torch::kFloat || mask->scalar_type() == torch::kBool) &&
+                                   mask->device().is_cpu() && mask->dim() <= 4 && mask->size(-1) == L));
+  if (!fast) {   // what the graph computed: PyTorch's CPU flash attention
+    return std::get<0>(at::_scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, false, has_mask ? c10::optional<at::Tensor>(*mask) : c10::nullopt, s));
+  }
+  torch::NoGradGuard no_grad;
+  torch::Tensor m;
+  if (has_mask) m = mask->expand({B, Hq, 1, L});   // (a shape that does not broadcast: expand's error)
+  auto out = torch::zeros({B, Hq, 1, Dv}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const bool is_bool = has_mask && m.scalar_type() == torch::kBool;
+  const float* mf = has_mask && !is_bool ? m.data_ptr<float>() : nullptr;
+  const bool* mb = is_bool ? m.data_ptr<bool>() : nullptr;
+  const int64_t group = Hq / Hkv;
+  const float fs = static_cast<float>(s);
+  float (*dot)(const float*, const float*, int64_t) = attn_dot_scalar;
+  void (*axpy)(float, const float*, int64_t, float*) = attn_axpy_scalar;
+  void (*rows)(const float*, const float*, int64_t, int64_t, int64_t, float*) = nullptr;
+#if WB_X86
+  if (use == Isa::Avx512) dot = attn_dot_avx512, rows = dense_rows_avx512;
+  else if (use == Isa::Avx2) dot = attn_dot_avx2, axpy = attn_axpy_avx2, rows = dense_rows_avx2;
+#endif
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity(), kMaskedBelow = -1e30f;
+  const int64_t per_head = std::max<int64_t>(L * (D + Dv), 1);
+  at::parallel_for(0, B * Hq, std::max<int64_t>(1, (int64_t{1} << 16) / per_head), [&](int64_t h0, int64_t h1) {
+    std::vector<float> p(static_cast<size_t>(L));
+    for (int64_t bh = h0; bh < h1; ++bh) {
+      const int64_t b = bh / Hq, h = bh % Hq, hk = h / group;
+      const float* qr = qp + b * q.stride(0) + h * q.stride(1);
+      const float* kr = kp + b * k.stride(0) + hk * k.stride(1);
+      const float* vr = vp + b * v.stride(0) + hk * v.stride(1);
+      const int64_t mo = has_mask ? b * m.stride(0) + h * m.stride(1) : 0, ms = has_mask ? m.stride(3) : 0;
+      // scores of each run of positions the mask leaves: q times their key rows (the dense GEMV's rows where
+      // the keys are contiguous rows of D), scaled, plus the mask's value. A position counts as masked where the
+      // mask says false or -inf, and where its float value is at most -1e30 (transformers' masks use the lowest
+      // float: exp of the difference to the top score is 0 in fp32) unless every position of the head is so.
+      auto scores = [&](bool huge_masks) {
+        auto masked = [&](int64_t l) {
+          return (mb && !mb[mo + l * ms]) || (mf && (mf[mo + l * ms] == kNegInf ||
+                                                     (huge_masks && mf[mo + l * ms] <= kMaskedBelow)));
+        };
+        float top = kNegInf;
+        for (int64_t l = 0; l < L;) {
+          if (masked(l)) {
+            p[l++] = kNegInf;
+            continue;
+          }
+          int64_t r = l + 1;
+          while (r < L && !masked(r)) ++r;
+          if (rows && k.stride(2) == D) {
+            rows(qr, kr, D, l, r, p.data());
+          } else {
+            for (int64_t i = l; i < r; ++i) p[i] = dot(qr, kr + i * k.stride(2), D);
+          }
+          for (; l < r; ++l) {
+            p[l] = p[l] * fs + (mf ? mf[mo + l * ms] : 0.f);
+            top = std::max(top, p[l]);
+          }
+        }
+        return top;
+      };
+      float top = scores(true);
+      if (top == kNegInf && mf) top = scores(false);
+      float* o = op + bh * Dv;
+      if (top == kNegInf) continue;   // every position masked: zeros
+      float sum = 0.f;
+#if WB_X86
+      if (use == Isa::Avx512) {
+        sum = attn_exp_avx512(p.data(), L, top, p.data());
+        attn_pv_avx512(p.data(), vr, v.stride(2), L, Dv, o);
+      } else
+#endif
+      {
+        for (int64_t l = 0; l < L; ++l) {
+          if (p[l] == kNegInf) continue;
+          const float e = std::exp(p[l] - top);
+          sum += e;
+          axpy(e, vr + l * v.stride(2), Dv, o);
+        }
+      }
+      const float inv = 1.f / sum;
+      for (int64_t d = 0; d < Dv; ++d) o[d] *= inv;
+    }
+  });
+  return out;
+}
+
 // The op workbench::weight_only_linear_cpu (schema in kernels/ops.py): the default call of `linear`, its path rules
 // as one int[] (CpuWeight.call_rules, the two bools as ints). Registered here, not in Python: a compiled decode step
 // then reaches the kernel through the dispatcher alone (a Python implementation cost ~14 us a call, more than the
@@ -1481,10 +1697,12 @@ static torch::Tensor linear_op(const torch::Tensor& x, const torch::Tensor& q, c
 TORCH_LIBRARY_IMPL(workbench, CPU, m) {
   m.impl("weight_only_linear_cpu", &linear_op);
   m.impl("dense_gemv_cpu", &dense_gemv);
+  m.impl("decode_attention_cpu", &decode_attention);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv, "weight-only Linear, one decoded weight row at a time (see kernels/weight_only_cpu.py)");
+  m.def("decode_attention", &decode_attention, "fp32 attention of one query position over a key / value cache");
   m.def("prefill", &prefill, "weight-only Linear for many rows: blocks of decoded rows times an fp32 GEMM");
   m.def("prefill_split", &prefill_split, "fp32 x times integer codes on AMX: x split into three exact bf16 parts");
   m.def("linear", &linear, "a weight-only Linear: x (..., K) of any float dtype, the path picked by rows and dtype");

@@ -8,8 +8,9 @@ Greedy, batch 1, exactly ``new_tokens`` new tokens (no early stop at an end-of-t
   every decode step has the same shapes), then each token is one call of the decode step - the model's forward on
   one token, the end-of-text logits masked, argmax - compiled once per model by ``torch.compile`` (inductor;
   `workbench.kernels.ops` keeps the workbench's CPU kernels in the graph as custom ops, and its `DenseGemvPass`
-  runs fp32 Linears - a head left in fp32 - on the kernels' dense GEMV; grouped-query attention reads the cache's
-  key / value heads as they are, see `_sdpa_gqa`). No ``generate``: its
+  runs fp32 Linears - a head left in fp32 - on the kernels' dense GEMV, its `DecodeAttentionPass` the attention of
+  the one new position on the kernels' decode attention; grouped-query attention reads the cache's key / value heads
+  as they are, see `_sdpa_gqa`). No ``generate``: its
   per-token Python (logits processors, stopping criteria, cache bookkeeping) costs more than a small model's
   forward. The tokens are ``generate``'s: the loop applies what ``generate(min_new_tokens=n)`` applies - the
   end-of-text tokens masked, argmax (tests: identical on tiny-llama, fp32, int8 and int4 weight-only). A model
@@ -205,14 +206,15 @@ _INDUCTOR_OPTIONS = {"size_asserts": False, "alignment_asserts": False, "scalar_
 
 
 def _inductor_options() -> dict:
-    """`_INDUCTOR_OPTIONS`, and the fp32 Linears at one row on the dense GEMV of the CPU kernels
-    (`workbench.kernels.ops.DenseGemvPass`) where those are built."""
+    """`_INDUCTOR_OPTIONS`, and the fp32 Linears at one row on the dense GEMV of the CPU kernels and attention of
+    the one query position on their decode attention (`workbench.kernels.ops.DecodeStepPass`) where those are
+    built."""
     options = dict(_INDUCTOR_OPTIONS)
     try:
-        from workbench.kernels.ops import DenseGemvPass
-    except RuntimeError:   # the C++ kernels cannot be built here: PyTorch's GEMM
+        from workbench.kernels.ops import DecodeStepPass
+    except RuntimeError:   # the C++ kernels cannot be built here: PyTorch's GEMM and attention
         return options
-    options["post_grad_custom_post_pass"] = DenseGemvPass()
+    options["post_grad_custom_post_pass"] = DecodeStepPass()
     return options
 
 

@@ -40,10 +40,12 @@ lab: install
 	$(BIN)/jupyter lab --ip=127.0.0.1 --no-browser --allow-root '--ServerApp.root_dir=$(CURDIR)' \
 	  --LabApp.default_url=/lab/tree/notebooks/00_start_here.ipynb
 
-# ruff (style, imports, pyflakes) on all the Python, mypy on the typed core (see [tool.mypy] in pyproject.toml)
+# ruff (style, imports, pyflakes) on all the Python, mypy on the typed core (see [tool.mypy] in pyproject.toml), the
+# package's import structure (tests/test_layering.py: no private names across sub-packages, no import-time cycles)
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/python -m mypy
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_layering.py
 
 # everything, as CI runs it: lint, then every test tier (slow ML claims, notebooks, browser tests), then the
 # other CPU classes' tier

@@ -34,7 +34,7 @@ from workbench.analysis.replay import PrefixReplay
 from workbench.measurement.footprint import size_bytes
 from workbench.measurement.latency import num_threads, time_forward
 from workbench.plans.layers import swap_layers, transform_layer
-from workbench.plans.plan import _matcher
+from workbench.plans.plan import layer_matcher
 from workbench.plans.registry import Config, config_to_dict, handler_for
 from workbench.tasks.base import Task, check_model, model_device
 
@@ -77,7 +77,7 @@ def select_layers(model: nn.Module, candidates: Sequence[tuple[str, Config]], la
         layers = [layers]
     chosen: set[str] = set()
     for pattern in layers:
-        match = _matcher(pattern)
+        match = layer_matcher(pattern)
         hits = [n for n in names if match(n)]
         if not hits:
             some = ", ".join(n for n in names if not list(modules[n].children()))[:300]

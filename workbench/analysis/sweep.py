@@ -27,7 +27,7 @@ from workbench.plans.plan import Plan
 from workbench.plans.registry import config_to_dict, handler_for
 from workbench.tasks.base import Task, check_model
 
-__all__ = ["sweep", "pareto", "save_results", "load_results"]
+__all__ = ["sweep", "pareto", "higher_is_better", "save_results", "load_results"]
 
 JSON_COLUMNS = ("plans", "kernels", "dtypes")
 
@@ -201,7 +201,10 @@ def _mark_fronts(df) -> None:
         df["pareto_latency"] = pareto(df, "latency_ms", primary)
 
 
-def _higher_is_better(df, column: str) -> bool:
+def higher_is_better(df, column: str) -> bool:
+    """Whether a higher ``column`` is better in a results table ``df``: the table's own record
+    (``df.attrs["higher_is_better"]``), the known cost columns (size, latency, memory, loss: lower), else the
+    metric of the table's task; a ValueError where none tells."""
     known = df.attrs.get("higher_is_better", {})
     if column in known:
         return bool(known[column])
@@ -226,7 +229,7 @@ def pareto(df, x: str, y: str, *, x_lower_is_better: bool = True, y_higher_is_be
         if col not in df.columns:
             raise KeyError(f"pareto: no column {col!r}; columns: {list(df.columns)}")
     if y_higher_is_better is None:
-        y_higher_is_better = _higher_is_better(df, y)
+        y_higher_is_better = higher_is_better(df, y)
     a = df[x].to_numpy(dtype=float) * (1 if x_lower_is_better else -1)   # both: lower is better
     b = df[y].to_numpy(dtype=float) * (-1 if y_higher_is_better else 1)
     ok = np.isfinite(a) & np.isfinite(b)

@@ -24,5 +24,8 @@ of PyTorch, oneDNN, MKL and these kernels; ``make test-isa``).
 `bench` is ``python -m workbench.kernels.bench`` (results in workbench/kernels/README.md). The quantized modules of
 `workbench.quantization` call the Triton kernels with ``kernel="triton"`` and `w8a8_cpu` with ``kernel="cpu"``.
 Importing this package does not import Triton or initialise CUDA: each kernel module imports Triton when it is
-imported.
+imported. `triton_available` is what the quantized modules ask before they pick a Triton kernel.
 """
+from workbench.kernels._common import triton_available
+
+__all__ = ["triton_available"]

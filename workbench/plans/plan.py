@@ -23,12 +23,14 @@ from torch import nn
 
 from workbench.plans.registry import Config, config_from_dict, config_to_dict, handler_for
 
-__all__ = ["Plan", "Assignment", "PassedOver", "PLAN_FORMAT_VERSION"]
+__all__ = ["Plan", "Assignment", "PassedOver", "PLAN_FORMAT_VERSION", "layer_matcher"]
 
 PLAN_FORMAT_VERSION = 1
 
 
-def _matcher(pattern: str):
+def layer_matcher(pattern: str):
+    """``name -> bool`` for a plan pattern: ``re:`` and a regular expression (whole name), a glob (``*?[``) or an
+    exact layer name; a ValueError names a pattern that is empty or not a valid expression."""
     if not isinstance(pattern, str) or not pattern:
         raise ValueError(f"plan pattern must be a non-empty string, got {pattern!r}")
     if pattern.startswith("re:"):
@@ -88,7 +90,7 @@ class Plan(Mapping[str, Config | None]):
                         f"plan pattern {pattern!r}: expected a technique config (e.g. "
                         f"wb.precision.Cast(torch.bfloat16)) or None, got {type(config).__name__}")
                 handler_for(config)
-            self._matchers[pattern] = _matcher(pattern)
+            self._matchers[pattern] = layer_matcher(pattern)
             self._entries[pattern] = config
 
     # Mapping protocol

@@ -17,10 +17,10 @@ _AXES = {"size_bytes": ("size (MiB, lower is better)", 2**20), "latency_ms": ("l
 def _axis(df, column: str) -> tuple[str, float]:
     if column in _AXES:
         return _AXES[column]
-    from workbench.analysis.sweep import _higher_is_better
+    from workbench.analysis.sweep import higher_is_better
 
     try:
-        better = "higher" if _higher_is_better(df, column) else "lower"
+        better = "higher" if higher_is_better(df, column) else "lower"
         return f"{column} ({better} is better)", 1
     except ValueError:
         return column, 1

@@ -54,7 +54,7 @@ from torch import nn
 
 from workbench.plans.layers import applied_plans, record_plan, swap_layers
 from workbench.plans.lookalike import computation
-from workbench.plans.plan import Plan, _matcher
+from workbench.plans.plan import Plan, layer_matcher
 from workbench.plans.registry import Config, Handler, register_config
 from workbench.pruning import moe
 from workbench.pruning.streams import resnet_streams
@@ -466,7 +466,7 @@ def _select(model: nn.Module, amounts: dict[str, float]) -> tuple[dict[str, floa
     chosen: dict[str, float] = {}
     chosen_experts: dict[str, float] = {}
     for pattern, amount in amounts.items():
-        match = _matcher(pattern)
+        match = layer_matcher(pattern)
         hits, expert_hits = [n for n in layers if match(n)], [n for n in experts if match(n)]
         if not hits and not expert_hits:
             other = next(((n, m) for n, m in modules if match(n)), None)

@@ -53,9 +53,10 @@ from torch import nn
 from workbench.quantization import formats as fm
 from workbench.quantization.modules import DecodedWeight
 
+# (and, from the modules beside this one, reachable here: calibrated_experts, expert_inputs, coverage,
+# MIN_EXPERT_TOKENS, W8A8Experts, w8a8_experts - see `__getattr__` at the end)
 __all__ = ["EXPERT_MATRICES", "ExpertMatrix", "DecodedExperts", "WeightOnlyExperts", "experts_layout",
-           "experts_refusal", "takes_experts", "router_note", "experts_class", "eager_forward", "calibrated_experts",
-           "expert_inputs", "coverage", "MIN_EXPERT_TOKENS", "W8A8Experts", "w8a8_experts", "experts_shell"]
+           "experts_refusal", "takes_experts", "router_note", "experts_class", "eager_forward", "experts_shell"]
 
 # the names transformers gives an experts module's fused projections (gate and up fused, or apart)
 EXPERT_MATRICES = ("gate_up_proj", "gate_proj", "up_proj", "down_proj")
@@ -503,6 +504,16 @@ def _build(module: nn.Module, layout: tuple[ExpertMatrix, ...], fmt: fm.WeightFo
     return new
 
 
-# (calibration per expert and W8A8 experts live beside this module; their public names are reachable from here)
-from workbench.quantization.experts_calibration import MIN_EXPERT_TOKENS, calibrated_experts, coverage, expert_inputs  # noqa: E402
-from workbench.quantization.experts_w8a8 import W8A8Experts, w8a8_experts  # noqa: E402
+# calibration per expert and W8A8 experts live beside this module (they build on it); their public names are
+# reachable from here too, resolved on first use (PEP 562) so that neither module imports the other at import time
+_BESIDE = {"MIN_EXPERT_TOKENS": "experts_calibration", "calibrated_experts": "experts_calibration",
+           "coverage": "experts_calibration", "expert_inputs": "experts_calibration",
+           "W8A8Experts": "experts_w8a8", "w8a8_experts": "experts_w8a8"}
+
+
+def __getattr__(name: str):
+    if name in _BESIDE:
+        import importlib
+
+        return getattr(importlib.import_module(f"workbench.quantization.{_BESIDE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

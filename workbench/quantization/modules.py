@@ -271,7 +271,7 @@ def choose_kernel(owner: str, kernel: str, supported: tuple[str, ...], device: t
     if kernel not in KERNELS:
         raise ValueError(f"{owner}: kernel must be one of {KERNELS}, got {kernel!r}")
     if kernel == "auto":
-        from workbench.kernels._common import triton_available
+        from workbench.kernels import triton_available
 
         if device.type == "cuda" and "triton" in supported and triton_available(device):
             return KernelPath.TRITON
@@ -287,7 +287,7 @@ def choose_kernel(owner: str, kernel: str, supported: tuple[str, ...], device: t
     if kernel in ("cpu", "cpu-int8") and device.type not in ("cpu", "meta"):
         raise ValueError(f"{owner}: kernel={kernel!r} needs the module on the CPU, it is on {device}")
     if kernel == "triton" and device.type != "meta":
-        from workbench.kernels._common import triton_available
+        from workbench.kernels import triton_available
 
         if not triton_available(device):
             raise RuntimeError(f"{owner}: kernel='triton' needs a CUDA GPU (or TRITON_INTERPRET=1 for testing); the "

@@ -34,8 +34,8 @@ from workbench.quantization.experts import takes_experts
 from workbench.quantization.modules import KernelPath
 from workbench.quantization.primitives import choose_qparams, fp16_scale, qrange
 
-__all__ = ["prepare", "convert", "fake_quantize_ste", "QATLinear", "QATConv1d", "QATConv2d", "QATConvTranspose2d",
-           "QATEmbedding"]
+__all__ = ["prepare", "convert", "fake_quantize_ste", "grad_scale", "QATLinear", "QATConv1d", "QATConv2d",
+           "QATConvTranspose2d", "QATEmbedding"]
 
 
 def fake_quantize_ste(xg: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
@@ -49,7 +49,7 @@ def fake_quantize_ste(xg: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
     return (q - zero) * scale
 
 
-def _grad_scale(t: torch.Tensor, factor: float) -> torch.Tensor:
+def grad_scale(t: torch.Tensor, factor: float) -> torch.Tensor:
     """Value of ``t``, gradient multiplied by ``factor`` (LSQ's step-size gradient scaling)."""
     return (t - t * factor).detach() + t * factor
 
@@ -91,7 +91,7 @@ class _QATMixin:
         qmin, qmax = qrange(self.bits, True)
         scale, zero = choose_qparams(wg.detach(), self.bits, self.symmetric)
         if self.weight_scale is not None:
-            scale = _grad_scale(self.weight_scale.abs() + 1e-12, 1.0 / math.sqrt(wg.shape[1] * qmax))
+            scale = grad_scale(self.weight_scale.abs() + 1e-12, 1.0 / math.sqrt(wg.shape[1] * qmax))
         if not self.act_quant:  # weight-only formats store fp16 scales: train on exactly that grid (STE)
             scale = scale + (fp16_scale(scale) - scale).detach()
         fake = self._fake(wg, scale, zero.float(), qmin, qmax).reshape(rows, -1)[:, :K]
@@ -230,7 +230,7 @@ def prepare(model: nn.Module, plan: Plan, learnable_scales: bool = False, kernel
     if kernel not in ("reference", "triton"):
         raise ValueError(f"qat.prepare: kernel must be 'reference' or 'triton', got {kernel!r}")
     if kernel == "triton":
-        from workbench.kernels._common import triton_available
+        from workbench.kernels import triton_available
 
         if learnable_scales:
             raise ValueError("qat.prepare: learnable_scales trains the scales through the PyTorch path; "

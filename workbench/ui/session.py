@@ -30,7 +30,7 @@ from workbench.plans.layers import (
     tie_groups,
     transform_layer,
 )
-from workbench.plans.plan import Plan, _matcher
+from workbench.plans.plan import Plan, layer_matcher
 from workbench.plans.registry import Config, handler_for
 from workbench.tasks.base import Task, check_model
 
@@ -139,7 +139,7 @@ class Session:
     # --- editing ---------------------------------------------------------------------------------
     def select(self, pattern: str) -> list[str]:
         """The editable layers matching an exact name, a glob or a ``re:`` pattern."""
-        match = _matcher(pattern)
+        match = layer_matcher(pattern)
         hits = [n for n in self.layer_names if match(n)]
         if not hits:
             raise ValueError(f"no editable layer matches {pattern!r}; layers: {', '.join(self.layer_names[:8])}"

@@ -137,12 +137,12 @@ def check_ste_fake_quantize(answer, x: torch.Tensor, scale: float, zero_point: i
 def lsq_step_gradient(x: torch.Tensor, scale: float, zero_point: int, bits: int, upstream: torch.Tensor) -> float:
     """dL/d(scale) for L = sum(upstream * fake_quantize(x)) as the package's LSQ layers compute it: autograd
     through `fake_quantize_ste` with the step's gradient multiplied by 1 / sqrt(N * qmax) (N values share it)."""
-    from workbench.quantization.qat import _grad_scale
+    from workbench.quantization.qat import grad_scale
 
     qmin, qmax = qrange(bits, True)
     step = torch.tensor([[float(scale)]], requires_grad=True)
     with torch.enable_grad():
-        scaled = _grad_scale(step, 1.0 / math.sqrt(x.numel() * qmax))
+        scaled = grad_scale(step, 1.0 / math.sqrt(x.numel() * qmax))
         out = fake_quantize_ste(x.detach().float().reshape(1, -1), scaled, torch.tensor([[float(zero_point)]]),
                                 qmin, qmax)
         (out.reshape(x.shape) * upstream.detach().float()).sum().backward()

@@ -226,6 +226,28 @@ def test_the_compiled_decode_step_runs_fp32_linears_on_the_dense_gemv_and_its_at
     assert options["size_asserts"] is False
 
 
+def test_the_decode_step_compiles_with_the_cpp_wrapper_and_falls_back_to_the_python_wrapper(llama, monkeypatch):
+    compile = torch.compile
+    asked = []
+
+    def cpp_fails(fn, **kwargs):   # inductor's C++ wrapper cannot be built here; its Python wrapper can
+        asked.append(kwargs["options"]["cpp_wrapper"])
+        if kwargs["options"]["cpp_wrapper"]:
+            def fail(*args, **kw):
+                raise RuntimeError("no C++ wrapper here")
+            return fail
+        return compile(fn, **kwargs)
+
+    model = wb.apply(llama, {}, progress=False)
+    monkeypatch.setattr(torch, "compile", cpp_fails)
+    ids = _prompt(7)
+    said = r"failed \(with the C\+\+ wrapper: RuntimeError: no C\+\+ wrapper here\); its step runs with the Python"
+    with num_threads(1), pytest.warns(RuntimeWarning, match=said):
+        out = D.greedy(model, ids, 12)
+    assert asked == [True, False] and D._path(model, True) is D.DecodePath.COMPILED
+    assert torch.equal(out, D.greedy(model, ids, 12, compile=False))
+
+
 def _attention_masks(B, H, L, gen):
     keep = torch.rand(B, 1, 1, L, generator=gen) > 0.3
     keep[..., 0] = True

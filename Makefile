@@ -41,11 +41,11 @@ lab: install
 	  --LabApp.default_url=/lab/tree/notebooks/00_start_here.ipynb
 
 # ruff (style, imports, pyflakes) on all the Python, mypy on the typed core (see [tool.mypy] in pyproject.toml), the
-# package's import structure (tests/test_layering.py: no private names across sub-packages, no import-time cycles)
+# package's import structure (tests/test_import_structure.py: no private names across sub-packages, no import-time cycles)
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/python -m mypy
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_layering.py
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_import_structure.py
 
 # everything, as CI runs it: lint, then every test tier (slow ML claims, notebooks, browser tests), then the
 # other CPU classes' tier

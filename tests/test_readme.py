@@ -170,7 +170,7 @@ EXCLUDED = {   # command -> why it is neither run nor parsed here
     "make test": "installs, then runs the whole suite - this test included",
     "make install": "creates .venv, installs the package and builds the C++ kernels (what every target runs first)",
     "make test-fast": "installs, then runs the quick tier (minutes)",
-    "make lint": "installs, then runs ruff, mypy and the layering test over the repository - `make test` runs it "
+    "make lint": "installs, then runs ruff, mypy and the import-structure test over the repository - `make test` runs it "
                  "first",
     "make report": "installs first; its command `workbench report notebooks/00_start_here.ipynb` is the start "
                    "notebook's report, which runs below on digits-cnn",

@@ -41,7 +41,8 @@ lab: install
 	  --LabApp.default_url=/lab/tree/notebooks/00_start_here.ipynb
 
 # ruff (style, imports, pyflakes) on all the Python, mypy on the typed core (see [tool.mypy] in pyproject.toml), the
-# package's import structure (tests/test_import_structure.py: no private names across sub-packages, no import-time cycles)
+# package's import structure (tests/test_import_structure.py: no private names across sub-packages, no import-time
+# cycles)
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/python -m mypy

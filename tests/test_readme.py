@@ -170,8 +170,8 @@ EXCLUDED = {   # command -> why it is neither run nor parsed here
     "make test": "installs, then runs the whole suite - this test included",
     "make install": "creates .venv, installs the package and builds the C++ kernels (what every target runs first)",
     "make test-fast": "installs, then runs the quick tier (minutes)",
-    "make lint": "installs, then runs ruff, mypy and the import-structure test over the repository - `make test` runs it "
-                 "first",
+    "make lint": "installs, then runs ruff, mypy and the import-structure test over the repository - `make test` "
+                 "runs it first",
     "make report": "installs first; its command `workbench report notebooks/00_start_here.ipynb` is the start "
                    "notebook's report, which runs below on digits-cnn",
     "make strip": "installs first; its command `python -m workbench.teach.strip notebooks` runs below (on a copy)",

@@ -84,6 +84,22 @@ def test_glob_takes_fused_experts_and_keeps_the_router(model):
     assert (described.loc[list(experts_of(model)), "status"] == "compressed").all()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [INT4, INT8], ids=["int4", "int8"])
+def test_experts_moved_to_a_gpu_compute_there_what_they_compute_on_the_cpu(model, config):
+    """The quantized experts (and the rest of the model) moved with ``.cuda()`` run there on their stored codes:
+    the logits are the CPU module's within fp32 summation error."""
+    from moe_models import TOKENS
+
+    q, _ = apply(model, {"*": config})
+    on_gpu = copy.deepcopy(q).cuda()
+    stored = next(m for m in on_gpu.modules() if isinstance(m, WeightOnlyExperts))
+    assert all(t.is_cuda for t in stored.state_dict().values())
+    with torch.inference_mode():
+        got = on_gpu(TOKENS.cuda()).logits.cpu()
+    assert relative(got, logits(q)) < 1e-4
+
+
 def test_size_is_what_the_bytes_say(model):
     """Every matrix int4 with groups of 32 (codes: half a byte per value; an fp16 scale per group), the rest fp32:
     the model's size is exactly that sum."""

@@ -199,6 +199,20 @@ def _torchao_call(name: str, lin, x: torch.Tensor, compile: bool):
         return None, f"torchao {name}: {type(e).__name__}: {str(e)[:80]}"
 
 
+def _best_config(name: str, M: int) -> str:
+    """The blocking the autotuner chose for the last call of weight-only kernel ``name`` at ``M`` rows ('' if none)."""
+    from workbench.kernels import _common, int4_weight_only, int8_weight_only
+
+    module = {"int4_g128": int4_weight_only, "int8_weight_only": int8_weight_only}.get(name)
+    if module is None:
+        return ""
+    tuner = (getattr(module, "_kernel_gemv", None) if M <= _common.GEMV_M else None) or \
+        (module._kernel_small_m if M <= _common.SMALL_M else module._kernel_large_m)
+    best = getattr(tuner, "best_config", None)
+    return "" if best is None else " ".join(f"{k}={v}" for k, v in {**best.kwargs, "warps": best.num_warps,
+                                                                       "stages": best.num_stages}.items())
+
+
 def gpu_table(shapes: dict | None = None, ms=MS, kernels=KERNELS, device: str | torch.device = "cuda",
               dtype: torch.dtype = torch.bfloat16, torchao: bool = True, torchao_compile=TORCHAO_COMPILE):
     """One row per (kernel, shape, M); see the module docstring. ``device="cpu"`` only makes sense under
@@ -214,8 +228,9 @@ def gpu_table(shapes: dict | None = None, ms=MS, kernels=KERNELS, device: str | 
     for shape_name, (K, N) in shapes.items():
         W = _weights(K, N, device)
         w_bf16 = W["linear"].weight.detach().to(dtype)
-        ao_layers = {name: _torchao_layer(name, W, dtype) if torchao else (None, "torchao comparison off")
-                     for name in kernels if name in TORCHAO_CONFIGS}
+        ao_layers = {name: _torchao_layer(name, W, dtype) if torchao and (name not in TORCHAO_COMPILE or
+                                                                         name in torchao_compile)
+                     else (None, "torchao comparison off") for name in kernels if name in TORCHAO_CONFIGS}
         for M in ms:
             x = torch.randn(M, K, device=device, dtype=dtype)
             base_ms = _median_ms(lambda x=x, w=w_bf16: torch.matmul(x, w.t()), device)
@@ -237,6 +252,9 @@ def gpu_table(shapes: dict | None = None, ms=MS, kernels=KERNELS, device: str | 
                 if lin is not None:
                     ao, note = _torchao_call(name, lin, x, name in torchao_compile and device.type == "cuda")
                 ao_ms = _median_ms(ao, device) if ao is not None else float("nan")
+                best = _best_config(name, M)
+                if best:
+                    note = f"{note}; config {best}" if note else f"config {best}"
                 rows.append({**row, "ms": t, "eager_ms": eager_ms, "speedup": base_ms / t, "ceiling": ceiling,
                              "GB/s": moved / (t * 1e-3) / 1e9, "bw_fraction": moved / (t * 1e-3) / bandwidth,
                              "torchao_ms": ao_ms, "vs_torchao": ao_ms / t, "note": note})
@@ -394,6 +412,8 @@ def main(argv=None) -> None:
     p.add_argument("--csv", default="workbench/kernels/results.csv",
                    help="results file: the run's rows are appended, earlier rows kept")
     p.add_argument("--run", default=None, help="label of this run's rows (default: the parts and the time)")
+    p.add_argument("--no-torchao-compile", action="store_true",
+                   help="leave out the torchao configs that are timed compiled (a compile per shape and M)")
     p.add_argument("--malloc-keep", action="store_true",
                    help="re-run under glibc settings that keep freed memory (see MALLOC_KEEP); Linux only")
     a = p.parse_args(argv)
@@ -407,7 +427,7 @@ def main(argv=None) -> None:
     tables = []
     if run_gpu:
         shapes = None if a.shapes is None else {k: SHAPES[k] for k in a.shapes}
-        df = gpu_table(shapes, a.ms, a.kernels)
+        df = gpu_table(shapes, a.ms, a.kernels, torchao_compile=() if a.no_torchao_compile else TORCHAO_COMPILE)
         print(f"copy bandwidth {df.attrs['copy_bandwidth_GBs']:.0f} GB/s")
         print(df.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
         tables.append(df.assign(part="gpu"))

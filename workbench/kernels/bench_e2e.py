@@ -137,6 +137,96 @@ def model_rows(kinds=("minilm", "llama"), paths=PATHS, device="cuda", tiny: bool
     return df
 
 
+DECODE_PLANS = ("bf16", "int8", "int4", "fp8", "w8a8")   # int8 / int4: weight-only; w8a8: dynamic activations
+# Llama-3.2-1B's shape (1.24 B parameters, tied embedding), random initialisation
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
+                max_position_embeddings=4096)
+
+
+def _decode_model(name: str, device):
+    """A causal LM in bf16 on ``device``: the zoo's trained tiny-llama, or ``llama-1b`` (random, `LLAMA_1B`)."""
+    import transformers as tf
+
+    import workbench as wb
+
+    if name == "llama-1b":
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = tf.LlamaForCausalLM(tf.LlamaConfig(**LLAMA_1B))
+    else:
+        model = wb.models.load(name)
+    return model.to(device=device, dtype=torch.bfloat16).eval()
+
+
+def _decode_plan(plan: str, model) -> dict:
+    """The plan for ``plan``: the decoder layers' Linears (embedding and head stay bf16); int4 in groups of 128
+    where every Linear's input width divides by it, else 32."""
+    import workbench as wb
+
+    Q = wb.quant
+    widths = [m.in_features for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n]
+    group = 128 if all(k % 128 == 0 for k in widths) else 32
+    configs = {"int8": Q.WeightOnly(8, None, kernel="triton"), "int4": Q.WeightOnly(4, group, kernel="triton"),
+               "fp8": Q.FP8(), "w8a8": Q.Dynamic(kernel="triton")}
+    return {"model.layers.*": configs[plan]}
+
+
+def decode_rows(models=("tiny-llama", "llama-1b"), plans=DECODE_PLANS, device="cuda", new_tokens: int = 64,
+                prompt_tokens: int = 16, runs: int = 3):
+    """Greedy batch-1 decode per (model, plan), through `workbench.measurement.decode.tokens_per_s` - the
+    static-cache loop with its step compiled (on a GPU: replayed as a CUDA graph) and eager - with the path that
+    ran, any fallback warning, peak memory above the weights during decode, and the model's bytes."""
+    import warnings
+
+    import pandas as pd
+
+    import workbench as wb
+    from workbench.measurement import decode
+
+    device = torch.device(device)
+    rows = []
+    for name in models:
+        model = _decode_model(name, device)
+        for plan in plans:
+            row = {"model": name, "plan": plan}
+            try:
+                m = model if plan == "bf16" else wb.apply(model, _decode_plan(plan, model), progress=False)
+            except Exception as e:  # recorded, never dropped
+                rows.append({**row, "note": f"apply: {type(e).__name__}: {str(e)[:200]}"})
+                continue
+            kernels = sorted({str(getattr(x, "kernel", "")) for x in m.modules() if hasattr(x, "kernel")} - {""})
+            for compile in (True, False):
+                try:
+                    with warnings.catch_warnings(record=True) as caught:
+                        warnings.simplefilter("always")
+                        decode.tokens_per_s(m, 4, prompt_tokens, runs=1, compile=compile)   # compile, warm up
+                        if device.type == "cuda":
+                            torch.cuda.synchronize()
+                            torch.cuda.reset_peak_memory_stats()
+                        base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+                        tps = decode.tokens_per_s(m, new_tokens, prompt_tokens, runs=runs, compile=compile)
+                        peak = torch.cuda.max_memory_allocated() - base if device.type == "cuda" else float("nan")
+                except Exception as e:
+                    rows.append({**row, "compile": compile, "note": f"{type(e).__name__}: {str(e)[:200]}"})
+                    continue
+                note = "; ".join(str(w.message)[:200] for w in caught if issubclass(w.category, RuntimeWarning))
+                rows.append({**row, "compile": compile, "path": decode._path(m, compile).value,
+                             "tokens_per_s": tps, "peak_decode_MB": peak / 2**20,
+                             "model_MB": wb.size_bytes(m) / 2**20, "kernels": ",".join(kernels), "note": note})
+            del m
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    df = pd.DataFrame(rows)
+    if "tokens_per_s" in df:
+        for (name, compile), grp in df.groupby(["model", "compile"]):   # speedup over bf16, same model and path
+            base = grp.loc[grp["plan"] == "bf16", "tokens_per_s"]
+            if len(base):
+                df.loc[grp.index, "vs_bf16"] = grp["tokens_per_s"] / float(base.iloc[0])
+    return df
+
+
 def precision_rows(device="cuda", epochs: int = 2):
     """``wb.precision.compare_precisions`` on the digits MLP on ``device``: step time, peak step memory,
     accuracy per precision (a frame with the error in ``note`` if it cannot run there)."""
@@ -161,10 +251,21 @@ def main(argv=None) -> None:
     p.add_argument("--models", nargs="+", default=["minilm", "llama"], choices=["minilm", "llama"])
     p.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
     p.add_argument("--no-precisions", action="store_true", help="skip compare_precisions")
+    p.add_argument("--decode", nargs="*", default=None, choices=["tiny-llama", "llama-1b"],
+                   help="greedy decode tokens/s per plan of these models (compiled and eager) instead of the rest")
+    p.add_argument("--plans", nargs="+", default=list(DECODE_PLANS), choices=list(DECODE_PLANS))
     p.add_argument("--csv", default="workbench/kernels/results_e2e.csv")
     a = p.parse_args(argv)
     env = environment()
     print(env)
+    if a.decode is not None:
+        df = decode_rows(a.decode or ("tiny-llama", "llama-1b"), a.plans)
+        print(df.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+        out = Path(a.csv)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        df.assign(part="gpu_decode", environment=env).to_csv(out, index=False)
+        print(f"wrote {out}")
+        return
     df = model_rows(a.models, a.paths)
     print(df.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     tables = [df.assign(part="gpu_e2e")]

@@ -10,13 +10,14 @@ Greedy, batch 1, exactly ``new_tokens`` new tokens (no early stop at an end-of-t
   `workbench.kernels.ops` keeps the workbench's CPU kernels in the graph as custom ops, and its `DenseGemvPass`
   runs fp32 Linears - a head left in fp32 - on the kernels' dense GEMV, its `DecodeAttentionPass` the attention of
   the one new position on the kernels' decode attention; grouped-query attention reads the cache's key / value heads
-  as they are, see `_sdpa_gqa`; inductor's C++ wrapper calls the step's kernels and ops). No ``generate``: its
+  as they are, see `_sdpa_gqa`; inductor's C++ wrapper calls the step's kernels and ops; on a GPU the step is
+  captured as a CUDA graph and replayed, one launch a token). No ``generate``: its
   per-token Python (logits processors, stopping criteria, cache bookkeeping) costs more than a small model's
   forward. The tokens are ``generate``'s: the loop applies what ``generate(min_new_tokens=n)`` applies - the
   end-of-text tokens masked, argmax (tests: identical on tiny-llama, fp32, int8 and int4 weight-only). A model
-  whose compile with the C++ wrapper fails, or whose compiled step's logits are not the eager step's
-  (`_LeanDecoder._check`), is compiled with inductor's Python wrapper instead, and where that fails too falls
-  back to the eager loop; each with a warning that names the reason.
+  whose compile with the C++ wrapper (on a GPU: with CUDA graphs) fails, or whose compiled step's logits are not the
+  eager step's (`_LeanDecoder._check`), is compiled with inductor's Python wrapper instead, and where that fails too
+  falls back to the eager loop; each with a warning that names the reason.
 - **static-cache**: the same loop with the decode step eager (``compile=False``, or after a failed compile).
 - **generate**: Hugging Face ``generate`` with its KV cache, for Hugging Face models the loop cannot take (no static
   cache support, an encoder-decoder, a generation config that asks for logits processors: `lean_unsupported` says
@@ -208,11 +209,13 @@ _NEUTRAL_GENERATION_KEYS = frozenset({
 _INDUCTOR_OPTIONS = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
 
 
-def _inductor_options() -> dict:
-    """`_INDUCTOR_OPTIONS`, and the fp32 Linears at one row on the dense GEMV of the CPU kernels and attention of
-    the one query position on their decode attention (`workbench.kernels.ops.DecodeStepPass`) where those are
-    built."""
+def _inductor_options(cpu: bool = True) -> dict:
+    """`_INDUCTOR_OPTIONS`, and for a model on the CPU the fp32 Linears at one row on the dense GEMV of the CPU
+    kernels and attention of the one query position on their decode attention (`workbench.kernels.ops.DecodeStepPass`)
+    where those are built."""
     options = dict(_INDUCTOR_OPTIONS)
+    if not cpu:
+        return options
     try:
         from workbench.kernels.ops import DecodeStepPass
     except RuntimeError:   # the C++ kernels cannot be built here: PyTorch's GEMM and attention
@@ -237,19 +240,28 @@ class _LeanDecoder:
         self.eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         self.caches: dict[int, Any] = {}
         self.step: Callable = _decode_step
-        self.candidates: list[tuple[str, Callable]] = []   # (wrapper, compiled step), tried in turn on first use
+        # (way, compiled step, whether it replays CUDA graphs), tried in turn on first use
+        self.candidates: list[tuple[str, Callable, bool]] = []
+        self.graphs = False   # whether the step replays CUDA graphs (its outputs are then cloned before the next step)
         if compile:
             from workbench.kernels.isa import inductor_cache_per_capability
 
             inductor_cache_per_capability()   # (a capped ATen capability: a cache of its own)
-            for wrapper, cpp in (("the C++ wrapper", True), ("the Python wrapper", False)):
-                # a fresh code object per model (and wrapper): dynamo keeps compiled code per code object, up to its
+            cuda = any(p.is_cuda for p in itertools.chain(model.parameters(), model.buffers()))
+            # on a GPU the step is captured in a CUDA graph (cudagraph trees) and replayed: one launch a token instead
+            # of one per kernel and op, whose host time - the Triton kernels' Python launchers above all - would
+            # otherwise be the token's time; on the CPU inductor's C++ wrapper calls the kernels
+            python = ("the Python wrapper", {"cpp_wrapper": False}, False)
+            ways = ((("CUDA graphs", {"triton.cudagraphs": True, "cpp_wrapper": False}, True), python) if cuda
+                    else (("the C++ wrapper", {"cpp_wrapper": True}, False), python))
+            for way, extra, graphs in ways:
+                # a fresh code object per model (and way): dynamo keeps compiled code per code object, up to its
                 # recompile limit (8), after which it runs eagerly - so no model's step evicts another's
                 code = _decode_step.__code__.replace()
                 step = torch.compile(types.FunctionType(code, _decode_step.__globals__, "decode_step"),
-                                     fullgraph=True, dynamic=False, options={**_inductor_options(), "cpp_wrapper": cpp})
-                self.candidates.append((wrapper, step))
-            self.step = self.candidates[0][1]
+                                     fullgraph=True, dynamic=False, options={**_inductor_options(not cuda), **extra})
+                self.candidates.append((way, step, graphs))
+            self.step, self.graphs = self.candidates[0][1], self.candidates[0][2]
 
     @property
     def path(self) -> DecodePath:
@@ -271,7 +283,8 @@ class _LeanDecoder:
             # the first call that decodes compiles - with inductor's C++ wrapper, else its Python wrapper - and the
             # compiled step's logits must be the eager step's
             failed = []
-            for wrapper, step in self.candidates:
+            for wrapper, step, graphs in self.candidates:
+                self.graphs = graphs
                 try:
                     out, logits = self._run(model, prompt, new_tokens, step, keep=True)
                     self._check(model, prompt, out, logits)
@@ -288,7 +301,7 @@ class _LeanDecoder:
                 return out
             warnings.warn(f"workbench.measurement.decode: torch.compile of {self.name}'s decode step failed "
                           f"({'; '.join(failed)}); decoding with the eager step instead", RuntimeWarning, stacklevel=3)
-            self.compile, self.step, self.candidates = False, _decode_step, []
+            self.compile, self.step, self.candidates, self.graphs = False, _decode_step, [], False
         return self._run(model, prompt, new_tokens, self.step)[0]
 
     def _run(self, model: nn.Module, prompt: torch.Tensor, new_tokens: int, step: Callable,
@@ -303,7 +316,12 @@ class _LeanDecoder:
         out, kept, pos = [prompt, tok], [], torch.tensor([T], device=prompt.device)
         with _sdpa_gqa() if step is not _decode_step else contextlib.nullcontext():
             for _ in range(new_tokens - 1):
+                if self.graphs:   # a new step: the graph's outputs of the last replay may be overwritten
+                    torch.compiler.cudagraph_mark_step_begin()
                 tok, logits = step(model, tok, pos, cache, self.eos)
+                if self.graphs:   # (the replay's outputs live in the graph's memory, rewritten by the next one)
+                    tok = tok.clone()
+                    logits = logits.clone() if keep and len(kept) < _CHECK_STEPS else logits
                 out.append(tok)
                 if keep and len(kept) < _CHECK_STEPS:
                     kept.append(logits)
@@ -454,6 +472,8 @@ def tokens_per_s(model: nn.Module, new_tokens: int = 16, prompt_tokens: int = 8,
         for i in range(runs + 1):
             t0 = time.perf_counter()
             out = generate(prompt, new_tokens)
+            if out.is_cuda:   # (the GPU's work is asynchronous: the run ends when it is done)
+                torch.cuda.synchronize(out.device)
             if i:
                 times.append(time.perf_counter() - t0)
     if out.shape[1] != prompt_tokens + new_tokens:

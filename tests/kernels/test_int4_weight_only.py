@@ -33,9 +33,6 @@ SHAPES = [(1, 16, 64, 32), (3, 40, 96, 32), (17, 40, 128, 64), (3, 16, 96, 24), 
 CONFIGS = {"split-k": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=2),
            "no-split": dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=64, SPLIT_K=1),
            "tall": dict(BLOCK_M=64, BLOCK_N=16, BLOCK_K=32, SPLIT_K=1)}
-# the swapped-operand kernel (weights as the left operand), split and not; K-tiles inside one group
-SWAPPED = {"swapped-split": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=2, SWAP_AB=True),
-           "swapped": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, SPLIT_K=1, SWAP_AB=True)}
 
 
 def make(M, N, K, g, mode, dtype=torch.float32, bias=True, lead=(), seed=0):
@@ -84,26 +81,6 @@ def test_kernel_matches_reference(M, N, K, g, mode, dtype, bias, config):
     y = k4.launch(*args, config=CONFIGS[config])
     assert y.shape == (M, N) and y.dtype == dtype
     assert rel_err(y, k4.reference(*args)) <= TOL[dtype]
-
-
-@needs_triton
-@pytest.mark.parametrize("config", SWAPPED)
-@pytest.mark.parametrize("dtype, bias", [(torch.float32, True), (torch.float16, False), (torch.bfloat16, True)])
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("M, N, K, g", [(1, 16, 64, 32), (3, 40, 96, 32), (17, 70, 128, 64), (5, 24, 192, 64)])
-def test_swapped_kernel_matches_reference(M, N, K, g, mode, dtype, bias, config):
-    # (M = 17 spans two row tiles; N = 70 and 40 leave ragged weight tiles; K = 96 an odd number of K-tiles for
-    # the split; g = 64 two K-tiles a group)
-    args, _, _ = make(M, N, K, g, mode, dtype, bias)
-    y = k4.launch(*args, config=SWAPPED[config])
-    assert y.shape == (M, N) and y.dtype == dtype
-    assert rel_err(y, k4.reference(*args)) <= TOL[dtype]
-
-
-def test_swapped_config_needs_tiles_inside_a_group():
-    args, _, _ = make(3, 16, 96, 24, "symmetric")
-    with pytest.raises(ValueError, match="SWAP_AB needs K-tiles inside one group"):
-        k4.launch(*args, config=dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, SPLIT_K=1, SWAP_AB=True))
 
 
 @needs_triton
@@ -213,13 +190,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from workbench.kernels import int4_weight_only as k4
 
-kernel, out = k4._int4_mm_kernel, []
+kernel, out = k4._int4_weight_only_mm_kernel, []
 for case in json.loads(sys.argv[1]):
     xdt, g, zero, small, index = case
     config = k4._autotune_configs(small)[index]
-    consts = {"SWAP_AB": False, **dict(GROUP_SIZE=g, HAS_ZERO=zero != "none", HAS_BIAS=True, DOT_FP32=xdt == "fp32",
-              FAST_UNPACK=xdt != "fp32", GROUP_M=8, stride_xk=1, stride_wj=1, stride_sg=1, stride_cn=1,
-              **config.kwargs)}                                          # strides of 1 are specialized by the JIT
+    consts = dict(GROUP_SIZE=g, HAS_ZERO=zero != "none", HAS_BIAS=True, DOT_FP32=xdt == "fp32",
+                  FAST_UNPACK=xdt != "fp32", GROUP_M=8, stride_xk=1, stride_wj=1, stride_sg=1, stride_cn=1,
+                  **config.kwargs)                                       # strides of 1 are specialized by the JIT
     types = dict(x_ptr="*" + xdt, w_ptr="*u8", scale_ptr="*fp16", zero_ptr="*" + zero.replace("none", "fp16"),
                  bias_ptr="*fp16", c_ptr="*fp32" if small else "*" + xdt)
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kernel.arg_names}
@@ -238,24 +215,11 @@ print(json.dumps(out))
 def test_compiles_for_sm90_with_pipelined_tiles(compile_sm90):
     # (x dtype, g, zero dtype, decode family?, config index): bf16 decode with the fast unpacking, fp16 with a
     # K-tile spanning groups (gathered scales; odd g), and a prefill (wgmma) config
-    # and the swapped-operand decode kernel (the first and a split-K one of its configs, last in the decode list)
-    cases = [("bf16", 128, "u8", True, 0), ("fp16", 21, "fp16", True, 1), ("bf16", 64, "none", False, 1),
-             ("bf16", 128, "none", True, -12), ("fp16", 128, "u8", True, -4)]
-    results = compile_sm90(SM90_SCRIPT, cases)
-    assert [r["config"].get("SWAP_AB", False) for r in results] == [False, False, False, True, True]
-    for r in results:
+    cases = [("bf16", 128, "u8", True, 0), ("fp16", 21, "fp16", True, 1), ("bf16", 64, "none", False, 1)]
+    for r in compile_sm90(SM90_SCRIPT, cases):
         assert r["async_copies"] >= 2, r          # x and weight tiles both go through cp.async stages
         assert r["shared"] <= 227 * 1024, r       # fits an H100's shared memory per block
         assert r["asm"] == (r["case"][1] % r["config"]["BLOCK_K"] == 0), r   # fast unpacking on the one-group path
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("config", SWAPPED)
-@pytest.mark.parametrize("M", [1, 16])
-def test_gpu_swapped_kernel_bf16_llama_shape(M, config):
-    (x, q, s, z, g, b), _, _ = make(M, 4096, 4096, 128, "symmetric", torch.bfloat16, bias=True)
-    y = k4.launch(x, q, s, z, g, b, config={**SWAPPED[config], "BLOCK_N": 128, "BLOCK_K": 128})
-    assert rel_err(y, k4.reference(x, q, s, z, g, b)) <= TOL[torch.bfloat16]
 
 
 @pytest.mark.gpu

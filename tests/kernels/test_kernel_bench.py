@@ -49,9 +49,26 @@ def test_gpu_results_filters_by_timing(tmp_path):
                   {"part": "gpu", "ms": 3.0, "timing": "eager Python call"}]).to_csv(path, index=False)
     assert list(bench.gpu_results(path)["ms"]) == [2.0, 3.0]
     assert list(bench.gpu_results(path, timing="CUDA-graph")["ms"]) == [2.0]
+    runs = pd.DataFrame([{"part": "gpu", "ms": ms, "run": run} for run, ms in (("a", 1.0), ("a", 2.0), ("b", 3.0))])
+    runs.to_csv(path, index=False)
+    assert list(bench.gpu_results(path)["ms"]) == [3.0, 1.0, 2.0]   # the newest run first, each in its order
     assert bench.gpu_results(tmp_path / "absent.csv").empty
     recorded = bench.gpu_results(timing="CUDA-graph")   # the repository's rows: each says where and how it ran
     assert recorded.empty or (recorded["environment"].str.contains("torch") & (recorded["ms"] > 0)).all()
+
+
+@pytest.mark.slow
+def test_decode_rows_plumbing():
+    """`bench_e2e.decode_rows` on the CPU (bf16; the quantized plans run the Triton kernels, under the interpreter
+    here): the compiled and the eager loop each give a row with the path that ran, and a plan name it does not know is
+    a row with its error."""
+    from workbench.kernels import bench_e2e
+
+    df = bench_e2e.decode_rows(("tiny-llama",), ("bf16", "int2"), device="cpu", new_tokens=3, prompt_tokens=2, runs=1)
+    bf16 = df[df["plan"] == "bf16"].set_index("compile")
+    assert bf16.loc[True, "path"] == "compiled" and bf16.loc[False, "path"] == "static-cache"
+    assert (bf16["tokens_per_s"] > 0).all() and (bf16["model_MB"] > 0).all() and (bf16["vs_bf16"] == 1).all()
+    assert df[df["plan"] == "int2"]["note"].str.startswith("apply: ValueError: unknown plan 'int2'").all()
 
 
 def test_e2e_rows_plumbing():

@@ -169,11 +169,10 @@ def fit_m_bucket(configs: list, bucket: int, K: int) -> list:
             and c.kwargs["SPLIT_K"] * c.kwargs["BLOCK_K"] <= max(K, c.kwargs["BLOCK_K"])]
 
 
-def check_pinned_config(op: str, config: dict, min_block_k: int, swap: bool = False) -> None:
+def check_pinned_config(op: str, config: dict, min_block_k: int) -> None:
     """A pinned config names the four block sizes, as powers of two a GPU accepts (tl.dot needs every block
-    dim >= 16 there); ``swap``: the kernel also takes ``SWAP_AB``."""
-    need, optional = {"BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K"}, {"num_warps", "num_stages"} | ({"SWAP_AB"} if swap
-                                                                                                   else set())
+    dim >= 16 there)."""
+    need, optional = {"BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K"}, {"num_warps", "num_stages"}
     if not isinstance(config, dict) or not need <= set(config) or set(config) - need - optional:
         raise ValueError(f"{op}: config must be a dict with keys {sorted(need)} (and optionally "
                          f"{sorted(optional)}), got {config!r}")
@@ -185,7 +184,7 @@ def check_pinned_config(op: str, config: dict, min_block_k: int, swap: bool = Fa
 
 def launch_split_k(op: str, x: torch.Tensor, N: int, K: int, bias: torch.Tensor | None, config: dict | None,
                    autotuned: tuple, jit_kernel, min_block_k: int, call: Callable,
-                   gemv: tuple | None = None, swap: bool = False) -> torch.Tensor:
+                   gemv: tuple | None = None) -> torch.Tensor:
     """Run a split-K GEMM over x ``(..., K)`` -> ``(..., N)`` in x's dtype. ``autotuned``: the (decode, prefill)
     autotuned kernels; ``config`` pins one blocking of ``jit_kernel`` instead. ``call(kernel, x2, c, M)``
     launches with the kernel's own arguments; ``c`` is an fp32 zeroed buffer when K is split (partial sums
@@ -213,7 +212,7 @@ def launch_split_k(op: str, x: torch.Tensor, N: int, K: int, bias: torch.Tensor 
         split = M <= SMALL_M
         kernel = autotuned[0 if split else 1][grid]
     else:
-        check_pinned_config(op, config, min_block_k, swap)
+        check_pinned_config(op, config, min_block_k)
         split = config["SPLIT_K"] > 1
         kernel = functools.partial(jit_kernel[grid], **config)
     c = (torch.zeros if split else torch.empty)((M, N), device=x.device, dtype=torch.float32 if split else x.dtype)

@@ -258,9 +258,12 @@ def gpu_table(shapes: dict | None = None, ms=MS, kernels=KERNELS, device: str | 
                 rows.append({**row, "ms": t, "eager_ms": eager_ms, "speedup": base_ms / t, "ceiling": ceiling,
                              "GB/s": moved / (t * 1e-3) / 1e9, "bw_fraction": moved / (t * 1e-3) / bandwidth,
                              "torchao_ms": ao_ms, "vs_torchao": ao_ms / t, "note": note})
-    df = pd.DataFrame(rows)
+    df = pd.DataFrame(rows).assign(timing=GRAPH_TIMING if device.type == "cuda" else "Triton interpreter")
     df.attrs["copy_bandwidth_GBs"] = bandwidth / 1e9
     return df
+
+
+GRAPH_TIMING = "CUDA-graph replay, L2 flushed (GPU time); autotuner ranked graph replays"   # how `ms` is taken
 
 
 def cpu_minilm(batch_sizes=(1, 32), threads: int = 1, rounds: int = 7, layers: str = "encoder.*"):
@@ -358,8 +361,9 @@ def cpu_layer_table(shapes: dict | None = None, ms=(1, 32, 512), threads: int = 
 def gpu_results(path: str | Path | None = None, timing: str | None = None):
     """The GPU rows of a results CSV written by ``python -m workbench.kernels.bench`` (default:
     workbench/kernels/results.csv);
-    an empty frame when none were recorded (no GPU run yet). ``timing``: keep the rows whose ``timing`` column
-    starts with it (``"CUDA-graph"``: GPU time; ``"eager"``: Python calls, host launch overhead included)."""
+    an empty frame when none were recorded (no GPU run yet), the newest run first. ``timing``: keep the rows whose
+    ``timing`` column starts with it (``"CUDA-graph"``: GPU time; ``"eager"``: Python calls, host launch overhead
+    included)."""
     import pandas as pd
 
     path = Path(__file__).resolve().parent / "results.csv" if path is None else Path(path)
@@ -371,6 +375,9 @@ def gpu_results(path: str | Path | None = None, timing: str | None = None):
     df = df[df["part"] == "gpu"]
     if timing is not None and "timing" in df.columns:
         df = df[df["timing"].fillna("").str.startswith(timing)]
+    if "run" in df.columns:   # the newest run first (runs are appended), each run's rows in their order
+        order = df.groupby("run", sort=False).ngroup()
+        df = df.assign(_order=-order).sort_values("_order", kind="stable").drop(columns="_order")
     return df.dropna(axis=1, how="all")
 
 

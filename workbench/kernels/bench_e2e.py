@@ -169,6 +169,8 @@ def _decode_plan(plan: str, model) -> dict:
     group = 128 if all(k % 128 == 0 for k in widths) else 32
     configs = {"int8": Q.WeightOnly(8, None, kernel="triton"), "int4": Q.WeightOnly(4, group, kernel="triton"),
                "fp8": Q.FP8(), "w8a8": Q.Dynamic(kernel="triton")}
+    if plan not in configs:
+        raise ValueError(f"unknown plan {plan!r}; choose from {DECODE_PLANS}")
     return {"model.layers.*": configs[plan]}
 
 
@@ -214,6 +216,7 @@ def decode_rows(models=("tiny-llama", "llama-1b"), plans=DECODE_PLANS, device="c
                 rows.append({**row, "compile": compile, "path": decode._path(m, compile).value,
                              "tokens_per_s": tps, "peak_decode_MB": peak / 2**20,
                              "model_MB": wb.size_bytes(m) / 2**20, "kernels": ",".join(kernels), "note": note})
+                print(rows[-1], flush=True)   # (a long run shows each row as it is measured)
             del m
         del model
         if device.type == "cuda":

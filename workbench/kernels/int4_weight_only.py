@@ -79,16 +79,8 @@ _DECODE_TILES = [(64, 128, 4, 4), (128, 128, 4, 4), (128, 64, 4, 5), (64, 256, 4
                  (256, 64, 8, 4), (128, 32, 4, 6), (256, 32, 8, 5)]     # (BLOCK_N, BLOCK_K, warps, stages)
 
 
-# the swapped-operand decode kernel (`_swapped_kernel_body`) for M <= 16: the weight tile is the MMA's M side (64+)
-_SWAPPED_TILES = [(64, 128, 4, 4), (128, 128, 4, 4), (128, 64, 4, 5), (64, 256, 4, 3)]
-
-
 def _autotune_configs(small_m: bool) -> list:
-    plain = split_k_configs(small_m, _DECODE_TILES)
-    if not small_m or INTERPRET:
-        return plain
-    return plain + [triton.Config(dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, SWAP_AB=True), num_warps=w,
-                                  num_stages=st) for bn, bk, w, st in _SWAPPED_TILES for sk in (1, 2, 4)]
+    return split_k_configs(small_m, _DECODE_TILES)
 
 
 def _prune(configs: list, named_args: dict, **kwargs) -> list:
@@ -99,7 +91,6 @@ def _prune(configs: list, named_args: dict, **kwargs) -> list:
     g = args["GROUP_SIZE"]
     fit = fit_m_bucket(configs, args["M_BUCKET"], args["K"])
     one_group = [c for c in fit if g % c.kwargs["BLOCK_K"] == 0 and (c.kwargs["BLOCK_K"] >= 64 or g < 64)]
-    fit = [c for c in fit if not c.kwargs.get("SWAP_AB")]   # (swapped tiles: inside one group only)
     return one_group or fit or configs[:1]
 
 
@@ -262,96 +253,13 @@ def _int4_weight_only_mm_kernel(
         tl.atomic_add(c_ptrs, acc, mask=c_mask, sem="relaxed")
 
 
-@triton.jit
-def _swapped_kernel_body(
-        x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, c_ptr, M, N, K, KP,
-        stride_xm, stride_xk, stride_wn, stride_wj, stride_sn, stride_sg, stride_cm, stride_cn,
-        GROUP_SIZE: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr,
-        FAST_UNPACK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
-):
-    """The decode kernel with the operands swapped (``y.T = W . x.T``): the dequantized weight tile
-    ``(BLOCK_N, BLOCK_K / 2)`` per nibble plane, loaded as stored (rows along K), is the *left* operand of each
-    product and the few rows of x, transposed, the right one. A tensor-core product takes its left operand from
-    registers but its right one from shared memory, so a weight decoded in registers as the right operand makes
-    a round trip through shared memory every step; on the left it does not, and the padding of M to the MMA's
-    minimum lands on x's side (the MMA's N: 16) instead of the weight's. K-tiles inside one group only."""
-    HALF: tl.constexpr = BLOCK_K // 2
-    pid, pid_k = tl.program_id(0), tl.program_id(1)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    pid_m, pid_n = tl.swizzle2d(pid // num_pid_n, pid % num_pid_n, tl.cdiv(M, BLOCK_M), num_pid_n, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_j = tl.arange(0, HALF)
-    m_mask, n_mask = offs_m < M, offs_n < N
-    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk  # (BLOCK_M, BLOCK_K)
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_j[None, :] * stride_wj  # (BLOCK_N, HALF)
-    s_ptrs = scale_ptr + offs_n[:, None].to(tl.int64) * stride_sn                            # (BLOCK_N, 1)
-    z_ptrs = zero_ptr + offs_n[:, None].to(tl.int64) * stride_sn
-    dot_dtype = tl.float32 if DOT_FP32 else x_ptr.dtype.element_ty
-    PRECISION: tl.constexpr = "ieee" if DOT_FP32 else "tf32"
-    grp = tl.minimum(pid_k * BLOCK_K, K - 1) // GROUP_SIZE * stride_sg
-    s, z = _group_params(s_ptrs + grp, z_ptrs + grp, n_mask[:, None], HAS_ZERO)
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for kt in range(pid_k, tl.cdiv(K, BLOCK_K), SPLIT_K):
-        k0, j0 = kt * BLOCK_K, kt * HALF
-        a = tl.load(x_ptrs + k0 * stride_xk, mask=m_mask[:, None] & (k0 + offs_k[None, :] < K), other=0.0)
-        a_even, a_odd = tl.split(tl.reshape(a.to(dot_dtype), (BLOCK_M, HALF, 2)))        # (BLOCK_M, HALF) x 2
-        packed = tl.load(w_ptrs + j0 * stride_wj, mask=n_mask[:, None] & (j0 + offs_j[None, :] < KP), other=0)
-        if FAST_UNPACK:
-            u_lo, u_hi = _unpack_nibbles_fast(packed, dot_dtype)                          # (BLOCK_N, HALF)
-            zd = z.to(dot_dtype)
-            d_lo, d_hi = u_lo - zd, u_hi - zd
-        else:
-            d_lo = ((packed & 0xF).to(tl.float32) - z).to(dot_dtype)
-            d_hi = ((packed >> 4).to(tl.float32) - z).to(dot_dtype)
-        part = tl.dot(d_lo, tl.trans(a_even), input_precision=PRECISION)                 # (BLOCK_N, BLOCK_M)
-        part = tl.dot(d_hi, tl.trans(a_odd), part, input_precision=PRECISION)
-        acc += part * s
-        grp = tl.minimum(k0 + SPLIT_K * BLOCK_K, K - 1) // GROUP_SIZE * stride_sg          # next tile's (s, z)
-        s, z = _group_params(s_ptrs + grp, z_ptrs + grp, n_mask[:, None], HAS_ZERO)
-    if HAS_BIAS:
-        b = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        acc += b[:, None] * (pid_k == 0).to(tl.float32)
-    c_ptrs = c_ptr + offs_m[None, :].to(tl.int64) * stride_cm + offs_n[:, None] * stride_cn   # (BLOCK_N, BLOCK_M)
-    c_mask = n_mask[:, None] & m_mask[None, :]
-    if SPLIT_K == 1:
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
-    else:
-        tl.atomic_add(c_ptrs, acc, mask=c_mask, sem="relaxed")
-
-
-@triton.jit
-def _int4_mm_kernel(
-        x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, c_ptr, M, N, K, KP, M_BUCKET,
-        stride_xm, stride_xk, stride_wn, stride_wj, stride_sn, stride_sg, stride_cm, stride_cn,
-        GROUP_SIZE: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr,
-        FAST_UNPACK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, SWAP_AB: tl.constexpr = False,
-):
-    """The kernel the launcher runs: `_int4_weight_only_mm_kernel`, or with ``SWAP_AB`` (a config's choice, K-tiles
-    inside one group) `_swapped_kernel_body`."""
-    if SWAP_AB:
-        tl.static_assert(GROUP_SIZE % BLOCK_K == 0, "SWAP_AB needs K-tiles inside one group")
-        _swapped_kernel_body(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, c_ptr, M, N, K, KP,
-                             stride_xm, stride_xk, stride_wn, stride_wj, stride_sn, stride_sg, stride_cm, stride_cn,
-                             GROUP_SIZE, HAS_ZERO, HAS_BIAS, DOT_FP32, FAST_UNPACK, BLOCK_M, BLOCK_N, BLOCK_K,
-                             SPLIT_K, GROUP_M)
-    else:
-        _int4_weight_only_mm_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, c_ptr, M, N, K, KP, M_BUCKET,
-                                    stride_xm, stride_xk, stride_wn, stride_wj, stride_sn, stride_sg, stride_cm,
-                                    stride_cn, GROUP_SIZE, HAS_ZERO, HAS_BIAS, DOT_FP32, FAST_UNPACK, BLOCK_M,
-                                    BLOCK_N, BLOCK_K, SPLIT_K, GROUP_M)
-
-
 _KEY = ["M_BUCKET", "N", "K", "GROUP_SIZE", "HAS_ZERO", "HAS_BIAS"]
 _kernel_small_m = triton.autotune(configs=_autotune_configs(small_m=True), key=_KEY, reset_to_zero=["c_ptr"],
                                   do_bench=graph_bench,
-                                  prune_configs_by={"early_config_prune": _prune})(_int4_mm_kernel)
+                                  prune_configs_by={"early_config_prune": _prune})(_int4_weight_only_mm_kernel)
 _kernel_large_m = triton.autotune(configs=_autotune_configs(small_m=False), key=_KEY,
                                   do_bench=graph_bench,
-                                  prune_configs_by={"early_config_prune": _prune})(_int4_mm_kernel)
+                                  prune_configs_by={"early_config_prune": _prune})(_int4_weight_only_mm_kernel)
 
 
 # ---------------------------------------------------------------------------------------------- launcher
@@ -384,13 +292,9 @@ def launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: to
     """Check, allocate, launch: ``(..., K) -> (..., N)`` in x's dtype (the custom op's implementation).
 
     ``config`` pins one configuration -- ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``SPLIT_K`` (and optionally
-    ``num_warps``, ``num_stages``, ``SWAP_AB``: the swapped-operand kernel, K-tiles inside one group) -- instead of
-    autotuning: for tests and benchmarks of a given blocking (each nibble plane is BLOCK_K / 2 deep, so
-    BLOCK_K >= 32)."""
+    ``num_warps``, ``num_stages``) -- instead of autotuning: for tests and benchmarks of a given blocking
+    (each nibble plane is BLOCK_K / 2 deep, so BLOCK_K >= 32)."""
     N, K = _check_inputs(x, qweight, scale, zero, group_size, bias)
-    if config is not None and config.get("SWAP_AB") and group_size % config.get("BLOCK_K", 1):
-        raise ValueError(f"{OP}: config SWAP_AB needs K-tiles inside one group: BLOCK_K = {config['BLOCK_K']} "
-                         f"does not divide group_size = {group_size}")
 
     def call(kernel, x2, c, M):
         kernel(x2, qweight, scale, scale if zero is None else zero, scale if bias is None else bias, c,
@@ -402,7 +306,7 @@ def launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: to
                FAST_UNPACK=not INTERPRET and x.dtype != torch.float32, GROUP_M=8)
 
     return launch_split_k(OP, x, N, K, bias, config, (_kernel_small_m, _kernel_large_m),
-                          _int4_mm_kernel, min_block_k=32, call=call, swap=True)
+                          _int4_weight_only_mm_kernel, min_block_k=32, call=call)
 
 
 # --------------------------------------------------------------------------------------------- reference

@@ -89,6 +89,30 @@ def test_compiled_step_takes_nf4_cast_and_quantized_embeddings(llama, plan):
     assert torch.equal(out, D.greedy(model, ids, 12, compile=False))
 
 
+@pytest.mark.slow   # three compiles (~40 s each on 2 cores)
+def test_a_changed_model_gets_a_new_compiled_step_and_a_parameter_changed_in_place_needs_none(llama):
+    """The compiled step has no guards on the model's modules (`_fingerprint` is compared once a generation
+    instead): a module swapped, a new parameter or a changed attribute gives a new step; in-place changes of
+    parameters reach the step as they are (its inputs)."""
+    import copy
+
+    model, ids = copy.deepcopy(wb.apply(llama, {"model.layers.*": CONFIGS["int4 g32"]}, progress=False)), _prompt(8)
+    with num_threads(1):
+        D.greedy(model, ids, 6)
+        first = D._decoder(model, True)
+        with torch.no_grad():   # in place: the same step, the new values
+            model.model.norm.weight.mul_(-1.5)
+        assert D._decoder(model, True) is first
+        assert torch.equal(D.greedy(model, ids, 10), _generate(model, ids, 10))
+        model.model.norm.weight = torch.nn.Parameter(torch.randn_like(model.model.norm.weight))   # a new parameter
+        assert torch.equal(D.greedy(model, ids, 10), _generate(model, ids, 10))
+        second = D._decoder(model, True)
+        assert second is not first
+        model.model.norm.variance_epsilon = 0.5   # an attribute the traced graph holds as a constant
+        assert torch.equal(D.greedy(model, ids, 10), _generate(model, ids, 10))
+        assert D._decoder(model, True) is not second
+
+
 def test_a_failed_compile_falls_back_to_the_eager_loop_with_a_warning(llama, monkeypatch):
     def broken(fn, **kwargs):
         def fail(*args, **kw):

@@ -113,6 +113,27 @@ def test_a_changed_model_gets_a_new_compiled_step_and_a_parameter_changed_in_pla
         assert D._decoder(model, True) is not second
 
 
+@pytest.mark.slow   # a compile (~20 s on 2 cores)
+def test_a_sliding_window_model_whose_window_holds_the_cache_compiles_once():
+    """Mistral (every layer a sliding window of 512 positions; the cache 128): the cache's layers are full ones,
+    so the step compiles once instead of recompiling every token (the sliding layer's Python length counter) until
+    dynamo's limit, and gives generate's tokens."""
+    import warnings
+
+    import transformers as tf
+
+    torch.manual_seed(0)
+    model = tf.MistralForCausalLM(tf.MistralConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=256, sliding_window=512)).eval()
+    ids = torch.randint(1, 256, (1, 8), generator=torch.Generator().manual_seed(1))
+    with num_threads(1), warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)   # the eager fallback's warning fails the test
+        out = D.greedy(model, ids, 20)
+    assert D._path(model, True) is D.DecodePath.COMPILED
+    assert torch.equal(out, _generate(model, ids, 20))
+
+
 def test_a_failed_compile_falls_back_to_the_eager_loop_with_a_warning(llama, monkeypatch):
     def broken(fn, **kwargs):
         def fail(*args, **kw):

@@ -274,11 +274,17 @@ class _LeanDecoder:
 
     def _cache(self, length: int):
         from transformers import StaticCache
+        from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
         size = -(-length // _CACHE_BUCKET) * _CACHE_BUCKET
         cache = self.caches.get(size)
         if cache is None:
             cache = self.caches[size] = StaticCache(config=self.config, max_cache_len=size)
+            # a sliding-window (or chunked) layer whose window holds the whole cache attends as a full layer does (the
+            # mask is the causal one); as such a layer it keeps a Python int of its length, which a traced step reads,
+            # so dynamo would guard on it and recompile every token until its limit (then: the eager step)
+            cache.layers = [StaticLayer(max_cache_len=size) if type(layer) is StaticSlidingWindowLayer and
+                            layer.max_cache_len >= size else layer for layer in cache.layers]
         else:
             cache.reset()
         return cache

@@ -16,7 +16,6 @@ import torch
 from workbench.kernels import int4_weight_only as k4
 from workbench.kernels._common import INTERPRET, triton_available
 from workbench.quantization import formats as fm
-from workbench.quantization import packing
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 needs_triton = pytest.mark.skipif(not triton_available(DEVICE), reason="needs a CUDA GPU or TRITON_INTERPRET=1")
@@ -49,15 +48,6 @@ def make(M, N, K, g, mode, dtype=torch.float32, bias=True, lead=(), seed=0):
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y.float().cpu() - ref.float().cpu()).norm() / ref.float().cpu().norm())
-
-
-@pytest.mark.parametrize("K", [64, 63, 2, 1])
-def test_unpack_int4_is_the_packing_layout(K):
-    codes = torch.randint(0, 16, (5, K), dtype=torch.uint8)
-    packed = packing.pack(codes, 4)
-    assert packed.shape == (5, (K + 1) // 2)
-    assert torch.equal(k4.unpack_int4(packed, K), codes)
-    assert torch.equal(k4.unpack_int4(packed, K), packing.unpack(packed, 4, K))
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from workbench.kernels._common import build_extension, extension_or_raise
+from workbench.quantization.primitives import dequantize_packed
 
 __all__ = ["cpu_isa", "linear", "linear_unchecked", "load_extension", "reference", "round_activations",
            "round_activations_cpu", "rows_for", "supports", "unsupported_reason"]
@@ -160,13 +161,7 @@ def reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero:
               zconst: float | None = None) -> torch.Tensor:
     """The same math in PyTorch, in fp64: the stored weight's values, (u - z) * s, times `round_activations` (x),
     plus ``bias``."""
-    from workbench.quantization.packing import unpack
-
-    N = qweight.shape[0]
-    g = K if group_size is None else group_size
-    G = scale.shape[1]
-    codes = F.pad(unpack(qweight, bits, K).double(), (0, G * g - K)).reshape(N, G, g)   # a short last group padded
-    z = torch.full_like(scale, float(1 << (bits - 1)) if zconst is None else zconst) if zero is None else zero
-    w = ((codes - z.double().unsqueeze(-1)) * scale.double().unsqueeze(-1)).reshape(N, G * g)[:, :K]
+    z = (float(1 << (bits - 1)) if zconst is None else zconst) if zero is None else zero
+    w = dequantize_packed(qweight, bits, K, scale, K if group_size is None else group_size, z, dtype=torch.float64)
     y = F.linear(round_activations(x).double(), w, None if bias is None else bias.double())
     return y.to(x.dtype)

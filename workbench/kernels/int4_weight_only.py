@@ -65,8 +65,9 @@ from workbench.kernels._common import (
     m_bucket,
     split_k_configs,
 )
+from workbench.quantization.primitives import dequantize_packed
 
-__all__ = ["int4_weight_only_mm", "launch", "reference", "unpack_int4", "SMALL_M"]
+__all__ = ["int4_weight_only_mm", "launch", "reference", "SMALL_M"]
 
 OP = "int4_weight_only_mm"
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -310,20 +311,10 @@ def launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: to
 
 
 # --------------------------------------------------------------------------------------------- reference
-def unpack_int4(qweight: torch.Tensor, K: int) -> torch.Tensor:
-    """``(N, ceil(K / 2))`` packed bytes -> ``(N, K)`` uint8 codes (low nibble first)."""
-    codes = torch.stack((qweight & 0xF, qweight >> 4), dim=-1)              # (N, ceil(K/2), 2)
-    return codes.reshape(qweight.shape[0], -1)[:, :K]
-
-
 def reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
               group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The same math in PyTorch: dequantize to fp32, matmul in fp32, return x's dtype."""
-    K = x.shape[-1]
-    N, G = scale.shape
-    u = unpack_int4(qweight, K).float().reshape(N, G, group_size)           # (N, G, g)
-    z = zero.float().unsqueeze(-1) if zero is not None else 8.0             # (N, G, 1)
-    w = ((u - z) * scale.float().unsqueeze(-1)).reshape(N, K)               # (N, K)
+    w = dequantize_packed(qweight, 4, x.shape[-1], scale, group_size, 8.0 if zero is None else zero)   # (N, K)
     y = x.float() @ w.T                                                     # (..., N)
     if bias is not None:
         y = y + bias.float()

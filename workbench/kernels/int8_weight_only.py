@@ -59,6 +59,7 @@ from workbench.kernels._common import (
     m_bucket,
     split_k_configs,
 )
+from workbench.quantization.primitives import dequantize_packed
 
 __all__ = ["int8_weight_only_mm", "launch", "reference", "SMALL_M"]
 
@@ -284,7 +285,7 @@ def launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
 def reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
     """The same math in PyTorch: dequantize to fp32, matmul in fp32, return x's dtype."""
-    w = (qweight.float() - 128.0) * scale.float()                           # (N, K)
+    w = dequantize_packed(qweight, 8, qweight.shape[1], scale, qweight.shape[1], 128.0)   # (N, K), one group
     y = x.float() @ w.T                                                     # (..., N)
     if bias is not None:
         y = y + bias.float()

@@ -76,6 +76,7 @@ import torch
 import torch.nn.functional as F
 
 from workbench.kernels._common import build_extension, extension_or_raise
+from workbench.quantization.primitives import dequantize_packed
 
 __all__ = [
     "ISAS",
@@ -378,15 +379,6 @@ def weight_only_linear_cpu(x: torch.Tensor, w: CpuWeight, bias: torch.Tensor | N
 
 def reference(x: torch.Tensor, w: CpuWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The same math in PyTorch: decode every weight row in fp32, then an fp32 matmul."""
-    from workbench.quantization.packing import unpack
-
-    codes = unpack(w.qweight, w.bits, w.K)                                  # (N, K) uint8
-    pad = w.scale.shape[1] * w.group_size - w.K                             # a short last group
-    c = F.pad(codes, (0, pad)).reshape(w.N, -1, w.group_size)               # (N, G, g)
-    if w.lut is not None:
-        weight = w.lut[c.long()] * w.scale.unsqueeze(-1)
-    else:
-        weight = (c.float() - w.zero.unsqueeze(-1)) * w.scale.unsqueeze(-1)
-    weight = weight.reshape(w.N, -1)[:, :w.K]                               # (N, K)
+    weight = dequantize_packed(w.qweight, w.bits, w.K, w.scale, w.group_size, w.zero, w.lut)   # (N, K) fp32
     y = F.linear(x.float(), weight, None if bias is None else bias.float())
     return y.to(x.dtype)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_sparsity", "magnitude_mask", "random_mask", "nm_mask", "nm_groups", "nm_ungroup", "global_sparsities"]
+__all__ = ["check_sparsity", "prune_lowest", "magnitude_mask", "random_mask", "nm_mask", "nm_groups", "nm_ungroup",
+           "global_sparsities"]
 
 
 def check_sparsity(sparsity: float, what: str = "sparsity") -> float:
@@ -20,25 +21,25 @@ def check_sparsity(sparsity: float, what: str = "sparsity") -> float:
     return float(sparsity)
 
 
-def _keep_largest(scores: torch.Tensor, prune: int) -> torch.Tensor:
+def prune_lowest(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """Keep-mask of ``scores`` (any shape) with its ``count`` lowest entries pruned. The sort is stable: equal
+    scores are pruned in index order, so masks are deterministic."""
     flat = scores.reshape(-1)
-    mask = torch.ones_like(flat, dtype=torch.bool)
-    if prune > 0:
-        # stable sort: equal scores are pruned in index order, so masks are deterministic
-        idx = torch.sort(flat, stable=True).indices[:prune]
-        mask[idx] = False
-    return mask.reshape(scores.shape)
+    keep = torch.ones_like(flat, dtype=torch.bool)
+    if count > 0:
+        keep[torch.sort(flat, stable=True).indices[:count]] = False
+    return keep.reshape(scores.shape)
 
 
 def magnitude_mask(w: torch.Tensor, sparsity: float) -> torch.Tensor:
     check_sparsity(sparsity)
-    return _keep_largest(w.detach().abs().float(), round(sparsity * w.numel()))
+    return prune_lowest(w.detach().abs().float(), round(sparsity * w.numel()))
 
 
 def random_mask(w: torch.Tensor, sparsity: float, seed: int = 0) -> torch.Tensor:
     check_sparsity(sparsity)
     scores = torch.rand(w.shape, generator=torch.Generator().manual_seed(seed))
-    return _keep_largest(scores, round(sparsity * w.numel())).to(w.device)
+    return prune_lowest(scores, round(sparsity * w.numel())).to(w.device)
 
 
 def nm_groups(x: torch.Tensor, m: int) -> torch.Tensor:

@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from workbench.pruning.masks import prune_lowest
 from workbench.quantization.experts import ExpertMatrix, expert_inputs
 from workbench.quantization.gptq import hessian, inverse_hessian_factor
 
@@ -71,15 +72,6 @@ def _check_nm(K: int, nm: tuple[int, int] | None, name: str) -> None:
         raise ValueError(f"{nm[0]}:{nm[1]} pruning of {name!r} needs its input size {K} to be a multiple of {nm[1]}")
 
 
-def _prune_lowest(scores: torch.Tensor, count: int) -> torch.Tensor:
-    """Keep-mask of ``scores`` (any shape) with its ``count`` lowest entries pruned (ties in index order)."""
-    flat = scores.reshape(-1)
-    keep = torch.ones_like(flat, dtype=torch.bool)
-    if count > 0:
-        keep[torch.sort(flat, stable=True).indices[:count]] = False
-    return keep.reshape(scores.shape)
-
-
 def _nm_keep(scores: torch.Tensor, n: int, m: int) -> torch.Tensor:
     """Keep the ``n`` highest of every ``m`` consecutive scores along the last dimension."""
     groups = scores.reshape(-1, m)                                                  # (groups, m)
@@ -97,7 +89,7 @@ def wanda_mask(weight: torch.Tensor, inputs, sparsity: float = 0.5, nm: tuple[in
         return _nm_keep(scores, *nm).to(weight.device)
     total = round(sparsity * N * K)
     per_row = [total // N + (1 if r < total % N else 0) for r in range(N)]          # exact count, even spread
-    keep = torch.stack([_prune_lowest(scores[r], per_row[r]) for r in range(N)])
+    keep = torch.stack([prune_lowest(scores[r], per_row[r]) for r in range(N)])
     return keep.to(weight.device)
 
 
@@ -128,7 +120,7 @@ def sparsegpt_prune(weight: torch.Tensor, inputs, sparsity: float = 0.5, nm: tup
         d = torch.diag(Hinv1)                                                          # (B,)
         if nm is None:   # this block's share of the exact total, chosen by OBS saliency
             count = round(total * i2 / K) - pruned
-            keep1 = _prune_lowest(W1.pow(2) / d.pow(2), count)
+            keep1 = prune_lowest(W1.pow(2) / d.pow(2), count)
             pruned += count
         else:
             keep1 = torch.ones_like(W1, dtype=torch.bool)

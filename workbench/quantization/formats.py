@@ -36,11 +36,11 @@ from workbench.quantization.primitives import (
     FLOAT8_DTYPES,
     PerChannel,
     choose_qparams,
+    dequantize_packed,
     float8_quantize,
     fp16_scale,
     nf4_codebook,
     nf4_codes,
-    nf4_dequantize,
     qrange,
     quantize,
 )
@@ -111,12 +111,6 @@ def padded_groups(w: torch.Tensor, g: int) -> torch.Tensor:
     return w.reshape(-1, g)
 
 
-def _unpack_padded(q: torch.Tensor, bits: int, K: int, width: int) -> torch.Tensor:
-    """K codes per row, padded with zeros to ``width`` (a whole number of groups); no copy when K == width."""
-    codes = packing.unpack(q, bits, K)
-    return codes if width == K else torch.nn.functional.pad(codes, (0, width - K))
-
-
 @register_format
 @dataclass(frozen=True)
 class IntFormat(WeightFormat):
@@ -159,14 +153,9 @@ class IntFormat(WeightFormat):
         return t["zero"].float() if "zero" in t else torch.full_like(scale, float(1 << (self.bits - 1)))
 
     def decode(self, t: dict[str, torch.Tensor], K: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        q = t["qweight"]
-        rows = q.shape[0]
         scale = t["scale"].float()                                                 # (rows, G)
-        g, G = self.groups(K)
-        codes = _unpack_padded(q, self.slot_bits, K, G * g)                        # (rows, G * g) uint8
-        zero = self._zero(t, scale)
-        w = (codes.reshape(rows, G, g).float() - zero.unsqueeze(-1)) * scale.unsqueeze(-1)
-        return w.reshape(rows, G * g)[:, :K].to(dtype)
+        w = dequantize_packed(t["qweight"], self.slot_bits, K, scale, self.groups(K)[0], self._zero(t, scale))
+        return w.to(dtype)
 
     @property
     def triton_kind(self) -> str | None:
@@ -211,12 +200,8 @@ class NF4Format(WeightFormat):
                 "scale": torch.empty(rows, G, dtype=torch.float16, device=device)}
 
     def decode(self, t: dict[str, torch.Tensor], K: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        q = t["qweight"]
-        rows = q.shape[0]
-        g, G = self.groups(K)
-        codes = _unpack_padded(q, 4, K, G * g).reshape(rows * G, g)
-        w = nf4_dequantize(codes, t["scale"].float().reshape(-1, 1), None)        # (rows * G, g)
-        return w.reshape(rows, G * g)[:, :K].to(dtype)
+        w = dequantize_packed(t["qweight"], 4, K, t["scale"].float(), self.groups(K)[0], lut=nf4_codebook())
+        return w.to(dtype)
 
     def cpu_layout(self, t: dict[str, torch.Tensor], K: int) -> dict:
         return {"qweight": t["qweight"].contiguous(), "scale": t["scale"].float().contiguous(), "zero": None,

@@ -30,11 +30,14 @@ from dataclasses import dataclass
 
 import torch
 
+from workbench.quantization.packing import unpack
+
 __all__ = [
     "PerTensor", "PerChannel", "PerGroup", "PerToken", "Granularity",
     "qrange", "to_groups", "from_groups", "choose_qparams", "quantize", "dequantize", "fake_quantize",
     "quantize_affine", "dequantize_affine", "float8_quantize", "float8_dequantize", "FLOAT8_DTYPES",
-    "nf4_codebook", "nf4_quantiles", "nf4_codes", "nf4_quantize", "nf4_dequantize", "fp16_scale",
+    "nf4_codebook", "nf4_quantiles", "nf4_codes", "nf4_quantize", "nf4_dequantize", "dequantize_packed",
+    "fp16_scale",
     "quantize_per_token", "quantize_per_tensor", "sqnr",
 ]
 
@@ -252,6 +255,32 @@ def nf4_dequantize(codes: torch.Tensor, scale: torch.Tensor, group_size: int | N
         return (nf4_codebook().to(codes.device)[codes.long()] * scale).to(dtype)
     gran = PerGroup(group_size)
     return from_groups(nf4_dequantize(to_groups(codes, gran), scale, None, dtype), codes.shape, gran)
+
+
+def dequantize_packed(qweight: torch.Tensor, bits: int, K: int, scale: torch.Tensor, group_size: int,
+                      zero: torch.Tensor | float | None = None, lut: torch.Tensor | None = None,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The stored weight ``(rows, K)`` of a grouped low-bit format, computed in ``dtype``: every weight format, every
+    kernel's PyTorch reference and the modules decode with this one function.
+
+    ``qweight`` holds the codes ``u`` packed ``bits`` per slot along the last dimension (`packing.pack`; 3-bit codes
+    sit in 4-bit slots), ``scale`` is ``(rows, G)`` with ``G = ceil(K / group_size)`` (a short last group), and
+
+        w[n, k] = (u[n, k] - z[n, k // g]) * s[n, k // g]    or, with a codebook ``lut``:    lut[u[n, k]] * s[n, k // g]
+
+    ``zero`` is the stored zero points ``(rows, G)`` or one number (a symmetric format's mid-point ``2^(b-1)``)."""
+    rows, G = qweight.shape[0], scale.shape[-1]
+    codes = unpack(qweight, bits, K)                                                   # (rows, K) uint8
+    if G * group_size != K:
+        codes = torch.nn.functional.pad(codes, (0, G * group_size - K))
+    codes = codes.reshape(rows, G, group_size)
+    if lut is not None:
+        values = lut.to(device=codes.device, dtype=dtype)[codes.long()]
+    elif zero is None:
+        raise ValueError("dequantize_packed needs the zero points (a tensor or a number) or a codebook (lut)")
+    else:
+        values = codes.to(dtype) - (zero.to(dtype).reshape(rows, G, 1) if isinstance(zero, torch.Tensor) else zero)
+    return (values * scale.to(dtype).reshape(rows, G, 1)).reshape(rows, G * group_size)[:, :K]
 
 
 # --- int8 activations (W8A8) ----------------------------------------------------------------------------

@@ -78,11 +78,7 @@ class _QATMixin:
 
     def _groups(self, w2d: torch.Tensor) -> torch.Tensor:
         """``(rows, K)`` -> ``(rows * ceil(K / g), g)``, a short last group zero-padded (as `formats` stores it)."""
-        K = w2d.shape[1]
-        g = K if self.group_size is None else self.group_size
-        if K % g:
-            w2d = F.pad(w2d, (0, g - K % g))
-        return w2d.reshape(-1, g)
+        return fm.padded_groups(w2d, w2d.shape[1] if self.group_size is None else self.group_size)
 
     def fake_weight(self) -> torch.Tensor:
         w2d = self.weight.reshape(self.weight.shape[0], -1)

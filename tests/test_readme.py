@@ -138,10 +138,10 @@ PARSED_ONLY = {   # command -> why it is not run; its arguments are parsed by th
     "python -m workbench.benchmarks.quantization --calib 64": "tiny-lm and MiniLM x 11 plans: minutes",
     "python -m workbench.benchmarks.quantization --models tiny-lm --calib 32 --threads 1 --methods rtn gptq awq "
     "--pipelines sequential original": "tiny-lm x 3 methods x 2 pipelines: two minutes",
-    "python -m workbench.kernels.bench_cpu": "4096-wide layers and a decode loop, interleaved rounds: a minute",
-    "python -m workbench.kernels.bench_cpu --gemv": "four LLM layer shapes x 8 paths with a 1 GiB read, interleaved "
-                                                    "rounds: a minute (tests/kernels/test_act_int8_cpu.py runs it "
-                                                    "small)",
+    "python -m workbench.benchmarks.kernels_cpu": "4096-wide layers and a decode loop, interleaved rounds: a minute",
+    "python -m workbench.benchmarks.kernels_cpu --gemv": "four LLM layer shapes x 8 paths with a 1 GiB read, "
+                                                         "interleaved rounds: a minute "
+                                                         "(tests/kernels/test_act_int8_cpu.py runs it small)",
     "python -m workbench.benchmarks.memory --arch llama-200m --load": "in-place GPTQ of a 254 M Llama: a minute "
     "(tests/plans/test_memory_bound.py runs it)",
     "python -m workbench.benchmarks.quantization --models tiny-llama --calib 32 --threads 1 --methods rtn gptq awq "
@@ -154,8 +154,8 @@ PARSED_ONLY = {   # command -> why it is not run; its arguments are parsed by th
     "python -m workbench.benchmarks.experts": "1024-wide experts x 3 paths x 15 interleaved rounds: half a minute "
                                               "(tests/benchmarks/test_benchmarks_arch.py runs it small)",
     "python -m workbench.benchmarks.honest": "five models x interleaved rounds: a minute",
-    "python -m workbench.kernels.bench": "every kernel at Llama sizes (GPU) or MiniLM W8A8 (CPU): minutes",
-    "python -m workbench.kernels.bench --cpu": "MiniLM W8A8 at 32 x 128 tokens, one thread, 8 interleaved runs: "
+    "python -m workbench.benchmarks.kernels": "every kernel at Llama sizes (GPU) or MiniLM W8A8 (CPU): minutes",
+    "python -m workbench.benchmarks.kernels --cpu": "MiniLM W8A8 at 32 x 128 tokens, one thread, 8 interleaved runs: "
                                                "minutes",
     "python -m workbench.export.llama_cpp": "tiny-llama decode in llama.cpp and the workbench at f32 / q8_0 / q4_0, "
                                             "2 thread counts x 7 interleaved rounds: a minute and a half "

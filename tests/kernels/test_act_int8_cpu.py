@@ -147,7 +147,7 @@ def test_saved_and_loaded_keeps_the_kernel(tmp_path):
 
 
 def test_gemv_table_smoke():
-    from workbench.kernels.bench_cpu import gemv_table
+    from workbench.benchmarks.kernels_cpu import gemv_table
 
     df = gemv_table(shapes=((64, 128),), formats=((4, 32),), rounds=2, bandwidth_gib=0.01)
     assert list(df["path"]) == ["fp32", "bf16", "int4 g32 cpu", "int4 g32 cpu-int8"]

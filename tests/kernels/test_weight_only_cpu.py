@@ -1,7 +1,8 @@
 """workbench.kernels.weight_only_cpu against its PyTorch reference: every format it takes, ragged shapes (K, N and group
 sizes that are not multiples of the vector width, short last groups), both paths (decode: fp32 within 1e-5;
 prefill: bit for bit the reference's decoded weight times the same GEMM), each ISA this CPU has, two threads,
-fp16 / bf16 inputs, bad inputs refused by name; plus smoke runs of the benchmarks in workbench.kernels.bench_cpu."""
+fp16 / bf16 inputs, bad inputs refused by name; plus smoke runs of the benchmarks in
+workbench.benchmarks.kernels_cpu."""
 import math
 
 import pytest
@@ -143,7 +144,7 @@ def test_a_failed_build_says_what_is_missing(monkeypatch):
 
 
 def test_layer_benchmark_smoke():
-    from workbench.kernels import bench_cpu
+    from workbench.benchmarks import kernels_cpu as bench_cpu
 
     df = bench_cpu.weight_only_table(256, 64, ms=(1, 20), rounds=1)
     assert set(df["M"]) == {1, 20} and (df["ms"] > 0).all() and (df["ms_min"] <= df["ms_max"]).all()
@@ -158,7 +159,7 @@ def test_decode_benchmark_smoke_on_a_hugging_face_llama():
     """Any causal LM: a Hugging Face model from a small random config generates with its KV cache."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from workbench.kernels import bench_cpu
+    from workbench.benchmarks import kernels_cpu as bench_cpu
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -182,7 +183,7 @@ def test_measure_reports_tokens_per_s_for_causal_lms_only():
 
 def test_the_path_crossover_follows_the_weights_size():
     """Small weights (decoded whole and kept in cache for cheap) switch to decode + GEMM after a few rows, large
-    ones after 16 (the crossovers measured in workbench/kernels/README.md); the default call takes exactly the
+    ones after 16 (the crossovers measured in docs/kernels.md); the default call takes exactly the
     path its weight's `prefill_rows` names."""
     assert wk.prefill_rows_for(192, 192) == 2 and wk.prefill_rows_for(576, 192) == 3
     assert wk.prefill_rows_for(512, 512) == 7 and wk.prefill_rows_for(4096, 4096) == wk.PREFILL_ROWS == 16
@@ -377,7 +378,7 @@ def test_amx_bf16_prefill_is_the_references_bf16_math(fmt):
 def test_split_table_smoke():
     """`bench_cpu --split`'s table: one row per shape, format and M with both paths and fp32 timed side by side;
     refused by name on a CPU without AMX (there would be no split path to compare)."""
-    from workbench.kernels.bench_cpu import split_table
+    from workbench.benchmarks.kernels_cpu import split_table
 
     if not wk.split_available():
         with pytest.raises(RuntimeError, match="AMX"):

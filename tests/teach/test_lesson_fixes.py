@@ -116,7 +116,7 @@ def test_entropy_and_restoring_factor_checkers_reject_plausible_mistakes():
 def test_lesson_50_ceiling_divides_weight_bytes_by_weight_bytes():
     """The bench's byte-ratio ceiling leaves the bias out of both sides: int4 with an fp16 scale per 64 weights
     is 32 / 4.25 = 7.53 (not fp32 weight bytes over quantized bytes with bias)."""
-    from workbench.kernels.bench import cpu_layer_table
+    from workbench.benchmarks.kernels import cpu_layer_table
 
     t = cpu_layer_table({"small": (128, 64)}, ms=(1,), rounds=1, paths=("fp32", "int4 g64 weight-only"))
     ceiling = t.set_index("path")["ceiling"]

@@ -260,7 +260,7 @@ def decode_table(model: str | nn.Module = "tiny-llama", formats: Sequence[str] =
                  head: str | None = None, compile: bool = True):
     """Tokens per second of greedy batch-1 decoding of the same weights in llama.cpp (from the workbench's GGUF) and
     in the workbench, and fp32 in PyTorch as the baseline, beside the machine's read-bandwidth ceiling: for each
-    thread count every path and the bandwidth probe run in interleaved rounds (`workbench.kernels.bench_cpu.
+    thread count every path and the bandwidth probe run in interleaved rounds (`workbench.benchmarks.kernels_cpu.
     interleaved`; the untimed first call of each is its warm-up), median / min / max.
 
     ``model``: a zoo name (``"tiny-llama"``), a `BUILT_IN` name (``"llama-480m"``: TinyLlama-1.1B's shape with 8
@@ -290,7 +290,7 @@ def decode_table(model: str | nn.Module = "tiny-llama", formats: Sequence[str] =
     import pandas as pd
 
     import workbench as wb
-    from workbench.kernels.bench_cpu import interleaved
+    from workbench.benchmarks.kernels_cpu import interleaved
     from workbench.measurement import num_threads
     from workbench.measurement.decode import vocab_size
     from workbench.models import source_of
@@ -405,7 +405,7 @@ def _time_paths(paths: list[_Path], exported: dict[str, Path], prompt: torch.Ten
 def main(argv=None) -> None:
     import importlib.metadata
 
-    from workbench.kernels.bench import environment
+    from workbench.benchmarks.kernels import environment
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny-llama", help=f"a zoo name or {' / '.join(BUILT_IN)}")

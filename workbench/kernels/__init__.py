@@ -21,11 +21,12 @@ launches, a reference, and a ``torch.library`` custom op with a fake implementat
 `isa` says which x86 instruction sets the CPU code may use and how one machine runs as another CPU class (the caps
 of PyTorch, oneDNN, MKL and these kernels; ``make test-isa``).
 
-`bench` is ``python -m workbench.kernels.bench`` (results in workbench/kernels/README.md). The quantized modules of
+Their benchmarks live in `workbench.benchmarks` (``kernels``, ``kernels_cpu``, ``kernels_e2e``; the measurements in
+docs/kernels.md), outside this package: the kernels import nothing above them. The quantized modules of
 `workbench.quantization` call the Triton kernels with ``kernel="triton"`` and `w8a8_cpu` with ``kernel="cpu"``.
 Importing this package does not import Triton or initialise CUDA: each kernel module imports Triton when it is
 imported. `triton_available` is what the quantized modules ask before they pick a Triton kernel.
 """
-from workbench.kernels._common import triton_available
+from workbench.kernels._common import chosen_config, graph_bench, triton_available
 
-__all__ = ["triton_available"]
+__all__ = ["triton_available", "graph_bench", "chosen_config"]

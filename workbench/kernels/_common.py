@@ -27,7 +27,8 @@ from typing import Callable, Iterable
 
 import torch
 
-__all__ = ["INTERPRET", "configs", "graph_bench", "check", "check_same_device", "triton_available", "require_triton",
+__all__ = ["INTERPRET", "configs", "graph_bench", "chosen_config", "check", "check_same_device", "triton_available",
+           "require_triton",
            "cdiv", "SMALL_M", "GEMV_M", "split_k_configs", "gemv_configs", "m_bucket", "fit_m_bucket",
            "check_pinned_config", "launch_split_k", "extension_build_dir", "extension_libraries", "build_extension",
            "BuildRecord", "last_build", "extension_or_raise"]
@@ -136,6 +137,15 @@ GEMV_M = 1     # M <= GEMV_M runs the GEMV kernels (no tl.dot, no padding of M t
                # an H100 (int8 0.99x vs 1.45x bf16, int4 0.55x vs 1.88x on 4096 x 14336)
 _PREFILL_TILES = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 128, 8, 3), (64, 256, 64, 8, 4),
                   (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (64, 64, 128, 4, 5)]  # (M, N, K blocks, warps, stages)
+
+
+def chosen_config(module, M: int) -> dict | None:
+    """The blocking the autotuner of kernel module ``module`` (`int4_weight_only`, `int8_weight_only`) chose for its
+    last call at ``M`` rows: tile sizes, warps and stages; None before any call (or for a kernel without tuners)."""
+    tuner = (getattr(module, "_kernel_gemv", None) if M <= GEMV_M else None) or \
+        getattr(module, "_kernel_small_m" if M <= SMALL_M else "_kernel_large_m", None)
+    best = getattr(tuner, "best_config", None)
+    return None if best is None else {**best.kwargs, "warps": best.num_warps, "stages": best.num_stages}
 
 
 def split_k_configs(small_m: bool, decode_tiles: Iterable[tuple[int, int, int, int]]) -> list:

@@ -240,7 +240,7 @@ def uses_cublas(out_dtype: torch.dtype, qweight: torch.Tensor, bias: torch.Tenso
     `fp8_scaled_mm`: on a real GPU (not the interpreter), for bf16 activations (row-wise scaling in
     ``_scaled_mm`` produces bf16) and e4m3 weights, with a bf16 bias or none. Measured on an H100 (graph-timed,
     the same Triton quantizer in front of both): cuBLASLt 0.77-0.86x the Triton GEMM's time at M >= 1024 on
-    Llama shapes and within a few percent at M <= 256 (kernels/README.md, GPU, third pass)."""
+    Llama shapes and within a few percent at M <= 256 (docs/kernels.md, GPU, third pass)."""
     return (not INTERPRET and qweight.is_cuda and out_dtype == torch.bfloat16
             and qweight.dtype == torch.float8_e4m3fn and qweight.is_contiguous()
             and (bias is None or bias.dtype == torch.bfloat16)

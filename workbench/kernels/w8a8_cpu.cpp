@@ -336,7 +336,7 @@ torch::Tensor w8a8_linear(const torch::Tensor& x, const torch::Tensor& wt, const
 // The whole call of a W8A8Linear: x of any shape (..., K) and float dtype, the result in x's dtype and shape; the
 // scale, bias and static activation scale taken as fp32 whatever their dtype and shape. One C++ call instead of
 // the Python that did the same reshapes and casts: on the layers of a small MLP (64 rows, 64-256 wide) that
-// Python was about half the layer's time (workbench/kernels/README.md). No autograd graph is recorded.
+// Python was about half the layer's time (docs/kernels.md). No autograd graph is recorded.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wt, const torch::Tensor& ws,
                      const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& act_scale,
                      int64_t block_rows, const std::string& isa_name) {

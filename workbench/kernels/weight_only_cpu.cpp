@@ -121,7 +121,7 @@ inline void codes32_in_order(const uint8_t* q, int64_t k, int bits, __m128i& c0,
 
 // Decode paths read the weight as one stream (rows are contiguous) and prefetch this far ahead of it: one core's
 // stream of a weight that is not in cache otherwise stalls on memory latency at a fraction of the bandwidth
-// (4096 x 4096 int4 g128 at M = 1 from DRAM: 2.9 ms without, 1.0 ms with; workbench/kernels/README.md).
+// (4096 x 4096 int4 g128 at M = 1 from DRAM: 2.9 ms without, 1.0 ms with; docs/kernels.md).
 constexpr int64_t kPrefetchBytes = 4096;
 
 // ---------------------------------------------------------------------------------------------------------
@@ -697,7 +697,7 @@ torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& scale, const c
 // and a bf16 GEMM - what the reference computes for bf16 inputs. fp32: 8 MB rather than 2: a weight up to 2 M
 // values (every Linear of MiniLM, tiny-lm, tiny-llama) is one block - one GEMM, no output copy - and wider blocks
 // keep the GEMM efficient on big layers. bf16: 2 MB blocks (1 M values) measured faster than 4 MB ones on big
-// layers (workbench/kernels/README.md).
+// layers (docs/kernels.md).
 torch::Tensor prefill(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
                       const c10::optional<torch::Tensor>& zero, const c10::optional<torch::Tensor>& lut,
                       int64_t bits, int64_t group, const c10::optional<torch::Tensor>& bias, int64_t block_rows,
@@ -714,7 +714,7 @@ torch::Tensor prefill(const torch::Tensor& x, const torch::Tensor& q, const torc
   const Kernels kern = kernels_for(use);
   if (M == 0 || N == 0) return torch::empty({M, N}, x.options());
   // fp32 blocks of ~8 MB; bf16 blocks of ~2 MB (a core's L2 here): the bf16 GEMM runs ~4x faster than fp32 on
-  // AMX, so the decoded block must still be in cache when it is read (measured in workbench/kernels/README.md)
+  // AMX, so the decoded block must still be in cache when it is read (measured in docs/kernels.md)
   const int64_t block_bytes = bf16 ? (int64_t{2} << 20) / 2 : (int64_t{8} << 20) / 4;
   const int64_t nb = std::min(N, block_rows > 0 ? block_rows : std::max<int64_t>(block_bytes / K / 16 * 16, 16));
   thread_local std::vector<float> scratch;
@@ -764,7 +764,7 @@ torch::Tensor prefill(const torch::Tensor& x, const torch::Tensor& q, const torc
 //   y[m, n] = sum_g s[n, g] * sum_{k in g} (x1 + x2 + x3)[m, k] (u[n, k] - z[n, g])      (+ bias[n])
 // - the reference's sum of x (u - z) s in another order, with fp32 rounding (tests: as close to an fp64 result
 // as the reference's own fp32 GEMM). Three bf16 passes on AMX cost less than one fp32 GEMM on AVX-512 here
-// (workbench/kernels/README.md). Orientation: the brgemm's A is a block of decoded weight rows (bf16 integers,
+// (docs/kernels.md). Orientation: the brgemm's A is a block of decoded weight rows (bf16 integers,
 // row-major as stored), its B the parts of x packed in AMX's pair-interleaved (VNNI) layout, 64 rows of x at a
 // time; C is y transposed, scaled per group into an (N, M) fp32 accumulator, transposed once at the end.
 bool split_available() { return at::native::cpublas::could_pack(at::kBFloat16); }
@@ -1208,7 +1208,7 @@ torch::Tensor prefill_amx(const torch::Tensor& x, const torch::Tensor& q, const 
 
 // fp32 x on weights that stay in cache: blocks of decoded fp32 weight rows - the reference's values bit for bit -
 // times x^T by oneDNN's fp32 brgemm (PyTorch's cpublas), whose AVX-512 micro-kernels multiply these small shapes
-// 1.2-4.6x faster than the fp32 GEMM behind F.linear (MKL; measured side by side in workbench/kernels/README.md).
+// 1.2-4.6x faster than the fp32 GEMM behind F.linear (MKL; measured side by side in docs/kernels.md).
 // Orientation as in the split path: A is a block of decoded weight rows as stored, B x transposed (64 rows of x at
 // a time), C y transposed, stored into y with the bias. Every format the decode takes (any bits, group, NF4).
 bool brgemm_f32_here() {
@@ -1286,7 +1286,7 @@ torch::Tensor prefill_f32(const torch::Tensor& x, const torch::Tensor& q, const 
 // dtype (the rules and thresholds are worked out in weight_only_cpu.py, once per packed weight, and passed in),
 // the result in x's dtype and shape. One C++ call instead of the Python it replaces (reshape, dtype and
 // contiguity checks, view): ~3 us less per call, which on layers of a few hundred values wide is a measurable
-// share of the call (workbench/kernels/README.md). No autograd graph is recorded.
+// share of the call (docs/kernels.md). No autograd graph is recorded.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
                      const c10::optional<torch::Tensor>& zero, const c10::optional<torch::Tensor>& lut, int64_t bits,
                      int64_t group, int64_t K, const c10::optional<torch::Tensor>& scale16, double zconst,

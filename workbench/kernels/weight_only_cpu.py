@@ -8,7 +8,7 @@ The math (the numbers of ``WeightOnlyLinear``'s reference path, fp32)::
     y[m, n] = sum_k x[m, k] w[n, k] + bias[n]
 
 Four paths, picked per call by the number of rows M of x and the weight (`CpuWeight.split_rows`,
-`CpuWeight.prefill_rows`, `CpuWeight.brgemm_rows`; defaults from measurements in ``workbench/kernels/README.md``):
+`CpuWeight.prefill_rows`, `CpuWeight.brgemm_rows`; defaults from measurements in ``docs/kernels.md``):
 
 - **split** (fp32 x, a CPU with AMX, integer codes with integer zero points, `SPLIT_MIN_ROWS` < M <=
   `split_rows_for`: weights of ~0.5 M values and more, and smaller ones per channel or in groups of >= 64 from
@@ -50,7 +50,7 @@ bf16 activations (fp32 ones fall to a scalar loop), keep scales and zeros in bf1
 take int4 with groups that are multiples of 32 only (no asymmetric uint8 zero as such, no NF4 / int2). Speed
 depends on the CPU: on an AVX2 machine they ran at 2.6 ms (int4) / 2.4 ms (int8) for a 4096 x 4096 layer at M = 1
 where this kernel took 2.1 / 2.0; on an AVX-512 + AMX Xeon (three runs) aten's int4 took 1.0-1.1 ms against this
-kernel's 1.3 and its int8 1.5-1.9 against 1.65-1.84 (`python -m workbench.kernels.bench_cpu` measures all of them
+kernel's 1.3 and its int8 1.5-1.9 against 1.65-1.84 (`python -m workbench.benchmarks.kernels_cpu` measures all of them
 side by side).
 
 Vector code chosen at run time (``cpu_isa()``; ``WORKBENCH_CPU_ISA`` caps it, `workbench.kernels.isa`): AVX-512
@@ -102,14 +102,14 @@ _NAME = "workbench_weight_only_cpu"
 _WHAT = "CPU weight-only kernel"
 log = logging.getLogger(__name__)
 # Rows of x above which the whole weight is decoded once and an fp32 GEMM runs. Measured on this machine's
-# 4096 x 4096 layer, one thread (workbench/kernels/README.md): the decode path costs ~0.35 ms per extra row of x,
+# 4096 x 4096 layer, one thread (docs/kernels.md): the decode path costs ~0.35 ms per extra row of x,
 # the fp32
 # GEMM ~0.6 ms per row plus the decode (~25 ms for int4): the paths cross near 16 rows (a per-row dot product
 # that streams x from L2 cannot match a blocked GEMM).
 PREFILL_ROWS = 16
 # A small weight is cheap to decode whole, and its fp32 copy stays in cache: the decode path's unblocked dot
 # products lose to decode + GEMM at far fewer rows. Measured crossovers on this machine (one thread, int4 g64 and
-# int8, interleaved medians; workbench/kernels/README.md): 192 x 192 and 576 x 192 near 3 rows, 512 x 512 near 5,
+# int8, interleaved medians; docs/kernels.md): 192 x 192 and 576 x 192 near 3 rows, 512 x 512 near 5,
 # 1024 x 512 above 6, 4096 x 4096 near 16 - about one row per `_VALUES_PER_ROW` weight values, between 2 and 16.
 _VALUES_PER_ROW = 40_000
 # The split path (fp32 x on AMX) runs above SPLIT_MIN_ROWS rows of x (at 8 rows it ties the decode path) up to
@@ -216,7 +216,7 @@ def split_eligible(w: "CpuWeight") -> bool:
 
 def split_rows_for(w: "CpuWeight", bf16: bool = False) -> int:
     """Rows of x up to which the split path runs for ``w`` (above `SPLIT_MIN_ROWS`; 0: never), from the
-    side-by-side measurements in workbench/kernels/README.md (one thread, against what runs without it).
+    side-by-side measurements in docs/kernels.md (one thread, against what runs without it).
 
     fp32 x (three parts; one brgemm chain per group, so short groups cost chains): on weights of ~0.5 M values
     and more it is 1.6-2.8x faster per channel and 1.1-1.7x with groups of 64 and more from 16 rows up: up to

@@ -37,7 +37,7 @@ A model that cannot ``generate`` (not a Hugging Face ``GenerationMixin``) gets a
 
 Two entry points: `tokens_per_second` (Hugging Face models, prefill and decode rates separately, used by the
 tiny-llama task and its tests) and `tokens_per_s` (any causal LM, one number). `wb.measure(...,
-generate_tokens=n)` records `tokens_per_s` as ``Metrics.tokens_per_s``; `workbench.kernels.bench_cpu` compares
+generate_tokens=n)` records `tokens_per_s` as ``Metrics.tokens_per_s``; `workbench.benchmarks.kernels_cpu` compares
 paths with `greedy`.
 """
 from __future__ import annotations

@@ -322,7 +322,7 @@ def slowdown_reasons(metrics: Metrics) -> list[str]:
         reasons.append(f"{weight_only_cpu} layer(s) ran the CPU weight-only kernel at batch {metrics.batch_size}: it "
                        f"widens every code to fp32 on each call, which pays off when reading the weights is the "
                        f"cost (decode, large layers) and can cost more than a small layer's fp32 matmul "
-                       f"(workbench/kernels/README.md, CPU weight-only)")
+                       f"(docs/kernels.md, CPU weight-only)")
     # fp16 bytes that are not just the scales of integer codes (an int2 g16 layer holds half as many scale bytes
     # as code bytes): layers stored or cast to fp16
     integer = sum(n for k, n in metrics.dtypes.items() if k.startswith(("int", "uint")))

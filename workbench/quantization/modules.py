@@ -516,7 +516,7 @@ class WeightOnlyLinear(_FollowsDevice, _PackedWeight):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., in)
         # (module attributes are read from nn.Module's own dicts: on small layers the per-call Python cost is a
-        # measurable share of the whole forward, see workbench/kernels/README.md)
+        # measurable share of the whole forward, see docs/kernels.md)
         smooth, perm = self._buffers.get("smooth"), self._buffers.get("perm")
         if smooth is not None:
             x = x / smooth.to(x.dtype)
@@ -708,7 +708,7 @@ class W8A8Linear(_FollowsDevice, nn.Module):
         self.kernel_request = kernel
         if self.kernel == "triton" and not self.qweight_t.t().is_contiguous():
             # K-major codes (the transposed view of an (out, in) row-major tensor), the B layout Hopper's int8
-            # wgmma takes: the Triton GEMM ran 2.5x slower on (in, out) row-major codes (kernels/README.md, GPU)
+            # wgmma takes: the Triton GEMM ran 2.5x slower on (in, out) row-major codes (docs/kernels.md, GPU)
             self.qweight_t = self.qweight_t.t().contiguous().t()
         return self
 

@@ -1,4 +1,4 @@
-"""Kernel benchmarks: ``python -m workbench.kernels.bench [--cpu] [--gpu] [--csv workbench/kernels/results.csv]``
+"""Kernel benchmarks: ``python -m workbench.benchmarks.kernels [--cpu] [--gpu] [--csv data/benchmarks/kernels.csv]``
 
 GPU (CUDA): every Triton kernel against ``torch.matmul`` in bf16 (cuBLAS) and against torchao's matching
 configuration where torchao is installed, on weight shapes from real models (MiniLM 384x1536 and 1536x384;
@@ -32,6 +32,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from workbench.paths import data_dir
+
 SHAPES = {"minilm.ffn_in": (384, 1536), "minilm.ffn_out": (1536, 384), "llama.qkvo": (4096, 4096),
           "llama.up": (4096, 14336), "llama.down": (14336, 4096)}
 MS = (1, 4, 16, 64, 256, 2048)
@@ -47,7 +49,7 @@ def _median_ms(fn, device: torch.device, runs: int = 20, warmup: int = 3, eager:
     if device.type == "cuda":
         import triton.testing
 
-        from workbench.kernels._common import graph_bench
+        from workbench.kernels import graph_bench
 
         if eager:
             return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
@@ -201,16 +203,11 @@ def _torchao_call(name: str, lin, x: torch.Tensor, compile: bool):
 
 def _best_config(name: str, M: int) -> str:
     """The blocking the autotuner chose for the last call of weight-only kernel ``name`` at ``M`` rows ('' if none)."""
-    from workbench.kernels import _common, int4_weight_only, int8_weight_only
+    from workbench.kernels import chosen_config, int4_weight_only, int8_weight_only
 
     module = {"int4_g128": int4_weight_only, "int8_weight_only": int8_weight_only}.get(name)
-    if module is None:
-        return ""
-    tuner = (getattr(module, "_kernel_gemv", None) if M <= _common.GEMV_M else None) or \
-        (module._kernel_small_m if M <= _common.SMALL_M else module._kernel_large_m)
-    best = getattr(tuner, "best_config", None)
-    return "" if best is None else " ".join(f"{k}={v}" for k, v in {**best.kwargs, "warps": best.num_warps,
-                                                                       "stages": best.num_stages}.items())
+    best = None if module is None else chosen_config(module, M)
+    return "" if best is None else " ".join(f"{k}={v}" for k, v in best.items())
 
 
 def gpu_table(shapes: dict | None = None, ms=MS, kernels=KERNELS, device: str | torch.device = "cuda",
@@ -359,14 +356,14 @@ def cpu_layer_table(shapes: dict | None = None, ms=(1, 32, 512), threads: int = 
 
 
 def gpu_results(path: str | Path | None = None, timing: str | None = None):
-    """The GPU rows of a results CSV written by ``python -m workbench.kernels.bench`` (default:
-    workbench/kernels/results.csv);
+    """The GPU rows of a results CSV written by ``python -m workbench.benchmarks.kernels`` (default:
+    data/benchmarks/kernels.csv);
     an empty frame when none were recorded (no GPU run yet), the newest run first. ``timing``: keep the rows whose
     ``timing`` column starts with it (``"CUDA-graph"``: GPU time; ``"eager"``: Python calls, host launch overhead
     included)."""
     import pandas as pd
 
-    path = Path(__file__).resolve().parent / "results.csv" if path is None else Path(path)
+    path = data_dir() / "benchmarks" / "kernels.csv" if path is None else Path(path)
     if not path.is_file():
         return pd.DataFrame()
     df = pd.read_csv(path)
@@ -416,7 +413,7 @@ def main(argv=None) -> None:
     p.add_argument("--ms", nargs="+", type=int, default=list(MS))
     p.add_argument("--kernels", nargs="+", choices=list(KERNELS), default=list(KERNELS))
     p.add_argument("--threads", type=int, default=1, help="CPU threads for --cpu (default 1)")
-    p.add_argument("--csv", default="workbench/kernels/results.csv",
+    p.add_argument("--csv", default="data/benchmarks/kernels.csv",
                    help="results file: the run's rows are appended, earlier rows kept")
     p.add_argument("--run", default=None, help="label of this run's rows (default: the parts and the time)")
     p.add_argument("--no-torchao-compile", action="store_true",
@@ -426,7 +423,7 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     if a.malloc_keep and not _malloc_kept():
         args = [x for x in (sys.argv[1:] if argv is None else argv) if x != "--malloc-keep"]
-        os.execve(sys.executable, [sys.executable, "-m", "workbench.kernels.bench", *args, "--malloc-keep"],
+        os.execve(sys.executable, [sys.executable, "-m", "workbench.benchmarks.kernels", *args, "--malloc-keep"],
                   {**os.environ, **MALLOC_KEEP})
     run_gpu = a.gpu or (not a.cpu and torch.cuda.is_available())
     run_cpu = a.cpu or not torch.cuda.is_available()

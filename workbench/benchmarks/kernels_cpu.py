@@ -1,4 +1,5 @@
-"""CPU benchmarks of the weight-only paths: ``python -m workbench.kernels.bench_cpu [--model tiny-lm] [--threads 1]``
+"""CPU benchmarks of the weight-only paths:
+``python -m workbench.benchmarks.kernels_cpu [--model tiny-lm] [--threads 1]``
 
 1. `weight_only_table`: one Linear (default 4096 x 4096) at M = 1, 16, 256 rows of x: fp32 and bf16 ``F.linear``;
    int8 per-channel and int4 g128 weight-only layers as the package builds them (``kernel="auto"``, the default:
@@ -333,7 +334,7 @@ def decode_tokens_per_s(model: nn.Module | str = "tiny-lm", new_tokens: int = 64
 
 
 def main(argv=None) -> None:
-    from workbench.kernels.bench import environment
+    from workbench.benchmarks.kernels import environment
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny-lm", help="causal-LM zoo name for the decode benchmark")

@@ -1,11 +1,11 @@
-"""Smoke tests of `python -m workbench.kernels.bench`: the functions run and produce well-formed tables (tiny sizes;
-under the Triton interpreter on CPU the kernel times mean nothing, only the plumbing is checked)."""
+"""Smoke tests of `python -m workbench.benchmarks.kernels`: the functions run and produce well-formed tables (tiny
+sizes; under the Triton interpreter on CPU the kernel times mean nothing, only the plumbing is checked)."""
 import math
 
 import pytest
 import torch
 
-from workbench.kernels import bench
+from workbench.benchmarks import kernels as bench
 from workbench.kernels._common import triton_available
 
 
@@ -62,7 +62,7 @@ def test_decode_rows_plumbing():
     """`bench_e2e.decode_rows` on the CPU (bf16; the quantized plans run the Triton kernels, under the interpreter
     here): the compiled and the eager loop each give a row with the path that ran, and a plan name it does not know is
     a row with its error."""
-    from workbench.kernels import bench_e2e
+    from workbench.benchmarks import kernels_e2e as bench_e2e
 
     df = bench_e2e.decode_rows(("tiny-llama",), ("bf16", "int2"), device="cpu", new_tokens=3, prompt_tokens=2, runs=1)
     bf16 = df[df["plan"] == "bf16"].set_index("compile")
@@ -72,9 +72,9 @@ def test_decode_rows_plumbing():
 
 
 def test_e2e_rows_plumbing():
-    """`workbench.kernels.bench_e2e` on a tiny Llama on the CPU: bf16 rows are timed; a path that cannot run there (2:4
-    needs CUDA) is a row with its error, not a crash."""
-    from workbench.kernels import bench_e2e
+    """`workbench.benchmarks.kernels_e2e` on a tiny Llama on the CPU: bf16 rows are timed; a path that cannot run
+    there (2:4 needs CUDA) is a row with its error, not a crash."""
+    from workbench.benchmarks import kernels_e2e as bench_e2e
 
     df = bench_e2e.model_rows(kinds=("llama",), paths=("bf16", "2:4 sparse"), device="cpu", tiny=True)
     bf16 = df[df["path"] == "bf16"]

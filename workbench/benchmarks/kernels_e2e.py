@@ -1,4 +1,5 @@
-"""End-to-end GPU benchmark: whole models with the kernels vs bf16: ``python -m workbench.kernels.bench_e2e [--csv F]``
+"""End-to-end GPU benchmark: whole models with the kernels vs bf16:
+``python -m workbench.benchmarks.kernels_e2e [--csv F]``
 
 Two transformer shapes, random initialisation (no weights are downloaded; the numbers are speed and memory,
 not accuracy):
@@ -66,7 +67,7 @@ def _compressed(model, pattern: str, path: str):
         return wb.apply(model, {pattern: Q.WeightOnly(4, 128, kernel="triton")}, progress=False)
     if path == "w8a8":
         # built on the reference path, moved and switched after: W8A8Linear.from_float leaves its buffers on
-        # the CPU for a CUDA layer (reported; see workbench/kernels/README.md)
+        # the CPU for a CUDA layer (reported; see docs/kernels.md)
         device = next(model.parameters()).device
         q = wb.apply(model, {pattern: Q.Dynamic(kernel="reference")}, progress=False)
         for m in q.modules():
@@ -87,7 +88,7 @@ def model_rows(kinds=("minilm", "llama"), paths=PATHS, device="cuda", tiny: bool
     import pandas as pd
 
     import workbench as wb
-    from workbench.kernels.bench import _median_ms
+    from workbench.benchmarks.kernels import _median_ms
 
     device = torch.device(device)
     rows = []
@@ -248,7 +249,7 @@ def precision_rows(device="cuda", epochs: int = 2):
 def main(argv=None) -> None:
     import pandas as pd
 
-    from workbench.kernels.bench import environment
+    from workbench.benchmarks.kernels import environment
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=["minilm", "llama"], choices=["minilm", "llama"])

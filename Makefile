@@ -21,15 +21,15 @@ LLAMA_CMAKE_ARGS := -DGGML_NATIVE=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -
 # torch first: keep an existing torch (GPU machines: the venv sees the system site-packages), otherwise
 # the local CPU wheel torch==2.13.0, so a CPU-only machine never downloads CUDA packages. Then triton
 # (only if absent, so a GPU torch keeps its matching triton), then the package with pinned dependencies.
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml kernels/pyproject.toml constraints.txt
 	@if [ ! -x $(BIN)/python ]; then \
 	  if $(PYTHON) -c "import torch" 2>/dev/null; then $(PYTHON) -m venv --system-site-packages $(VENV); \
 	  else $(PYTHON) -m venv $(VENV); fi; fi
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install torch==2.13.0
 	$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/pip install triton==3.9.0
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(BIN)/pip install -c constraints.txt \
-	  -e ".[dev,ray,llama]"
-	$(BIN)/python -m workbench.kernels.build
+	  -e ./kernels -e ".[dev,ray,llama]"
+	$(BIN)/python -m workbench_kernels.build
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -54,7 +54,7 @@ test: install lint
 	$(BIN)/python -m pytest
 	$(MAKE) test-isa
 
-# This machine as the other CPU classes (workbench/kernels/isa.py: an AVX-512 CPU without AMX, an AVX2-only one -
+# This machine as the other CPU classes (kernels/workbench_kernels/isa.py: an AVX-512 CPU without AMX, an AVX2-only one -
 # caps on PyTorch, oneDNN, MKL and our kernels): the kernels, the quantized and pruned modules, the reload identity,
 # the architecture gallery and the goldens of the notebooks whose numbers move most between CPUs (not the 200 M
 # parameter memory-bound test: two minutes a class for a claim about bytes, not numerics)
@@ -64,8 +64,8 @@ ISA_TESTS ?= tests/kernels tests/quantization tests/plans tests/pruning tests/te
 	tests/notebooks/test_notebooks.py::test_notebook_matches_its_goldens[60_llm_decode]
 test-isa: install
 	@for c in $(ISA_CLASSES); do \
-	  echo "== as CPU class $$c: $$($(BIN)/python -m workbench.kernels.isa $$c)"; \
-	  env $$($(BIN)/python -m workbench.kernels.isa $$c) $(BIN)/python -m pytest -q -m "not e2e" $(ISA_TESTS) \
+	  echo "== as CPU class $$c: $$($(BIN)/python -m workbench_kernels.isa $$c)"; \
+	  env $$($(BIN)/python -m workbench_kernels.isa $$c) $(BIN)/python -m pytest -q -m "not e2e" $(ISA_TESTS) \
 	    --ignore=tests/plans/test_memory_bound.py || exit 1; \
 	done
 

@@ -29,8 +29,8 @@ FOLDER_MARKERS = {"e2e": "e2e"}   # first folder under tests/ -> marker every te
 
 
 def pytest_report_header(config):
-    """Which CPU code runs: the ISA caps in force (workbench/kernels/isa.py; `make test-isa` sets them)."""
-    from workbench.kernels.isa import EMULATED
+    """Which CPU code runs: the ISA caps in force (kernels/workbench_kernels/isa.py; `make test-isa` sets them)."""
+    from workbench_kernels.isa import EMULATED
 
     caps = {k: os.environ[k] for k in sorted({k for c in EMULATED.values() for k in c}) if k in os.environ}
     return f"CPU ISA caps: {caps or 'none (this CPU as it is)'}"

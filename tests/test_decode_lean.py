@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import workbench as wb
-from workbench.kernels import ops, weight_only_cpu
 from workbench.measurement import decode as D
 from workbench.measurement.latency import num_threads
 from workbench.quantization.modules import WeightOnlyLinear
+from workbench_kernels import ops, weight_only_cpu
 
 CONFIGS = {"fp32": None, "int8": wb.quant.WeightOnly(bits=8, group_size=32),
            "int4 g32": wb.quant.WeightOnly(bits=4, group_size=32)}
@@ -248,7 +248,7 @@ def test_the_dense_gemv_op_is_linear_on_one_row_and_any_other_input():
 def test_the_dense_gemv_pass_takes_one_row_linears_only():
     from torch._inductor.utils import run_and_get_code
 
-    from workbench.kernels.isa import inductor_cache_per_capability
+    from workbench_kernels.isa import inductor_cache_per_capability
 
     inductor_cache_per_capability()   # (an ATen capability capped by the test tier: inductor's cache of its own)
     torch.manual_seed(0)
@@ -362,7 +362,7 @@ def test_the_decode_attention_op_is_attention_of_one_query_with_grouped_heads():
 def test_the_decode_attention_pass_takes_attention_of_one_query_only():
     from torch._inductor.utils import run_and_get_code
 
-    from workbench.kernels.isa import inductor_cache_per_capability
+    from workbench_kernels.isa import inductor_cache_per_capability
 
     inductor_cache_per_capability()
     F = torch.nn.functional

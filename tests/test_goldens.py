@@ -130,7 +130,7 @@ def test_measure_needs_a_cpu_class(capsys):
     assert "--measure records values under a CPU class" in capsys.readouterr().err
 
 
-# the CPU classes every shipped golden was measured under (workbench.kernels.isa.EMULATED)
+# the CPU classes every shipped golden was measured under (workbench_kernels.isa.EMULATED)
 MEASURED_CLASSES = ("native", "avx512", "avx2", "default")
 
 

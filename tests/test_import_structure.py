@@ -1,30 +1,36 @@
 """The package's import structure, read from its source with `ast` (`make lint` runs this file): no module imports
-a private name (``_x``) or a private module from another sub-package of ``workbench`` - what one room shares with
-another is public there - and no cycle among the imports a module runs when it is imported (module-level imports;
-an import inside a function, made on first use, is not one; neither is a ``TYPE_CHECKING`` block). A failure names
-each offending import or the modules of each cycle."""
+a private name (``_x``) or a private module from another sub-package of ``workbench`` or from the kernels'
+distribution (``workbench_kernels``, one room) - what one room shares with another is public there - and no cycle
+among the imports a module runs when it is imported (module-level imports; an import inside a function, made on
+first use, is not one; neither is a ``TYPE_CHECKING`` block). A failure names each offending import or the modules
+of each cycle."""
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGE = ROOT / "workbench"
+PACKAGES = {"workbench": ROOT, "workbench_kernels": ROOT / "kernels"}   # import name -> the folder holding it
 
 
 def _modules() -> dict[str, Path]:
     out = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = path.relative_to(ROOT).with_suffix("").parts
-        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    for name, base in PACKAGES.items():
+        for path in sorted((base / name).rglob("*.py")):
+            parts = path.relative_to(base).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return out
 
 
 MODULES = _modules()
 
 
-def _room(module: str) -> str:   # workbench.<sub-package> (or the top-level module itself)
-    return ".".join(module.split(".")[:2])
+def _room(module: str) -> str:   # workbench.<sub-package> (or the top-level module itself); the kernels: one room
+    return "workbench_kernels" if module.split(".")[0] == "workbench_kernels" else ".".join(module.split(".")[:2])
+
+
+def _ours(name: str | None) -> bool:
+    return (name or "").split(".")[0] in PACKAGES
 
 
 def _resolve(name: str) -> str:   # the deepest module of a dotted name
@@ -51,13 +57,13 @@ def _imports(tree: ast.Module, import_time: bool):
     else:
         nodes = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
     for node in nodes:
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "workbench":
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and _ours(node.module):
             for alias in node.names:
                 full = f"{node.module}.{alias.name}"
                 yield node, full if full in MODULES else _resolve(node.module), alias.name
         elif isinstance(node, ast.Import):
             for alias in node.names:
-                if alias.name.split(".")[0] == "workbench":
+                if _ours(alias.name):
                     yield node, _resolve(alias.name), None
 
 
@@ -65,7 +71,8 @@ def test_no_private_name_is_imported_across_sub_packages():
     found = []
     for module, path in MODULES.items():
         for node, target, name in _imports(ast.parse(path.read_text()), import_time=False):
-            private = [p for p in ((name or "").split(".") + target.split(".")[2:]) if p.startswith("_")
+            depth = 1 if _room(target) == "workbench_kernels" else 2   # the parts below the room
+            private = [p for p in ((name or "").split(".") + target.split(".")[depth:]) if p.startswith("_")
                        and not p.startswith("__")]
             if private and _room(module) != _room(target):
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {name or target} from {target}")
@@ -126,9 +133,9 @@ def test_no_import_time_cycles():
 
 
 def test_the_checks_see_a_private_import_and_a_cycle():
-    tree = ast.parse("from workbench.plans.plan import _x\nimport workbench.kernels.ops\n"
+    tree = ast.parse("from workbench.plans.plan import _x\nimport workbench_kernels.ops\n"
                      "def f():\n    from workbench.models import load\n")
-    assert [(t, n) for _, t, n in _imports(tree, import_time=True)] == [("workbench.kernels.ops", None),
+    assert [(t, n) for _, t, n in _imports(tree, import_time=True)] == [("workbench_kernels.ops", None),
                                                                        ("workbench.plans.plan", "_x")]
     assert len(list(_imports(tree, import_time=False))) == 3
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

@@ -179,7 +179,7 @@ def _goldens(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     from workbench import goldens
-    from workbench.kernels import isa
+    from workbench_kernels import isa
 
     selected = [goldens.load(n) for n in args.notebooks] if args.notebooks else goldens.load_all()
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="workbench-goldens-"))
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--update", action="store_true", help="rewrite the golden values from this run (deliberate)")
     g.add_argument("--out", default=None, help="where executed notebooks go (default: a temporary folder)")
     g.add_argument("--cpu-class", default=None, help="run the notebooks as this CPU class would (its ISA caps, "
-                   "workbench.kernels.isa.EMULATED: native, avx512, avx2, default)")
+                   "workbench_kernels.isa.EMULATED: native, avx512, avx2, default)")
     g.add_argument("--measure", action="store_true", help="store the values found under --cpu-class in the golden "
                    "files (\"measured\"), for tolerances that hold on every CPU")
     g.set_defaults(func=_goldens)

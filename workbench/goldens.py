@@ -19,7 +19,7 @@ Nothing updates goldens automatically: `update` is only called by ``--update``.
 
 Tolerances hold on every CPU. The machines that run the suite differ (AMX Xeons, AVX-512 Zen 4 / 5, AVX2-only
 EPYCs) and each sums floats in its own order, so a tolerance is set from the values the notebooks give under every
-CPU class this machine can emulate (`workbench.kernels.isa.EMULATED`), recorded beside it::
+CPU class this machine can emulate (`workbench_kernels.isa.EMULATED`), recorded beside it::
 
     workbench goldens --cpu-class avx2 --measure     # run as an AVX2-only CPU; store each value in "measured"
 
@@ -61,7 +61,7 @@ class GoldenMetric:
     # checked only when the run recorded these values (e.g. {"cpu_int8_dot_product": true}: an int8 speedup
     # is a property of CPUs with an int8 dot-product instruction); otherwise reported as not applicable
     when: dict[str, Any] | None = None
-    # the value found under each emulated CPU class (`workbench.kernels.isa.EMULATED`), by `record_measured`
+    # the value found under each emulated CPU class (`workbench_kernels.isa.EMULATED`), by `record_measured`
     measured: dict[str, Any] | None = None
     why: str | None = None   # what the tolerance rests on, in words
 
@@ -205,7 +205,7 @@ def _save(golden: Golden) -> None:
 def record_measured(golden: Golden, cpu_class: str, recorded: dict[str, Any]) -> Golden:
     """Store each value of ``recorded`` as found under ``cpu_class`` (values, tolerances and directions kept) and
     save the golden; metrics whose ``when`` condition this run does not meet are left as they are."""
-    from workbench.kernels.isa import EMULATED
+    from workbench_kernels.isa import EMULATED
 
     if cpu_class not in EMULATED:
         raise ValueError(f"unknown CPU class {cpu_class!r}; one of {', '.join(EMULATED)}")

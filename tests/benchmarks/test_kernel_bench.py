@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from workbench.benchmarks import kernels as bench
-from workbench.kernels._common import triton_available
+from workbench_kernels._common import triton_available
 
 
 @pytest.mark.skipif(not triton_available(), reason="no CUDA GPU and TRITON_INTERPRET is not set")

@@ -1,4 +1,4 @@
-"""workbench.kernels.act_int8_cpu (``WeightOnly(kernel="cpu-int8")``): 4- / 8-bit codes times activations rounded
+"""workbench_kernels.act_int8_cpu (``WeightOnly(kernel="cpu-int8")``): 4- / 8-bit codes times activations rounded
 to int8 per block of 32, against its fp64 PyTorch reference - every zero-point kind, groups that do not fill the
 64-byte chunks (32, 96, 160, a short last group, per channel), rows of x 1-6, each ISA this CPU has, threads; the
 rounding itself against an independent statement of it; the module path (decode and prefill give the same
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import workbench as wb
-from workbench.kernels import act_int8_cpu as ak
 from workbench.quantization import formats as fm
 from workbench.quantization.modules import WeightOnlyLinear
+from workbench_kernels import act_int8_cpu as ak
 
 ISAS = ["scalar", "avx2", "avx512"][:("scalar", "avx2", "avx512").index(ak.cpu_isa()) + 1]   # those this CPU has
 FORMATS = [fm.IntFormat(4, 32), fm.IntFormat(4, 96, symmetric=False), fm.IntFormat(4, 64, False, float_zero=True),
@@ -157,7 +157,7 @@ def test_gemv_table_smoke():
 
 
 def test_a_failed_build_names_the_kernel_and_the_compilers_line():
-    from workbench.kernels._common import extension_or_raise
+    from workbench_kernels._common import extension_or_raise
 
     err = RuntimeError("Error building extension 'x'\nfoo.cpp:3: error: 'bar' was not declared\nninja: stopped")
     with pytest.raises(RuntimeError, match=r"^act_int8_linear_cpu: the CPU int8-activation kernel is C\+\+ compiled "

@@ -1,5 +1,5 @@
 """The C++ CPU kernels build without a word on stderr: no build notice in a notebook or a report, once they are built
-(``make install`` builds them: ``python -m workbench.kernels.build``). Compiling or loading is reported on each kernel
+(``make install`` builds them: ``python -m workbench_kernels.build``). Compiling or loading is reported on each kernel
 module's logger at INFO, with how long it took; the build command names every kernel, says why one could not be
 built and still exits 0 (the kernels have PyTorch references), 1 with ``--strict``."""
 import logging
@@ -10,14 +10,14 @@ import sys
 
 import pytest
 
-from workbench.kernels import act_int8_cpu, w8a8_cpu, weight_only_cpu
+from workbench_kernels import act_int8_cpu, w8a8_cpu, weight_only_cpu
 
 KERNELS = (w8a8_cpu, weight_only_cpu, act_int8_cpu)
 
 # one tiny product through each CPU kernel, in a fresh process (a new notebook kernel)
 PROBE = r"""
 import torch
-from workbench.kernels import act_int8_cpu as ak, w8a8_cpu as w8, weight_only_cpu as wo
+from workbench_kernels import act_int8_cpu as ak, w8a8_cpu as w8, weight_only_cpu as wo
 from workbench.quantization import formats as fm
 g = torch.Generator().manual_seed(0)
 x = torch.randn(2, 64, generator=g)
@@ -65,7 +65,7 @@ def test_build_says_what_it_did_on_the_module_logger_only(module, caplog, capfd)
 
 
 def test_build_command_names_the_three_kernels_and_exits_0():
-    r = _run(["-m", "workbench.kernels.build"])
+    r = _run(["-m", "workbench_kernels.build"])
     assert r.returncode == 0, r.stderr[-3000:]
     lines = r.stdout.strip().splitlines()
     assert len(lines) == 3, r.stdout
@@ -77,9 +77,9 @@ def test_build_command_names_the_three_kernels_and_exits_0():
 
 def test_build_command_without_a_compiler_says_why_and_exits_0_unless_strict(tmp_path):
     env = {"TORCH_EXTENSIONS_DIR": str(tmp_path), "CXX": "/bin/false"}   # an empty build cache, a broken compiler
-    r = _run(["-m", "workbench.kernels.build"], **env)
+    r = _run(["-m", "workbench_kernels.build"], **env)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = r.stdout.strip().splitlines()
     assert len(lines) == 4 and all("NOT built" in line for line in lines[:3]), r.stdout
     assert "PyTorch references run instead" in lines[3]
-    assert _run(["-m", "workbench.kernels.build", "--strict"], **env).returncode == 1
+    assert _run(["-m", "workbench_kernels.build", "--strict"], **env).returncode == 1

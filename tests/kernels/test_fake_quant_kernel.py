@@ -1,12 +1,12 @@
-"""workbench/kernels/fake_quant.py: fused fake quantization (forward and straight-through backward) against QAT's
+"""workbench_kernels/fake_quant.py: fused fake quantization (forward and straight-through backward) against QAT's
 `fake_quantize_ste`, exactly in fp32; per channel and per group, signed and unsigned grids."""
 import pytest
 import torch
 
-from workbench.kernels import fake_quant as fq
-from workbench.kernels._common import INTERPRET, triton_available
 from workbench.quantization.primitives import choose_qparams, qrange
 from workbench.quantization.qat import fake_quantize_ste
+from workbench_kernels import fake_quant as fq
+from workbench_kernels._common import INTERPRET, triton_available
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 pytestmark = pytest.mark.skipif(not triton_available(DEVICE), reason="needs a CUDA GPU or TRITON_INTERPRET=1")

@@ -1,4 +1,4 @@
-"""workbench/kernels/fp8.py: the fp8 row-wise scaled GEMM against its PyTorch reference, and `quantize_rowwise` against
+"""workbench_kernels/fp8.py: the fp8 row-wise scaled GEMM against its PyTorch reference, and `quantize_rowwise` against
 `primitives.float8_quantize`. The interpreter runs the kernel on the CPU; on a GPU it needs sm_90.
 
 Tolerances: the kernel and the reference sum the same exact fp8 products in fp32 in different orders, so
@@ -8,10 +8,10 @@ one ulp; bf16 to one ulp (the interpreter's fp32 -> bf16 cast truncates, the GPU
 import pytest
 import torch
 
-from workbench.kernels import fp8
-from workbench.kernels._common import INTERPRET, triton_available
 from workbench.quantization import formats as fm
 from workbench.quantization.primitives import PerChannel, float8_quantize, sqnr
+from workbench_kernels import fp8
+from workbench_kernels._common import INTERPRET, triton_available
 
 E4M3 = torch.float8_e4m3fn
 if INTERPRET or not torch.cuda.is_available():

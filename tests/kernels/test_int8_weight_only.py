@@ -1,4 +1,4 @@
-"""workbench/kernels/int8_weight_only.py: the Triton kernel against its PyTorch reference, the reference against the
+"""workbench_kernels/int8_weight_only.py: the Triton kernel against its PyTorch reference, the reference against the
 package's `formats.decode`, input checks, and the ``workbench::int8_weight_only_mm`` custom op.
 
 Without a GPU the kernel runs under the Triton interpreter (``tests/conftest.py`` sets ``TRITON_INTERPRET=1``),
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from workbench.kernels import int8_weight_only as k8
-from workbench.kernels._common import GEMV_M, INTERPRET, triton_available
 from workbench.quantization import formats as fm
+from workbench_kernels import int8_weight_only as k8
+from workbench_kernels._common import GEMV_M, INTERPRET, triton_available
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 needs_triton = pytest.mark.skipif(not triton_available(DEVICE), reason="needs a CUDA GPU or TRITON_INTERPRET=1")
@@ -200,7 +200,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from workbench.kernels import int8_weight_only as k8
+from workbench_kernels import int8_weight_only as k8
 
 kernel, out = k8._int8_weight_only_mm_kernel, []
 for case in json.loads(sys.argv[1]):

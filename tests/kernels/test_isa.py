@@ -1,4 +1,4 @@
-"""The ISA caps (workbench/kernels/isa.py): one machine runs the code of the other CPU classes. Each cap is read
+"""The ISA caps (kernels/workbench_kernels/isa.py): one machine runs the code of the other CPU classes. Each cap is read
 when a library initialises, so every check runs in a fresh process with the caps set."""
 import json
 import os
@@ -7,12 +7,12 @@ import sys
 
 import pytest
 
-from workbench.kernels import isa
+from workbench_kernels import isa
 
 PROBE = r"""
 import json, torch
-import workbench.kernels.weight_only_cpu as wo
-import workbench.kernels.w8a8_cpu as w8
+import workbench_kernels.weight_only_cpu as wo
+import workbench_kernels.w8a8_cpu as w8
 from workbench.quantization import formats as fm
 g = torch.Generator().manual_seed(0)
 # a product that saturates oneDNN's u8 x s8 pair sums where there is no int8 dot product
@@ -49,7 +49,7 @@ def test_a_bad_cap_is_refused_naming_the_variable(monkeypatch):
     monkeypatch.setenv(isa.ENV, "avx1024")
     with pytest.raises(ValueError, match="WORKBENCH_CPU_ISA must be one of"):
         isa.isa_cap()
-    out = subprocess.run([sys.executable, "-c", "import workbench.kernels.w8a8_cpu as w; w.cpu_isa()"],
+    out = subprocess.run([sys.executable, "-c", "import workbench_kernels.w8a8_cpu as w; w.cpu_isa()"],
                          env={**os.environ, isa.ENV: "avx1024"}, capture_output=True, text=True, timeout=600)
     assert out.returncode != 0 and "WORKBENCH_CPU_ISA must be auto, avx512, avx2 or scalar" in out.stderr
 

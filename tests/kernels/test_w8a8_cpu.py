@@ -1,12 +1,12 @@
-"""The CPU W8A8 kernel (workbench/kernels/w8a8_cpu.cpp): bit-identical to the PyTorch reference on every vector ISA this
+"""The CPU W8A8 kernel (workbench_kernels/w8a8_cpu.cpp): bit-identical to the PyTorch reference on every vector ISA this
 CPU has, in every blocking (one block, many, ragged last block, split across threads, streamed stores), for
 per-token and static activation scales; NaN rows stay NaN; bad input gets errors naming the argument; the
 custom op traces under torch.compile."""
 import pytest
 import torch
 
-from workbench.kernels import w8a8_cpu as wk
 from workbench.measurement import num_threads
+from workbench_kernels import w8a8_cpu as wk
 
 ORDER = ("scalar", "avx2", "avx512")
 

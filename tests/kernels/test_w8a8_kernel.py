@@ -1,4 +1,4 @@
-"""workbench/kernels/w8a8.py: per-token quantization and the W8A8 GEMM against the package's numbers.
+"""kernels/workbench_kernels/w8a8.py: per-token quantization and the W8A8 GEMM against the package's numbers.
 
 Under the interpreter (no GPU) everything runs on the CPU; codes, scales and fp32 / fp16 outputs must match
 `W8A8Linear` exactly (K <= 1024 keeps its fp32 reference matmul exact). The interpreter's fp32 -> bf16 cast
@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from workbench.kernels import w8a8
-from workbench.kernels._common import INTERPRET, triton_available
 from workbench.quantization.modules import W8A8Linear
 from workbench.quantization.primitives import quantize_per_token as module_quantize_per_token
+from workbench_kernels import w8a8
+from workbench_kernels._common import INTERPRET, triton_available
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 pytestmark = pytest.mark.skipif(not triton_available(DEVICE), reason="needs a CUDA GPU or TRITON_INTERPRET=1")

@@ -1,4 +1,4 @@
-"""workbench.kernels.weight_only_cpu against its PyTorch reference: every format it takes, ragged shapes (K, N and group
+"""workbench_kernels.weight_only_cpu against its PyTorch reference: every format it takes, ragged shapes (K, N and group
 sizes that are not multiples of the vector width, short last groups), both paths (decode: fp32 within 1e-5;
 prefill: bit for bit the reference's decoded weight times the same GEMM), each ISA this CPU has, two threads,
 fp16 / bf16 inputs, bad inputs refused by name; plus smoke runs of the benchmarks in
@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from workbench.kernels import weight_only_cpu as wk
 from workbench.quantization import formats as fm
+from workbench_kernels import weight_only_cpu as wk
 
 FORMATS = [fm.IntFormat(4, 128), fm.IntFormat(4, 32), fm.IntFormat(8, 32), fm.IntFormat(4, 32, symmetric=False),
            fm.IntFormat(4, 48, False, float_zero=True),

@@ -5,8 +5,8 @@ import torch
 from torch import nn
 
 import workbench as wb
-from workbench.kernels._common import INTERPRET, triton_available
 from workbench.quantization.modules import W8A8Linear, WeightOnlyLinear
+from workbench_kernels._common import INTERPRET, triton_available
 
 
 def _wo(kernel="auto"):

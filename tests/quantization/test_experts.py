@@ -463,10 +463,10 @@ def test_static_w8a8_experts_calibrate_a_scale_per_expert_on_its_routed_tokens()
 
 @pytest.mark.parametrize("config", [INT4, AWQ4], ids=["int4", "awq"])
 def test_routed_experts_run_on_the_cpu_kernel_without_decoding(model, config, monkeypatch):
-    """On the CPU (default kernel "auto"), each routed expert's products run workbench.kernels.weight_only_cpu on
+    """On the CPU (default kernel "auto"), each routed expert's products run workbench_kernels.weight_only_cpu on
     that expert's packed codes - one kernel call per routed expert and projection, nothing decoded - and give the
     reference path's output (decode, then the class's matmul) to fp32 rounding."""
-    from workbench.kernels import weight_only_cpu
+    from workbench_kernels import weight_only_cpu
 
     q = wb.apply(model, {"*experts": config}, calibration=CALIBRATION, progress=False)
     name, packed = next(iter(experts_of(q).items()))

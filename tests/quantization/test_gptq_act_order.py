@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 import workbench as wb
-from workbench.kernels._common import triton_available
 from workbench.quantization import formats as fm
 from workbench.quantization.gptq import gptq_quantize
+from workbench_kernels._common import triton_available
 
 Q = wb.quant
 needs_triton = pytest.mark.skipif(not triton_available(), reason="no CUDA GPU and TRITON_INTERPRET is not set")

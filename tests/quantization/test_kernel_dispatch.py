@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 import workbench as wb
-from workbench.kernels._common import triton_available
 from workbench.quantization.modules import W8A8Linear, WeightOnlyLinear
+from workbench_kernels._common import triton_available
 
 Q = wb.quant
 needs_triton = pytest.mark.skipif(not triton_available(), reason="no CUDA GPU and TRITON_INTERPRET is not set")
@@ -23,7 +23,7 @@ def linear(K, N, seed=0, bias=True):
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("M", [1, 17, 3000])
 def test_w8a8_cpu_fused_path_equals_the_reference(static, M):
-    """The CPU path (workbench/kernels/w8a8_cpu: quantization, torch._int_mm and the rescale fused block by block)
+    """The CPU path (workbench_kernels/w8a8_cpu: quantization, torch._int_mm and the rescale fused block by block)
     computes exactly the reference's numbers, for per-token and static activation scales, with and without a
     bias."""
     K, N = 200, 136
@@ -38,7 +38,7 @@ def test_w8a8_cpu_fused_path_equals_the_reference(static, M):
 
 
 def test_w8a8_cpu_without_a_compiler_says_so(monkeypatch):
-    import workbench.kernels.w8a8_cpu as w8a8_cpu
+    import workbench_kernels.w8a8_cpu as w8a8_cpu
 
     monkeypatch.setattr(w8a8_cpu, "_build", lambda: (None, RuntimeError("Error building extension\nc++: not found")))
     layer = W8A8Linear.from_float(nn.Linear(16, 8), kernel="cpu")
@@ -76,7 +76,7 @@ def test_w8a8_cpu_keeps_the_input_gradient_and_the_input_dtype():
                                     Q.WeightOnly(2, 16, symmetric=False), Q.NF4(32)])
 @pytest.mark.parametrize("shape", [(4, 7, 128), (1, 128), (33, 128)])
 def test_weight_only_cpu_path_matches_the_reference(config, shape):
-    """workbench.kernels.weight_only_cpu computes in fp32 from the stored codes: the reference's numbers up to the
+    """workbench_kernels.weight_only_cpu computes in fp32 from the stored codes: the reference's numbers up to the
     order of
     the sums (decode-sized inputs), exactly (prefill-sized inputs: the same decoded weight, the same GEMM)."""
     lin = linear(128, 96)
@@ -163,7 +163,7 @@ def test_paths_that_cannot_run_raise():
 
 
 def test_triton_needs_a_gpu_without_the_interpreter(monkeypatch):
-    import workbench.kernels._common as common
+    import workbench_kernels._common as common
 
     monkeypatch.setattr(common, "INTERPRET", False)
     if torch.cuda.is_available():
@@ -225,7 +225,7 @@ def test_auto_picks_the_device_fast_path_and_records_it():
     q = wb.apply(model, {"fc1": Q.WeightOnly(4, 32, kernel="auto"), "fc2": Q.Dynamic(kernel="auto"),
                          "conv1": Q.WeightOnly(8, None, kernel="auto"), "conv2": Q.Static(kernel="auto")},
                  calibration=wb.tasks.load("digits").calibration(16))
-    from workbench.kernels.w8a8_cpu import int8_dot_product
+    from workbench_kernels.w8a8_cpu import int8_dot_product
 
     # the W8A8 CPU path is an int8 GEMM: "auto" takes it only where the CPU has an int8 dot-product instruction
     w8a8 = "cpu" if int8_dot_product() else "reference"

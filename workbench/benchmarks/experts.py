@@ -5,7 +5,7 @@ One experts module of a Mixtral-style model (transformers' ``MixtralExperts``: `
 routed to 2 experts at random with a fixed seed), side by side in one process: the float module (the class's eager
 per-expert loop, fp32), and the same experts as int4 (groups of 32) weight-only - on the reference path (decode each
 routed expert's matrices, then the class's matmuls) and on the CPU kernel path (each routed expert's products on
-`workbench.kernels.weight_only_cpu`, reading its packed codes), and as Dynamic W8A8 (int8 codes on the same kernel,
+`workbench_kernels.weight_only_cpu`, reading its packed codes), and as Dynamic W8A8 (int8 codes on the same kernel,
 the activations rounded to int8 per token first). Rounds are interleaved after warm-up, one thread by
 default; reports medians, their spread, the ratios to fp32, the bytes of the experts read per call (the routed
 experts' matrices only) and the largest difference of the outputs to the reference path.

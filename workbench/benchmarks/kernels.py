@@ -9,7 +9,7 @@ the speedup beside the measurement: ``16 / (bits + scale bits per weight)`` for 
 by reading the weight at small M) and 2x for the int8 / fp8 tensor-core GEMMs (twice bf16's peak).
 
 CPU: W8A8 on MiniLM (every encoder Linear) at batch 1 and 32 x 128 tokens, one thread: our
-``Dynamic(kernel="cpu")`` path (`workbench.kernels.w8a8_cpu`) vs fp32 vs ``torch.ao.quantization.quantize_dynamic`` on
+``Dynamic(kernel="cpu")`` path (`workbench_kernels.w8a8_cpu`) vs fp32 vs ``torch.ao.quantization.quantize_dynamic`` on
 the same layers (and the reference path and bf16 weight-only int8 for context); timed in interleaved rounds,
 medians, with the median minor page faults per forward beside each time. ``--malloc-keep`` re-runs the
 benchmark with glibc told to keep freed memory (`MALLOC_KEEP`): with the default settings a 32 x 128 forward
@@ -49,7 +49,7 @@ def _median_ms(fn, device: torch.device, runs: int = 20, warmup: int = 3, eager:
     if device.type == "cuda":
         import triton.testing
 
-        from workbench.kernels import graph_bench
+        from workbench_kernels import graph_bench
 
         if eager:
             return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
@@ -127,23 +127,23 @@ def _kernel_call(name: str, x: torch.Tensor, W: dict):
     N = W["linear"].out_features
     K = W["linear"].in_features
     if name == "int8_weight_only":
-        from workbench.kernels.int8_weight_only import int8_weight_only_mm
+        from workbench_kernels.int8_weight_only import int8_weight_only_mm
 
         t = W["int8"]
         return (lambda: int8_weight_only_mm(x, t["qweight"], t["scale"])), N * K + 2 * N, 16 / (8 + 16 / K)
     if name == "int4_g128":
-        from workbench.kernels.int4_weight_only import int4_weight_only_mm
+        from workbench_kernels.int4_weight_only import int4_weight_only_mm
 
         t, g = W["int4"], W["int4_g"]
         return ((lambda: int4_weight_only_mm(x, t["qweight"], t["scale"], None, g)), N * K // 2 + 2 * N * K // g,
                 16 / (4 + 16 / g))
     if name in ("w8a8", "w8a8_kmajor"):
-        from workbench.kernels.w8a8 import w8a8_mm
+        from workbench_kernels.w8a8 import w8a8_mm
 
         qw, s = W[name]
         return (lambda: w8a8_mm(x, qw, s)), N * K + 4 * N, 2.0
     if name == "fp8":
-        from workbench.kernels.fp8 import fp8_linear
+        from workbench_kernels.fp8 import fp8_linear
 
         t = W["fp8"]
         return (lambda: fp8_linear(x, t["qweight"], t["scale"])), N * K + 4 * N, 2.0
@@ -188,7 +188,7 @@ def _torchao_call(name: str, lin, x: torch.Tensor, compile: bool):
     """(callable or None, note) running torchao's layer on x, compiled (fresh dynamo state) if asked."""
     try:
         if compile:
-            from workbench.kernels.isa import inductor_cache_per_capability
+            from workbench_kernels.isa import inductor_cache_per_capability
 
             inductor_cache_per_capability()
             torch._dynamo.reset()
@@ -203,7 +203,7 @@ def _torchao_call(name: str, lin, x: torch.Tensor, compile: bool):
 
 def _best_config(name: str, M: int) -> str:
     """The blocking the autotuner chose for the last call of weight-only kernel ``name`` at ``M`` rows ('' if none)."""
-    from workbench.kernels import chosen_config, int4_weight_only, int8_weight_only
+    from workbench_kernels import chosen_config, int4_weight_only, int8_weight_only
 
     module = {"int4_g128": int4_weight_only, "int8_weight_only": int8_weight_only}.get(name)
     best = None if module is None else chosen_config(module, M)
@@ -265,7 +265,7 @@ GRAPH_TIMING = "CUDA-graph replay, L2 flushed (GPU time); autotuner ranked graph
 
 def cpu_minilm(batch_sizes=(1, 32), threads: int = 1, rounds: int = 7, layers: str = "encoder.*"):
     """W8A8 on MiniLM on the CPU: fp32, ours (``Dynamic(kernel="cpu")``), the reference path,
-    ``quantize_dynamic`` on the same Linears, and weight-only int8 (`workbench.kernels.weight_only_cpu`); one row per
+    ``quantize_dynamic`` on the same Linears, and weight-only int8 (`workbench_kernels.weight_only_cpu`); one row per
     (batch, path)."""
     import warnings
 
@@ -315,7 +315,7 @@ def cpu_layer_table(shapes: dict | None = None, ms=(1, 32, 512), threads: int = 
     bytes, biases left out of both: int4 g64 gives 32 / 4.25 = 7.53), the
     arithmetic intensity (FLOPs per byte moved: weight + input + output) and achieved GFLOP/s and GB/s.
     Paths: fp32 and bf16 ``F.linear``; ``Dynamic(kernel="cpu")``; weight-only int8 per channel on the CPU
-    kernel (`workbench.kernels.weight_only_cpu`); int4 g64 weight-only on the reference path (decode, then fp32
+    kernel (`workbench_kernels.weight_only_cpu`); int4 g64 weight-only on the reference path (decode, then fp32
     matmul)."""
     import pandas as pd
 

@@ -3,7 +3,7 @@
 
 1. `weight_only_table`: one Linear (default 4096 x 4096) at M = 1, 16, 256 rows of x: fp32 and bf16 ``F.linear``;
    int8 per-channel and int4 g128 weight-only layers as the package builds them (``kernel="auto"``, the default:
-   `workbench.kernels.weight_only_cpu` on the CPU) and on ``kernel="reference"``; PyTorch's packed CPU kernels
+   `workbench_kernels.weight_only_cpu` on the CPU) and on ``kernel="reference"``; PyTorch's packed CPU kernels
    ``aten._weight_int8pack_mm`` / ``aten._weight_int4pack_mm_for_cpu`` with bf16 activations (their fast path)
    on weights of the same shape; the package's layers also with bf16 activations (a bf16 model's layer).
    Interleaved rounds after a warm-up, one thread by default: the median, the
@@ -136,7 +136,7 @@ def gemv_table(shapes=GEMV_SHAPES, formats=((4, 32), (4, 128), (8, 32)), threads
                bandwidth_gib: float = 1.0):
     """Decode-sized products (M = 1) of each (N, K) weight: fp32 and bf16 ``F.linear``, and per integer format
     (bits, group) the package's layer on ``kernel="auto"`` (the exact CPU kernel) and ``kernel="cpu-int8"``
-    (activations rounded to int8, `workbench.kernels.act_int8_cpu`), interleaved with a read of ``bandwidth_gib``
+    (activations rounded to int8, `workbench_kernels.act_int8_cpu`), interleaved with a read of ``bandwidth_gib``
     GiB (`read_bandwidth`). One row per (shape, path): median / min / max ms, the weight's bytes, GB/s of them
     (bytes / median time), that as a share of the bandwidth measured in the same rounds, and the speedup over fp32.
     A weight smaller than the CPU's last-level cache is read from it after the first round (the GB/s of such rows
@@ -179,8 +179,8 @@ def gemv_table(shapes=GEMV_SHAPES, formats=((4, 32), (4, 128), (8, 32)), threads
 def _layer_cases(shapes, formats, ms):
     """(N, K, format, M, x, packed weight, decoded fp32 weight) for every weight shape, format name (int8, int4
     g128 / g64 / g32, nf4 g64) and rows of x: random weights (seeded) encoded by the package's formats."""
-    from workbench.kernels import weight_only_cpu as wk
     from workbench.quantization import formats as fm
+    from workbench_kernels import weight_only_cpu as wk
 
     fmts = {"int8": fm.IntFormat(8, None), "int4 g128": fm.IntFormat(4, 128), "int4 g64": fm.IntFormat(4, 64),
             "int4 g32": fm.IntFormat(4, 32), "nf4 g64": fm.NF4Format(64)}
@@ -205,8 +205,8 @@ def split_table(shapes=SPLIT_SHAPES, ms=(8, 16, 32, 64, 128, 256), threads: int 
     interleaved rounds, per weight shape (N, K), format and rows M: the measurements behind `split_rows_for`."""
     import pandas as pd
 
-    from workbench.kernels import weight_only_cpu as wk
     from workbench.measurement import num_threads
+    from workbench_kernels import weight_only_cpu as wk
 
     if not wk.split_available():
         raise RuntimeError("split_table: the split path runs on CPUs with AMX bf16 tiles; this one has none "
@@ -244,8 +244,8 @@ def brgemm_table(shapes=BRGEMM_SHAPES, ms=(4, 8, 16, 32, 64, 128, 256, 512), thr
     measurements behind `brgemm_rows_for`."""
     import pandas as pd
 
-    from workbench.kernels import weight_only_cpu as wk
     from workbench.measurement import num_threads
+    from workbench_kernels import weight_only_cpu as wk
 
     rows = []
     with num_threads(threads), torch.inference_mode():

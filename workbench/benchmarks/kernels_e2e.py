@@ -258,7 +258,7 @@ def main(argv=None) -> None:
     p.add_argument("--decode", nargs="*", default=None, choices=["tiny-llama", "llama-1b"],
                    help="greedy decode tokens/s per plan of these models (compiled and eager) instead of the rest")
     p.add_argument("--plans", nargs="+", default=list(DECODE_PLANS), choices=list(DECODE_PLANS))
-    p.add_argument("--csv", default="workbench/kernels/results_e2e.csv")
+    p.add_argument("--csv", default="kernels/workbench_kernels/results_e2e.csv")
     a = p.parse_args(argv)
     env = environment()
     print(env)

@@ -7,7 +7,7 @@ Greedy, batch 1, exactly ``new_tokens`` new tokens (no early stop at an end-of-t
   prompt runs eagerly through the model into a `transformers.StaticCache` (its tensors are allocated once, so
   every decode step has the same shapes), then each token is one call of the decode step - the model's forward on
   one token, the end-of-text logits masked, argmax - compiled once per model by ``torch.compile`` (inductor;
-  `workbench.kernels.ops` keeps the workbench's CPU kernels in the graph as custom ops, and its `DenseGemvPass`
+  `workbench_kernels.ops` keeps the workbench's CPU kernels in the graph as custom ops, and its `DenseGemvPass`
   runs fp32 Linears - a head left in fp32 - on the kernels' dense GEMV, its `DecodeAttentionPass` the attention of
   the one new position on the kernels' decode attention; grouped-query attention reads the cache's key / value heads
   as they are, see `_sdpa_gqa`; inductor's C++ wrapper calls the step's kernels and ops; on a GPU the step is
@@ -211,13 +211,13 @@ _INDUCTOR_OPTIONS = {"size_asserts": False, "alignment_asserts": False, "scalar_
 
 def _inductor_options(cpu: bool = True) -> dict:
     """`_INDUCTOR_OPTIONS`, and for a model on the CPU the fp32 Linears at one row on the dense GEMV of the CPU
-    kernels and attention of the one query position on their decode attention (`workbench.kernels.ops.DecodeStepPass`)
+    kernels and attention of the one query position on their decode attention (`workbench_kernels.ops.DecodeStepPass`)
     where those are built."""
     options = dict(_INDUCTOR_OPTIONS)
     if not cpu:
         return options
     try:
-        from workbench.kernels.ops import DecodeStepPass
+        from workbench_kernels.ops import DecodeStepPass
     except RuntimeError:   # the C++ kernels cannot be built here: PyTorch's GEMM and attention
         return options
     options["post_grad_custom_post_pass"] = DecodeStepPass()
@@ -245,7 +245,7 @@ class _LeanDecoder:
         self.fingerprint: tuple | None = None   # the model's `_fingerprint` this decoder was made for (`_decoder`)
         self.graphs = False   # whether the step replays CUDA graphs (its outputs are then cloned before the next step)
         if compile:
-            from workbench.kernels.isa import inductor_cache_per_capability
+            from workbench_kernels.isa import inductor_cache_per_capability
 
             inductor_cache_per_capability()   # (a capped ATen capability: a cache of its own)
             cuda = any(p.is_cuda for p in itertools.chain(model.parameters(), model.buffers()))

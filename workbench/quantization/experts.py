@@ -35,7 +35,7 @@ outputs of the already-quantized ``gate_up_proj``). An expert that received fewe
 is rounded to nearest instead - never a scale from no data - and says so: `coverage(model)` is the table of tokens
 per expert and the method each got, and the layer's note in `wb.applied_report` sums it up.
 
-On the CPU (``kernel="auto"``, the default) each routed expert's products run `workbench.kernels.weight_only_cpu` on
+On the CPU (``kernel="auto"``, the default) each routed expert's products run `workbench_kernels.weight_only_cpu` on
 its packed codes (`_KernelExpert`: nothing decoded); elsewhere, and with ``set_kernel("reference")``, the routed
 experts are decoded and the class's float matmuls run. One fused kernel over all the routed experts of a call (and a
 Triton path) is future work.
@@ -246,7 +246,7 @@ class DecodedExperts(DecodedWeight):
 
 class _KernelExpert(DecodedWeight):
     """One expert's matrix on the CPU path: a product with it (``F.linear(x, W[e])``, ``x @ W[e]`` for the
-    transposed layout) runs `workbench.kernels.weight_only_cpu` on the expert's packed codes - the kernel
+    transposed layout) runs `workbench_kernels.weight_only_cpu` on the expert's packed codes - the kernel
     `WeightOnlyLinear` runs on the same codes - instead of decoding the matrix first; anything else decodes it."""
 
     packed: object
@@ -257,7 +257,7 @@ class _KernelExpert(DecodedWeight):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if func in _PRODUCTS and len(args) == 2 and not kwargs and isinstance(args[1], _KernelExpert) \
                 and type(args[0]) is torch.Tensor and not (args[0].requires_grad and torch.is_grad_enabled()):
-            from workbench.kernels import weight_only_cpu
+            from workbench_kernels import weight_only_cpu
 
             x, w = args
             if w.smooth is not None:   # AWQ: the codes encode W * s
@@ -369,18 +369,18 @@ class WeightOnlyExperts(nn.Module):
         return stack
 
     def _on_cpu_kernel(self, device: torch.device) -> bool:
-        """Whether one expert's products run on `workbench.kernels.weight_only_cpu` (the format has a CPU kernel,
+        """Whether one expert's products run on `workbench_kernels.weight_only_cpu` (the format has a CPU kernel,
         the codes are on the CPU, and the module was not set to its reference path)."""
         if self.__dict__.get("kernel", "auto") != "auto" or device.type != "cpu":
             return False
-        from workbench.kernels import weight_only_cpu
+        from workbench_kernels import weight_only_cpu
 
         return weight_only_cpu.supports(self.fmt)
 
     def _kernel_expert(self, m: ExpertMatrix, e: int, device: torch.device) -> _KernelExpert:
         """Expert ``e``'s matrix of projection ``m`` as the CPU kernel's packed view (made once, made again when
         the stored tensors change: a state dict loaded, a move)."""
-        from workbench.kernels import weight_only_cpu
+        from workbench_kernels import weight_only_cpu
 
         stored = {key: self.get_buffer(f"{m.name}_{key}") for key in self.keys}
         # the key holds the stored tensors themselves (compared by identity: no freed address can be reused while

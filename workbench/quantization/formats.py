@@ -63,7 +63,7 @@ class WeightFormat(abc.ABC):
     """How one kind of low-bit weight is stored. Subclasses are frozen dataclasses (hashable, comparable)."""
 
     name: ClassVar[str]
-    cpu_kernel: ClassVar[bool] = False   # `workbench.kernels.weight_only_cpu` reads it (see ``cpu_layout``)
+    cpu_kernel: ClassVar[bool] = False   # `workbench_kernels.weight_only_cpu` reads it (see ``cpu_layout``)
     group_size: int | None = None   # values per scale along K; None: one group per row
 
     @abc.abstractmethod
@@ -88,7 +88,7 @@ class WeightFormat(abc.ABC):
         return None
 
     def cpu_layout(self, t: dict[str, torch.Tensor], K: int) -> dict | None:
-        """The stored tensors as `workbench.kernels.weight_only_cpu` reads them (its `CpuWeight` fields:
+        """The stored tensors as `workbench_kernels.weight_only_cpu` reads them (its `CpuWeight` fields:
         codes as stored, fp32 scale and zero or a lookup table); None when ``cpu_kernel`` is False."""
         return None
 

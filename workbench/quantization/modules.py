@@ -22,8 +22,8 @@ an int8 dot-product instruction), the reference otherwise, once when the module 
 
 | module | ``"cpu"`` (CPU tensors) | ``"triton"`` (CUDA, or ``TRITON_INTERPRET=1``) |
 |---|---|---|
-| `WeightOnlyLinear` | `workbench.kernels.weight_only_cpu` (integer formats, NF4): decode rows in registers for few rows of x, blocks of decoded rows + fp32 GEMM for many | int8 per-channel (`workbench.kernels.int8_weight_only`), int4 any group / zero (`workbench.kernels.int4_weight_only`) |
-| `W8A8Linear` | per block of rows: one fused quantization pass, ``torch._int_mm``, one fused rescale pass (``torch.compile``) | dynamic: fused per-token quantization + int8 GEMM + rescale (`workbench.kernels.w8a8`) |
+| `WeightOnlyLinear` | `workbench_kernels.weight_only_cpu` (integer formats, NF4): decode rows in registers for few rows of x, blocks of decoded rows + fp32 GEMM for many | int8 per-channel (`workbench_kernels.int8_weight_only`), int4 any group / zero (`workbench_kernels.int4_weight_only`) |
+| `W8A8Linear` | per block of rows: one fused quantization pass, ``torch._int_mm``, one fused rescale pass (``torch.compile``) | dynamic: fused per-token quantization + int8 GEMM + rescale (`workbench_kernels.w8a8`) |
 """
 from __future__ import annotations
 
@@ -252,8 +252,8 @@ class KernelPath(enum.StrEnum):
     prints and serialises as its name ("cpu") and equals that string."""
 
     REFERENCE = "reference"   # PyTorch ops: decode / quantize, then a float matmul; runs anywhere
-    CPU = "cpu"               # the C++ CPU kernels (`workbench.kernels.*_cpu`)
-    CPU_INT8 = "cpu-int8"     # weight-only: activations rounded to int8 per 32 on the CPU (`workbench.kernels.act_int8_cpu`)
+    CPU = "cpu"               # the C++ CPU kernels (`workbench_kernels.*_cpu`)
+    CPU_INT8 = "cpu-int8"     # weight-only: activations rounded to int8 per 32 on the CPU (`workbench_kernels.act_int8_cpu`)
     TRITON = "triton"         # the Triton kernels (CUDA, or TRITON_INTERPRET=1)
 
 
@@ -266,18 +266,18 @@ def choose_kernel(owner: str, kernel: str, supported: tuple[str, ...], device: t
     """The path to run: ``kernel`` itself if it is one of ``supported`` and can run on ``device`` here (else an
     error naming ``owner``), or for ``"auto"`` the device's fast path - "triton" on a CUDA GPU, "cpu" on the
     CPU - where ``supported`` has it, and "reference" otherwise. ``int8_gemm``: the CPU path is an int8 GEMM,
-    which "auto" takes only on a CPU with an int8 dot-product instruction (`workbench.kernels.w8a8_cpu.int8_dot_product`:
+    which "auto" takes only on a CPU with an int8 dot-product instruction (`workbench_kernels.w8a8_cpu.int8_dot_product`:
     without one oneDNN's int8 GEMM is tens of times slower than the reference)."""
     if kernel not in KERNELS:
         raise ValueError(f"{owner}: kernel must be one of {KERNELS}, got {kernel!r}")
     if kernel == "auto":
-        from workbench.kernels import triton_available
+        from workbench_kernels import triton_available
 
         if device.type == "cuda" and "triton" in supported and triton_available(device):
             return KernelPath.TRITON
         if device.type == "cpu" and "cpu" in supported:
             if int8_gemm:
-                from workbench.kernels.w8a8_cpu import int8_dot_product
+                from workbench_kernels.w8a8_cpu import int8_dot_product
 
                 return KernelPath.CPU if int8_dot_product() else KernelPath.REFERENCE
             return KernelPath.CPU
@@ -287,7 +287,7 @@ def choose_kernel(owner: str, kernel: str, supported: tuple[str, ...], device: t
     if kernel in ("cpu", "cpu-int8") and device.type not in ("cpu", "meta"):
         raise ValueError(f"{owner}: kernel={kernel!r} needs the module on the CPU, it is on {device}")
     if kernel == "triton" and device.type != "meta":
-        from workbench.kernels import triton_available
+        from workbench_kernels import triton_available
 
         if not triton_available(device):
             raise RuntimeError(f"{owner}: kernel='triton' needs a CUDA GPU (or TRITON_INTERPRET=1 for testing); the "
@@ -358,22 +358,22 @@ class _FollowsDevice:
 
 
 def _weight_only_cpu():
-    """`workbench.kernels.weight_only_cpu`, imported on first use (it is not needed off the CPU path)."""
-    from workbench.kernels import weight_only_cpu
+    """`workbench_kernels.weight_only_cpu`, imported on first use (it is not needed off the CPU path)."""
+    from workbench_kernels import weight_only_cpu
 
     return weight_only_cpu
 
 
 def _act_int8_cpu():
-    """`workbench.kernels.act_int8_cpu`, imported on first use (it is not needed off the CPU path)."""
-    from workbench.kernels import act_int8_cpu
+    """`workbench_kernels.act_int8_cpu`, imported on first use (it is not needed off the CPU path)."""
+    from workbench_kernels import act_int8_cpu
 
     return act_int8_cpu
 
 
 def _w8a8_cpu():
-    """`workbench.kernels.w8a8_cpu`, imported on first use (it is not needed off the CPU path)."""
-    from workbench.kernels import w8a8_cpu
+    """`workbench_kernels.w8a8_cpu`, imported on first use (it is not needed off the CPU path)."""
+    from workbench_kernels import w8a8_cpu
 
     return w8a8_cpu
 
@@ -439,13 +439,13 @@ class WeightOnlyLinear(_FollowsDevice, _PackedWeight):
 
     def set_kernel(self, kernel: str) -> "WeightOnlyLinear":
         """Choose the matmul path (see the module docstring); raises if it cannot serve this format here."""
-        from workbench.kernels import weight_only_cpu
+        from workbench_kernels import weight_only_cpu
 
         whole_groups = self.K % fm.groups(self.fmt, self.K)[0] == 0   # the Triton kernels need whole groups
         supported = ("reference",) + (("cpu",) if weight_only_cpu.supports(self.fmt) else ()) + (
             ("triton",) if self.fmt.triton_kind and whole_groups else ())
         if kernel == "cpu-int8":
-            from workbench.kernels import act_int8_cpu
+            from workbench_kernels import act_int8_cpu
 
             reason = (act_int8_cpu.unsupported_reason(self.fmt.slot_bits, self.fmt.group_size, self.K)
                       if isinstance(self.fmt, fm.IntFormat) else f"{self.fmt} has no integer codes")
@@ -468,7 +468,7 @@ class WeightOnlyLinear(_FollowsDevice, _PackedWeight):
         return packed[1]
 
     def _cpu_weight(self):
-        """The stored weight as `workbench.kernels.weight_only_cpu` reads it (fp32 scales / zeros), made once and made
+        """The stored weight as `workbench_kernels.weight_only_cpu` reads it (fp32 scales / zeros), made once and made
         again only when the stored tensors change (loading a state dict, ``copy_``, moving the module)."""
         buffers = self._buffers
         q, s, z = buffers["qweight"], buffers["scale"], buffers.get("zero")
@@ -528,7 +528,7 @@ class WeightOnlyLinear(_FollowsDevice, _PackedWeight):
             # the same kernel as a custom op, a node of the compiled graph (dynamo cannot trace the pybind call
             # below); it reads the packed weight the last eager call made (made on demand, _cpu_weight reads data
             # pointers, which dynamo cannot): a compiled caller runs the model eagerly first
-            from workbench.kernels.ops import weight_only_linear_cpu
+            from workbench_kernels.ops import weight_only_linear_cpu
 
             return weight_only_linear_cpu(x, self._packed_for_compile(), bias)
         if self.kernel is KernelPath.CPU_INT8 and not (x.requires_grad and torch.is_grad_enabled()):
@@ -539,12 +539,12 @@ class WeightOnlyLinear(_FollowsDevice, _PackedWeight):
                 args = (x, buffers["qweight"], buffers["scale"], buffers.get("zero"), float(1 << (fmt.bits - 1)),
                         fmt.slot_bits, self.K if fmt.group_size is None else fmt.group_size, self.K, bias)
                 if torch.compiler.is_compiling():   # the same call as a custom op, a node of the compiled graph
-                    from workbench.kernels.ops import act_int8_linear_cpu
+                    from workbench_kernels.ops import act_int8_linear_cpu
 
                     return act_int8_linear_cpu(*args)
                 return _act_int8_cpu().linear_unchecked(*args)
             if torch.compiler.is_compiling():   # the rounding in PyTorch ops (the same numbers), the exact kernel's op
-                from workbench.kernels.ops import weight_only_linear_cpu
+                from workbench_kernels.ops import weight_only_linear_cpu
 
                 rounded = _act_int8_cpu().round_activations(x)
                 return weight_only_linear_cpu(rounded, self._packed_for_compile(), bias).to(x.dtype)
@@ -563,10 +563,10 @@ class WeightOnlyLinear(_FollowsDevice, _PackedWeight):
 
     def _triton(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.fmt.triton_kind == "int8":
-            from workbench.kernels.int8_weight_only import int8_weight_only_mm
+            from workbench_kernels.int8_weight_only import int8_weight_only_mm
 
             return int8_weight_only_mm(x, self.qweight, self.scale, bias)
-        from workbench.kernels.int4_weight_only import int4_weight_only_mm
+        from workbench_kernels.int4_weight_only import int4_weight_only_mm
 
         return int4_weight_only_mm(x, self.qweight, self.scale, getattr(self, "zero", None),
                                    self.K // self.scale.shape[1], bias)
@@ -681,7 +681,7 @@ class W8A8Linear(_FollowsDevice, nn.Module):
     module computes ``(x / smooth) (W * smooth)^T``: the same product, with activation outliers migrated into
     the weights, which quantize more easily. (Here the division is applied in the module rather than folded
     into the previous LayerNorm, so it works on any Linear; the numerics are those of the folded form.)
-    ``kernel="cpu"`` runs `workbench.kernels.w8a8_cpu` (quantization, ``torch._int_mm``'s oneDNN int8 GEMM and the
+    ``kernel="cpu"`` runs `workbench_kernels.w8a8_cpu` (quantization, ``torch._int_mm``'s oneDNN int8 GEMM and the
     rescale fused block by block in C++, bit-identical to the reference); ``"triton"`` the Triton kernel on a GPU;
     ``"reference"`` the same math in fp32.
     """
@@ -746,7 +746,7 @@ class W8A8Linear(_FollowsDevice, nn.Module):
                                              buffers["act_scale"] if self.static else None)
             return y if y.dtype == x.dtype else y.to(x.dtype)
         if self.kernel is KernelPath.TRITON:
-            from workbench.kernels.w8a8 import w8a8_mm
+            from workbench_kernels.w8a8 import w8a8_mm
 
             bias = None if self.bias is None else self.bias.detach()   # an inference kernel: no autograd
             return w8a8_mm(xs.contiguous(), self.qweight_t, self.scale, bias)
@@ -774,9 +774,9 @@ class W8A8Linear(_FollowsDevice, nn.Module):
         return quantize_per_tensor(x2d, self.act_scale) if self.static else quantize_per_token(x2d)
 
     def _cpu(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out) in x's dtype
-        """`workbench.kernels.w8a8_cpu`'s checked custom op (under ``torch.compile``; eager calls take the
+        """`workbench_kernels.w8a8_cpu`'s checked custom op (under ``torch.compile``; eager calls take the
         unchecked one-C++-call path in `forward`)."""
-        from workbench.kernels import w8a8_cpu
+        from workbench_kernels import w8a8_cpu
 
         act = self.act_scale if self.static else None
         bias = None if self.bias is None else self.bias.detach()   # an inference path: no autograd

@@ -104,7 +104,7 @@ class _QATMixin:
         """Fake quantization of grouped values: the fused Triton kernel (forward + straight-through backward)
         or the PyTorch expression; the same numbers (tests compare them bit for bit)."""
         if self.kernel is KernelPath.TRITON:
-            from workbench.kernels.fake_quant import fake_quantize
+            from workbench_kernels.fake_quant import fake_quantize
 
             return fake_quantize(xg.contiguous(), scale.detach().contiguous(), zero.contiguous(), qmin, qmax)
         return fake_quantize_ste(xg, scale, zero, qmin, qmax)
@@ -218,7 +218,7 @@ QAT_PLAN_ATTR = "_workbench_qat_plan"
 def prepare(model: nn.Module, plan: Plan, learnable_scales: bool = False, kernel: str = "reference") -> nn.Module:
     """A copy of ``model`` with fake quantization on the layers ``plan`` selects (ready to train).
 
-    ``kernel``: "reference" (PyTorch ops, any device) or "triton" (`workbench.kernels.fake_quant`: forward and
+    ``kernel``: "reference" (PyTorch ops, any device) or "triton" (`workbench_kernels.fake_quant`: forward and
     straight-through backward fused, on a CUDA GPU; not with ``learnable_scales``, whose scale gradients
     the PyTorch path computes)."""
     if not isinstance(model, nn.Module):
@@ -226,7 +226,7 @@ def prepare(model: nn.Module, plan: Plan, learnable_scales: bool = False, kernel
     if kernel not in ("reference", "triton"):
         raise ValueError(f"qat.prepare: kernel must be 'reference' or 'triton', got {kernel!r}")
     if kernel == "triton":
-        from workbench.kernels import triton_available
+        from workbench_kernels import triton_available
 
         if learnable_scales:
             raise ValueError("qat.prepare: learnable_scales trains the scales through the PyTorch path; "

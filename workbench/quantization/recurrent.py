@@ -13,7 +13,7 @@ Both quantize their input per token (per row) at run time. The LSTM's gate rows 
 biases are summed into the input projection. A GRU keeps both biases where ``nn.GRU`` has them (``b_hn`` sits
 inside the reset gate's product).
 
-``kernel="cpu"`` runs `workbench.kernels.w8a8_cpu` (oneDNN's int8 GEMM with fused quantization and rescale),
+``kernel="cpu"`` runs `workbench_kernels.w8a8_cpu` (oneDNN's int8 GEMM with fused quantization and rescale),
 ``"reference"`` the same math in fp32 anywhere; ``"auto"`` picks "cpu" for CPU modules. The step loop is
 Python: per step one int8 GEMM of ``B`` rows and ~7 element-wise ops, so at small batches the fixed cost of each
 GEMM call, not its arithmetic, sets the speed (torch.ao's fbgemm LSTM runs its whole loop in C++ and is faster;
@@ -117,7 +117,7 @@ class _DynamicQuantRNN(nn.Module):
         """``x -> lin(x)`` without the module call's overhead on the CPU path (it runs once per step)."""
         if self.kernel is not KernelPath.CPU:
             return lin
-        from workbench.kernels.w8a8_cpu import linear_unchecked
+        from workbench_kernels.w8a8_cpu import linear_unchecked
 
         qw, scale = lin.qweight_t, lin.scale.float()
         bias = None if lin.bias is None else lin.bias.detach().float()

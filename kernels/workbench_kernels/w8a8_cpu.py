@@ -23,13 +23,13 @@ Python between the three steps. With several threads each thread takes whole row
 single-threaded); below ``32 x threads`` rows (decode) one thread walks the blocks and the GEMM uses them all.
 
 Vector code: AVX-512 or AVX2 intrinsics chosen at run time from what the CPU reports (``cpu_isa()``, capped by
-``WORKBENCH_CPU_ISA``: `workbench.kernels.isa`), a scalar loop elsewhere (e.g. ARM); ``isa=`` forces one for tests.
+``WORKBENCH_CPU_ISA``: `workbench_kernels.isa`), a scalar loop elsewhere (e.g. ARM); ``isa=`` forces one for tests.
 Every float operation is the reference's, in the same order, built with ``-ffp-contract=off`` (no multiply-add
 contraction): the output equals the reference bit for bit whenever the reference's fp32 matmul of the codes is
 exact (every partial sum below 2^24, e.g. K <= 1024; past that the int32 sum here is the more exact of the two).
 Tests check each ISA, ragged shapes, static scales, non-finite rows.
 
-Build: ``make install`` builds it ahead of time (``python -m workbench.kernels.build``), else it is compiled on first
+Build: ``make install`` builds it ahead of time (``python -m workbench_kernels.build``), else it is compiled on first
 use with ``torch.utils.cpp_extension.load`` (ninja and the system C++ compiler; about 30 s once, then cached under
 ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``), reported on this module's logger at INFO, never
 on stderr. No ``-march=native``: the cached library runs on any x86-64 and picks its ISA at run time. A machine
@@ -50,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from workbench.kernels._common import build_extension, check, check_same_device, extension_libraries, extension_or_raise
+from workbench_kernels._common import build_extension, check, check_same_device, extension_libraries, extension_or_raise
 
 __all__ = ["w8a8_linear_cpu", "linear_unchecked", "reference", "cpu_isa", "load_extension", "ISAS"]
 
@@ -78,7 +78,7 @@ def _ninja_on_path() -> None:
     os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
 
-ensure_ninja_on_path = _ninja_on_path   # shared with the other C++ kernels (workbench.kernels._common.build_extension)
+ensure_ninja_on_path = _ninja_on_path   # shared with the other C++ kernels (workbench_kernels._common.build_extension)
 
 
 def _looks_built() -> bool:
@@ -93,7 +93,7 @@ def _looks_built() -> bool:
 @functools.cache
 def _build():
     """(extension module, None) or (None, the error): a failed build is not retried in this process. Compiling or
-    loading is reported on this module's logger (`workbench.kernels._common.build_extension`), not on stderr."""
+    loading is reported on this module's logger (`workbench_kernels._common.build_extension`), not on stderr."""
     # -fopenmp: at::parallel_for is an OpenMP pragma in ATen's headers - without it the kernel runs on one
     # thread whatever torch.get_num_threads() says (the pragma is compiled away); the OpenMP runtime is the
     # libgomp torch already loaded
@@ -124,7 +124,7 @@ _ONEDNN_VNNI_ISAS = ("AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE_VNNI", "AVX512_COR
 
 
 def _int8_dot_product_capped() -> bool:
-    from workbench.kernels.isa import isa_cap
+    from workbench_kernels.isa import isa_cap
 
     onednn = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
     return isa_cap() in ("avx2", "scalar") or bool(onednn and onednn not in _ONEDNN_VNNI_ISAS)
@@ -215,7 +215,7 @@ def reference(x: torch.Tensor, qweight_t: torch.Tensor, scale: torch.Tensor, bia
               act_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The same math in PyTorch: the module's reference path (its quantization functions, then an fp32 matmul
     of the integer codes)."""
-    from workbench.quantization.primitives import quantize_per_tensor, quantize_per_token
+    from workbench_kernels.numerics import quantize_per_tensor, quantize_per_token
 
     x2 = x.reshape(-1, x.shape[-1])                                        # (M, K)
     q, s = quantize_per_token(x2) if act_scale is None else quantize_per_tensor(x2, act_scale)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from workbench.kernels._common import INTERPRET, cdiv, check, check_same_device, configs, require_triton
+from workbench_kernels._common import INTERPRET, cdiv, check, check_same_device, configs, require_triton
 
 try:
     import triton

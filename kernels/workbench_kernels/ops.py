@@ -1,6 +1,6 @@
 """``torch.library`` custom ops over the C++ CPU kernels, so ``torch.compile`` keeps them as graph nodes.
 
-Eager code calls the C++ extensions through pybind (`workbench.kernels.weight_only_cpu.linear_unchecked`): one
+Eager code calls the C++ extensions through pybind (`workbench_kernels.weight_only_cpu.linear_unchecked`): one
 call, no dispatcher, but dynamo cannot trace it and would break the graph at every quantized Linear. Under
 ``torch.compile`` `WeightOnlyLinear.forward` calls `weight_only_linear_cpu` below instead: the op
 ``workbench::weight_only_linear_cpu`` takes the packed weight's tensors and its path rules as plain arguments
@@ -8,7 +8,7 @@ call, no dispatcher, but dynamo cannot trace it and would break the graph at eve
 compiled model computes exactly what the eager one does. Its fake implementation gives inductor the output's
 shape and dtype: ``x (..., K) -> (..., N)`` in x's dtype.
 
-``workbench::act_int8_linear_cpu`` is `workbench.kernels.act_int8_cpu`'s kernel (``kernel="cpu-int8"``: activations
+``workbench::act_int8_linear_cpu`` is `workbench_kernels.act_int8_cpu`'s kernel (``kernel="cpu-int8"``: activations
 rounded to int8) the same way: the stored tensors as they are, the same extension call.
 
 ``workbench::dense_gemv_cpu`` is the dense fp32 GEMV of ``weight_only_cpu.cpp``; no module calls it: `DenseGemvPass`,
@@ -23,7 +23,7 @@ set-up on tiny-llama's 4 heads, against a few us). `DecodeStepPass` runs both pa
 Each op's schema and fake implementation are defined here, its CPU implementation by the extension (C++
 ``TORCH_LIBRARY_IMPL``, registered when the extension loads): no Python runs between the dispatcher and the kernel.
 
-(`workbench.kernels.w8a8_cpu` registers its own op next to its kernel; this file holds the ops of the weight-only
+(`workbench_kernels.w8a8_cpu` registers its own op next to its kernel; this file holds the ops of the weight-only
 kernels, whose source files are shared with other work.)
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from workbench.kernels import act_int8_cpu, weight_only_cpu
+from workbench_kernels import act_int8_cpu, weight_only_cpu
 
 __all__ = ["DecodeAttentionPass", "DecodeStepPass", "DenseGemvPass", "act_int8_linear_cpu", "decode_attention_cpu",
            "dense_gemv_cpu", "weight_only_linear_cpu"]

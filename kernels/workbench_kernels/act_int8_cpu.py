@@ -20,13 +20,13 @@ Which layers: integer codes of 4 bits (int4, and int3 in its 4-bit slots) or 8 b
 read as stored (fp16: 4.5 bits a weight for int4 g32, as Q4_0). ``WeightOnlyLinear`` rounds x the same way
 whatever the number of rows: calls of up to `rows_for` rows (decode, small batches: 8-32 by the weight's size)
 run this kernel, longer ones (prefill, evaluation) multiply the rounded x (`round_activations_cpu`) on the exact
-CPU kernel (`workbench.kernels.weight_only_cpu`), where the GEMM, not the weight's bytes, is the cost - so the
+CPU kernel (`workbench_kernels.weight_only_cpu`), where the GEMM, not the weight's bytes, is the cost - so the
 quality measured on a test set is the quality of what decodes.
 
 Vector code chosen at run time: AVX-512 with VNNI (``vpdpbusd``: 64 codes x activations per instruction; Ice
 Lake / Sapphire Rapids Xeons, Zen 4, Zen 5) over 64-byte chunks of the codes; AVX2 (``vpmaddubsw`` + ``vpmaddwd``)
 over 32-byte chunks elsewhere; a scalar loop as the definition. ``WORKBENCH_CPU_ISA`` caps it as for the other
-kernels (`workbench.kernels.isa`). Built by ``make install`` (``python -m workbench.kernels.build``) or on first use
+kernels (`workbench_kernels.isa`). Built by ``make install`` (``python -m workbench_kernels.build``) or on first use
 with ``torch.utils.cpp_extension`` (~15 s once, cached), reported on this module's logger, never on stderr.
 """
 from __future__ import annotations
@@ -38,8 +38,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from workbench.kernels._common import build_extension, extension_or_raise
-from workbench.quantization.primitives import dequantize_packed
+from workbench_kernels._common import build_extension, extension_or_raise
+from workbench_kernels.numerics import dequantize_packed
 
 __all__ = ["cpu_isa", "linear", "linear_unchecked", "load_extension", "reference", "round_activations",
            "round_activations_cpu", "rows_for", "supports", "unsupported_reason"]
@@ -86,7 +86,7 @@ def supports(bits: int, group_size: int | None, K: int) -> bool:
 @functools.cache
 def _build():
     """(extension module, None) or (None, the error): a failed build is not retried in this process. Compiling or
-    loading is reported on this module's logger (`workbench.kernels._common.build_extension`), not on stderr."""
+    loading is reported on this module's logger (`workbench_kernels._common.build_extension`), not on stderr."""
     return build_extension(_NAME, SOURCE, what=_WHAT, logger=log, expected_s=15,
                            extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"])
 

@@ -53,7 +53,7 @@ where this kernel took 2.1 / 2.0; on an AVX-512 + AMX Xeon (three runs) aten's i
 kernel's 1.3 and its int8 1.5-1.9 against 1.65-1.84 (`python -m workbench.benchmarks.kernels_cpu` measures all of them
 side by side).
 
-Vector code chosen at run time (``cpu_isa()``; ``WORKBENCH_CPU_ISA`` caps it, `workbench.kernels.isa`): AVX-512
+Vector code chosen at run time (``cpu_isa()``; ``WORKBENCH_CPU_ISA`` caps it, `workbench_kernels.isa`): AVX-512
 for the decode path of 4- and 8-bit integer codes in whole 32-value groups (16 lanes; 4-bit codes meet x
 reordered to their nibble order instead of being put back in order; groups of 32 two at a time), AVX2 + FMA for
 the rest and on AVX2-only CPUs, a scalar loop elsewhere. That decode path reads the weight as stored: the fp16 scales
@@ -61,7 +61,7 @@ the rest and on AVX2-only CPUs, a scalar loop elsewhere. That decode path reads 
 so int4 g32 streams 4.5 bits a value, not the fp32 copies' 6;
 ``isa=`` forces one for tests. The decode paths prefetch the weight a few KB ahead of the row they are on (one
 core's stream of a weight that is not in cache otherwise stalls on memory latency at a fraction of the bandwidth).
-Built like `workbench.kernels.w8a8_cpu`: by ``make install`` (``python -m workbench.kernels.build``) or on first use
+Built like `workbench_kernels.w8a8_cpu`: by ``make install`` (``python -m workbench_kernels.build``) or on first use
 with ``torch.utils.cpp_extension`` (~20 s once, cached), reported on this module's logger, never on stderr; no
 ``-march=native``.
 """
@@ -75,8 +75,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from workbench.kernels._common import build_extension, extension_or_raise
-from workbench.quantization.primitives import dequantize_packed
+from workbench_kernels._common import build_extension, extension_or_raise
+from workbench_kernels.numerics import dequantize_packed
 
 __all__ = [
     "ISAS",
@@ -295,7 +295,7 @@ def pack(tensors: dict[str, torch.Tensor], fmt, K: int) -> CpuWeight:
 @functools.cache
 def _build():
     """(extension module, None) or (None, the error): a failed build is not retried in this process. Compiling or
-    loading is reported on this module's logger (`workbench.kernels._common.build_extension`), not on stderr."""
+    loading is reported on this module's logger (`workbench_kernels._common.build_extension`), not on stderr."""
     # -fopenmp: at::parallel_for is an OpenMP pragma in ATen's headers (compiled away without it: one thread).
     # The runtime is resolved by soname (libgomp.so.1): the copy torch loaded, one thread pool (checked in
     # /proc/self/maps); a torch whose OpenMP library has another name would get a second runtime here.

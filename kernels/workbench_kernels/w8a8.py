@@ -46,9 +46,9 @@ from __future__ import annotations
 
 import torch
 
-from workbench.kernels._common import INTERPRET, cdiv, check, check_same_device, configs, graph_bench, require_triton
-from workbench.quantization.primitives import EPS
-from workbench.quantization.primitives import quantize_per_token as _per_token
+from workbench_kernels._common import INTERPRET, cdiv, check, check_same_device, configs, graph_bench, require_triton
+from workbench_kernels.numerics import EPS
+from workbench_kernels.numerics import quantize_per_token as _per_token
 
 try:
     import triton
@@ -298,7 +298,7 @@ def _(x, qweight_t, scale, bias=None, fused=None):
 
 def quantize_per_token_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's math in PyTorch: ``(codes int8 (M, K), scale fp32 (M, 1))`` - the package's one per-token
-    quantizer, `workbench.quantization.primitives.quantize_per_token`."""
+    quantizer, `workbench_kernels.numerics.quantize_per_token`."""
     return _per_token(x)
 
 

@@ -94,9 +94,9 @@ def inductor_cache_per_capability() -> str | None:
     return folder
 
 
-if __name__ == "__main__":   # `env $(python -m workbench.kernels.isa avx2) CMD`: CMD as an AVX2-only CPU runs it
+if __name__ == "__main__":   # `env $(python -m workbench_kernels.isa avx2) CMD`: CMD as an AVX2-only CPU runs it
     import sys
 
     if len(sys.argv) != 2 or sys.argv[1] not in EMULATED:
-        sys.exit(f"usage: env $(python -m workbench.kernels.isa CLASS) COMMAND; CLASS one of {', '.join(EMULATED)}")
+        sys.exit(f"usage: env $(python -m workbench_kernels.isa CLASS) COMMAND; CLASS one of {', '.join(EMULATED)}")
     print(" ".join(env_args(sys.argv[1])))

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import torch
 
-from workbench.kernels._common import INTERPRET, cdiv, check, check_same_device, configs, graph_bench, require_triton
-from workbench.quantization.primitives import EPS, FLOAT8_DTYPES, PerChannel, float8_quantize
+from workbench_kernels._common import INTERPRET, cdiv, check, check_same_device, configs, graph_bench, require_triton
+from workbench_kernels.numerics import EPS, FLOAT8_DTYPES, PerChannel, float8_quantize
 
 try:
     import triton
@@ -186,7 +186,7 @@ def _require_sm90(op: str, device: torch.device) -> None:
         if cap < MIN_CAPABILITY:
             raise RuntimeError(f"{op}: the fp8 kernel targets Hopper (sm_90) or newer; {device} is "
                                f"sm_{cap[0]}{cap[1]}. Dequantize and use a float matmul there "
-                               f"(workbench.kernels.fp8.reference computes the same numbers).")
+                               f"(workbench_kernels.fp8.reference computes the same numbers).")
 
 
 @torch.library.custom_op("workbench::fp8_scaled_mm", mutates_args=())

@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from workbench.kernels._common import (
+from workbench_kernels._common import (
     INTERPRET,
     SMALL_M,
     check,
@@ -59,7 +59,7 @@ from workbench.kernels._common import (
     m_bucket,
     split_k_configs,
 )
-from workbench.quantization.primitives import dequantize_packed
+from workbench_kernels.numerics import dequantize_packed
 
 __all__ = ["int8_weight_only_mm", "launch", "reference", "SMALL_M"]
 

@@ -439,7 +439,7 @@ WB_TARGET("avx512f,avx512bw,avx512vl,avx512vnni,f16c") void wrows_avx512(const W
 }
 #endif  // WB_X86
 
-// WORKBENCH_CPU_ISA (avx2 / scalar) caps the ISA, as for the other CPU kernels (workbench/kernels/isa.py).
+// WORKBENCH_CPU_ISA (avx2 / scalar) caps the ISA, as for the other CPU kernels (kernels/workbench_kernels/isa.py).
 Isa isa_cap() {
   const char* v = std::getenv("WORKBENCH_CPU_ISA");
   const std::string s = v ? v : "";

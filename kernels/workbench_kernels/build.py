@@ -1,7 +1,7 @@
-"""Build the C++ CPU kernels ahead of time: ``python -m workbench.kernels.build`` (``make install`` runs it).
+"""Build the C++ CPU kernels ahead of time: ``python -m workbench_kernels.build`` (``make install`` runs it).
 
 Each kernel (`w8a8_cpu`, `weight_only_cpu`, `act_int8_cpu`) is compiled into its build folder
-(`workbench.kernels._common.extension_build_dir`), or found there when this machine already built it, and one line
+(`workbench_kernels._common.extension_build_dir`), or found there when this machine already built it, and one line
 per kernel says which and how long it took. Afterwards every process - a notebook kernel, a report, a test - loads
 the compiled libraries in a fraction of a second, and says so only on the kernel modules' loggers.
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from workbench.kernels import _common, act_int8_cpu, w8a8_cpu, weight_only_cpu
+from workbench_kernels import _common, act_int8_cpu, w8a8_cpu, weight_only_cpu
 
 __all__ = ["KERNELS", "build_all", "main"]
 
@@ -47,7 +47,7 @@ def describe(record: _common.BuildRecord) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m workbench.kernels.build",
+    parser = argparse.ArgumentParser(prog="python -m workbench_kernels.build",
                                      description="Build the C++ CPU kernels now instead of on first use.")
     parser.add_argument("--strict", action="store_true", help="exit with status 1 when a kernel cannot be built")
     args = parser.parse_args(argv)

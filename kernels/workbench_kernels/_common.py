@@ -290,10 +290,10 @@ def build_extension(name: str, source, *, what: str, logger: logging.Logger, exp
 
     Says what it does on ``logger`` (the kernel module's) at INFO - compiling or loading, then how long it took -
     and nothing on stdout / stderr, so notebooks and reports show no build notice; `last_build` keeps the outcome
-    (``python -m workbench.kernels.build`` prints it). ``make install`` builds the kernels ahead of time."""
+    (``python -m workbench_kernels.build`` prints it). ``make install`` builds the kernels ahead of time."""
     from torch.utils.cpp_extension import load
 
-    from workbench.kernels.w8a8_cpu import ensure_ninja_on_path
+    from workbench_kernels.w8a8_cpu import ensure_ninja_on_path
 
     start = time.perf_counter()
     build_dir = ""

@@ -15,7 +15,7 @@ launches, a reference, and a ``torch.library`` custom op with a fake implementat
 - `w8a8_cpu` - ``workbench::w8a8_linear_cpu``: the CPU fast path of W8A8 (C++: per-token quantization, oneDNN's
   int8 GEMM and the rescale fused block by block of rows); `weight_only_cpu` and `act_int8_cpu`: the CPU paths of
   weight-only layers (C++); `ops`: both as ``torch.library`` ops. The C++ is built by ``make install``
-  (``python -m workbench.kernels.build``), or else quietly on first use (a message on the ``logging`` logger of
+  (``python -m workbench_kernels.build``), or else quietly on first use (a message on the ``logging`` logger of
   each module, never on stderr).
 
 `isa` says which x86 instruction sets the CPU code may use and how one machine runs as another CPU class (the caps
@@ -27,6 +27,6 @@ docs/kernels.md), outside this package: the kernels import nothing above them. T
 Importing this package does not import Triton or initialise CUDA: each kernel module imports Triton when it is
 imported. `triton_available` is what the quantized modules ask before they pick a Triton kernel.
 """
-from workbench.kernels._common import chosen_config, graph_bench, triton_available
+from workbench_kernels._common import chosen_config, graph_bench, triton_available
 
 __all__ = ["triton_available", "graph_bench", "chosen_config"]

@@ -32,9 +32,11 @@
 #define WB_TARGET(isa)
 #endif
 
+#include "cpu_isa.h"   // Isa, isa_cap
+
 namespace {
 
-enum class Isa { Scalar, Avx2, Avx512 };   // Avx512: F + BW + VL + VNNI (the int8 dot product in 512 bits)
+// Isa (cpu_isa.h) Avx512 here: F + BW + VL + VNNI (the int8 dot product in 512 bits)
 
 constexpr int64_t kPrefetchBytes = 4096;   // how far ahead of the codes being read the next ones are fetched
 constexpr int kMaxRowsX = 4;               // rows of x per sweep of a weight row
@@ -438,16 +440,6 @@ WB_TARGET("avx512f,avx512bw,avx512vl,avx512vnni,f16c") void wrows_avx512(const W
     out[r] = _mm512_reduce_add_ps(acc[r]) - (W.fold_zero() ? 0.f : zero_term_avx2(W, n + r, x.T.data()));
 }
 #endif  // WB_X86
-
-// WORKBENCH_CPU_ISA (avx2 / scalar) caps the ISA, as for the other CPU kernels (kernels/workbench_kernels/isa.py).
-Isa isa_cap() {
-  const char* v = std::getenv("WORKBENCH_CPU_ISA");
-  const std::string s = v ? v : "";
-  if (s.empty() || s == "auto" || s == "avx512") return Isa::Avx512;
-  if (s == "avx2") return Isa::Avx2;
-  TORCH_CHECK(s == "scalar", "WORKBENCH_CPU_ISA must be auto, avx512, avx2 or scalar, got '", s, "'");
-  return Isa::Scalar;
-}
 
 Isa best_isa() {
   static const Isa best = [] {

@@ -28,12 +28,13 @@
 #define WB_X86 0
 #endif
 
+#include "cpu_isa.h"   // Isa, isa_cap
+
 namespace {
 
 constexpr float kEps = 1.1920928955078125e-07f;  // torch.finfo(torch.float32).eps
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
-enum class Isa { Scalar, Avx2, Avx512 };
 
 // ---------------------------------------------------------------------------------------------------------
 // Scalar path (any CPU): the definition the vector paths must match.
@@ -161,16 +162,6 @@ WB_TARGET("avx512f") void rescale_row_avx512(const int32_t* acc, int64_t N, floa
   rescale_row_scalar(acc + n, N - n, s, ws + n, bias ? bias + n : nullptr, out + n, false);
 }
 #endif  // WB_X86
-
-// WORKBENCH_CPU_ISA (avx2 / scalar) caps the vector ISA below the CPU's (as in weight_only_cpu.cpp).
-Isa isa_cap() {
-  const char* v = std::getenv("WORKBENCH_CPU_ISA");
-  const std::string s = v ? v : "";
-  if (s.empty() || s == "auto" || s == "avx512") return Isa::Avx512;
-  if (s == "avx2") return Isa::Avx2;
-  TORCH_CHECK(s == "scalar", "WORKBENCH_CPU_ISA must be auto, avx512, avx2 or scalar, got '", s, "'");
-  return Isa::Scalar;
-}
 
 Isa detect_isa() {
   Isa found = Isa::Scalar;

@@ -27,9 +27,10 @@
 #define WB_X86 0
 #endif
 
+#include "cpu_isa.h"   // Isa, isa_cap
+
 namespace {
 
-enum class Isa { Scalar, Avx2, Avx512 };  // ordered: each runs where the later ones can
 
 struct Weight {          // one call's view of the stored weight
   const uint8_t* q;      // (N, row_bytes) packed codes, lowest bits first
@@ -473,17 +474,6 @@ template <int BITS, bool FOLD>
 constexpr RowFn kAvx512Rows[4] = {gemv_row_avx512<1, BITS, FOLD>, gemv_row_avx512<2, BITS, FOLD>,
                                   gemv_row_avx512<3, BITS, FOLD>, gemv_row_avx512<4, BITS, FOLD>};
 #endif  // WB_X86
-
-// WORKBENCH_CPU_ISA (avx2 / scalar) caps the vector ISA below the CPU's, so that one machine runs the code an
-// AVX2-only or a plain x86-64 CPU would (tests of the other ISAs); unset, "auto" or "avx512": no cap. Read once.
-Isa isa_cap() {
-  const char* v = std::getenv("WORKBENCH_CPU_ISA");
-  const std::string s = v ? v : "";
-  if (s.empty() || s == "auto" || s == "avx512") return Isa::Avx512;
-  if (s == "avx2") return Isa::Avx2;
-  TORCH_CHECK(s == "scalar", "WORKBENCH_CPU_ISA must be auto, avx512, avx2 or scalar, got '", s, "'");
-  return Isa::Scalar;
-}
 
 Isa detect_isa() {
   Isa found = Isa::Scalar;

@@ -43,7 +43,7 @@ from workbench.plans.layers import (
     transform_layer,
 )
 from workbench.plans.plan import Plan
-from workbench.plans.registry import Config, handler_for
+from workbench.plans.registry import Accumulator, Config, handler_for
 from workbench.plans.sequential import BlockList, Pipeline, capture_block_inputs, find_blocks, run_block, runs_as_chain
 from workbench.plans.spill import Spill
 
@@ -295,9 +295,9 @@ def _statistics(name: str, module: nn.Module, config: Config):
 class _Feed:
     """The forward pre-hooks' target while a block runs: feeds each layer's statistics (``stats``: name ->
     accumulator or list of inputs). On the first batch, a layer whose input is the very tensor an earlier layer
-    of the block read, and whose accumulator is of the same kind and width (it has a ``users`` count, as
-    `HessianAccumulator` does), is linked to that layer's accumulator: ``stats`` then maps both names to one
-    object and the input is accumulated once. Later batches must show the same sharing."""
+    of the block read, and whose accumulator can stand for that layer's (`Accumulator.shares_with`, as a
+    `HessianAccumulator` of the same width does), is linked to that layer's accumulator: ``stats`` then maps both
+    names to one object and the input is accumulated once. Later batches must show the same sharing."""
 
     def __init__(self, stats: dict):
         self.stats = stats
@@ -308,7 +308,7 @@ class _Feed:
     def __call__(self, name: str, args: tuple) -> None:
         stat = self.stats[name]
         x = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        if x is None or not hasattr(stat, "users"):
+        if x is None or not isinstance(stat, Accumulator):
             _add(stat, args)
             return
         before = self.seen.get(id(x))
@@ -319,8 +319,7 @@ class _Feed:
             return
         if self.first and before is not None:
             other = self.stats[before[0]]
-            if type(other) is type(stat) and getattr(other, "K", None) == getattr(stat, "K", None) \
-                    and getattr(other, "dtype", None) == getattr(stat, "dtype", None):
+            if isinstance(other, Accumulator) and other.shares_with(stat):
                 self.leader[name] = before[0]
                 other.users += 1
                 self.stats[name] = other

@@ -213,20 +213,21 @@ def _block_bytes(model: nn.Module, needing, blocks, batches, records, scale: flo
     first = capture_block_inputs(model, blocks.names[0], batches[:1], progress=False)[0]
     hidden = int(first.hidden.untyped_storage().nbytes() * scale)
     per_block: dict[str, int] = {}
-    shared: set[tuple] = set()
+    shared: list[tuple] = []   # (block, input storage, accumulator) of the layers counted so far
     for a in needing:
         block = blocks.block_of(a.name)
         stats = _statistics(a.name, model.get_submodule(a.name), a.config)
         if isinstance(stats, list):   # no accumulator: the layer's inputs are kept, one batch's worth scaled
             size = int(sum(t.untyped_storage().nbytes() for b in records.get(a.name, []) for t in b) * scale)
         else:
-            planned = getattr(stats, "nbytes", None)   # (an accumulator that allocates at its first batch)
+            planned = stats.nbytes   # (an accumulator that allocates at its first batch), else its tensors now
             size = int(planned) if planned is not None else sum(
                 t.nbytes for t in vars(stats).values() if isinstance(t, torch.Tensor))
             seen = records.get(a.name)
-            if hasattr(stats, "users") and seen and seen[0]:   # layers reading one input share one accumulator
-                key = (block, seen[0][0].untyped_storage().data_ptr(), type(stats), getattr(stats, "K", None))
-                size = 0 if key in shared else size
-                shared.add(key)
+            if seen and seen[0]:   # layers reading one input share one accumulator where it allows
+                ptr = seen[0][0].untyped_storage().data_ptr()
+                if any(b == block and p == ptr and other.shares_with(stats) for b, p, other in shared):
+                    size = 0
+                shared.append((block, ptr, stats))
         per_block[block or ""] = per_block.get(block or "", 0) + size
     return hidden, max(per_block.values(), default=0)

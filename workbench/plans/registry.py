@@ -22,6 +22,7 @@ from torch import nn
 __all__ = [
     "Config",
     "Handler",
+    "Accumulator",
     "register_config",
     "handler_for",
     "config_from_dict",
@@ -39,6 +40,32 @@ class Config:
     """
 
     kind: ClassVar[str] = ""
+
+
+class Accumulator(abc.ABC):
+    """What a technique keeps of one layer's calibration inputs when the pipeline feeds them one batch at a time (a
+    forward pre-hook calls ``add``), so that the inputs themselves need not be kept: GPTQ's Hessian, Wanda's input
+    norms, SmoothQuant's per-channel max, an activation observer. `Handler.accumulator` returns one; the pipeline
+    then hands it to `Handler.apply` as ``inputs``.
+
+    Layers that read the very same input tensor (a decoder's q / k / v projections, gate / up) may share one
+    accumulator, the input then added once: an accumulator that allows it says so in `shares_with` and counts its
+    layers in ``users``."""
+
+    users: int = 1
+
+    @abc.abstractmethod
+    def add(self, batch: tuple[torch.Tensor, ...]) -> None:
+        """Take one calibration batch: the layer's tensor inputs of one forward call."""
+
+    @property
+    def nbytes(self) -> int | None:
+        """The bytes it will hold once fed, where known before the first batch (None: count its tensors)."""
+        return None
+
+    def shares_with(self, other: "Accumulator") -> bool:
+        """Whether ``other``, fed the same input tensor, can stand for this one (default: never)."""
+        return False
 
 
 class Handler(abc.ABC):
@@ -69,10 +96,10 @@ class Handler(abc.ABC):
         """Whether ``apply`` needs the layer's calibration inputs (default: no)."""
         return False
 
-    def accumulator(self, name: str, module: nn.Module, config: Config) -> Any | None:
-        """What the technique keeps of the layer's inputs when fed one batch at a time (an object with
-        ``add(batch)``: GPTQ's Hessian, an activation observer); the sequential pipeline then passes it to
-        ``apply`` as ``inputs``. None (default): the input batches themselves are recorded and passed."""
+    def accumulator(self, name: str, module: nn.Module, config: Config) -> Accumulator | None:
+        """What the technique keeps of the layer's inputs when fed one batch at a time (an `Accumulator`: GPTQ's
+        Hessian, an activation observer); the sequential pipeline then passes it to ``apply`` as ``inputs``. None
+        (default): the input batches themselves are recorded and passed."""
         return None
 
     def calibration_cost(self, module: nn.Module, config: Config, tokens: int) -> tuple[int, float] | None:

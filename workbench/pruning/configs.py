@@ -60,7 +60,8 @@ from workbench.quantization.experts import (
     takes_experts,
 )
 
-__all__ = ["Magnitude", "Random", "NM", "Wanda", "SparseGPT", "global_plan", "finalize", "STORAGES", "sparsity_of"]
+__all__ = ["PruneConfig", "Magnitude", "Random", "NM", "Wanda", "SparseGPT", "global_plan", "finalize", "STORAGES",
+           "sparsity_of"]
 
 STORAGES = ("mask", "dense", "csr", "2:4")
 UNSTRUCTURED_STORAGES = tuple(s for s in STORAGES if s != "2:4")   # "2:4" holds N:M (2:4) weights only
@@ -301,6 +302,16 @@ def _check_storage(config) -> None:
                          f"(or Wanda / SparseGPT with nm=(2, 4)), not {config!r}")
 
 
+class PruneConfig(Config):
+    """The base of the weight-pruning configs (unstructured and N:M): what `finalize`, the plans and the UI ask of any
+    of them, whatever its criterion. A subclass is a frozen dataclass with a ``storage`` field (one of `STORAGES`:
+    what the pruned layer keeps) and a ``pattern`` (the N:M pattern it prunes to, or None), registered with its
+    handler (a `_PruneHandler` that computes the keep-mask); a new criterion needs nothing else here."""
+
+    storage: str            # (declared by each dataclass subclass as a field)
+    pattern: tuple[int, int] | None
+
+
 class _MagnitudeHandler(_PruneHandler):
     def mask(self, config, w, name):
         return masks.magnitude_mask(w, config.sparsity)
@@ -318,7 +329,7 @@ class _NMHandler(_PruneHandler):
 
 @register_config(_MagnitudeHandler(), kind="prune.Magnitude")
 @dataclass(frozen=True)
-class Magnitude(Config):
+class Magnitude(PruneConfig):
     """Unstructured magnitude pruning of ``sparsity`` of the layer's weights."""
 
     sparsity: float = 0.5
@@ -333,7 +344,7 @@ class Magnitude(Config):
 
 @register_config(_RandomHandler(), kind="prune.Random")
 @dataclass(frozen=True)
-class Random(Config):
+class Random(PruneConfig):
     """Random unstructured pruning (the baseline every criterion must beat)."""
 
     sparsity: float = 0.5
@@ -349,7 +360,7 @@ class Random(Config):
 
 @register_config(_NMHandler(), kind="prune.NM")
 @dataclass(frozen=True)
-class NM(Config):
+class NM(PruneConfig):
     """N:M semi-structured magnitude pruning (2:4 by default): keep the n largest |w| of every m consecutive input
     channels - along a Linear's inputs, at each kernel position of a convolution (as sparse tensor cores and
     NVIDIA's ASP group them). A layer whose input channels (per group) are not a multiple of m is refused,
@@ -493,7 +504,7 @@ def _check_oneshot(config) -> None:
 
 @register_config(_WandaHandler(), kind="prune.Wanda")
 @dataclass(frozen=True)
-class Wanda(Config):
+class Wanda(PruneConfig):
     """Wanda: prune the weights with the lowest |w| x ||x||_2 (calibrated; nn.Linear): ``sparsity`` of each
     output row, or ``nm=(n, m)`` - keep n of every m consecutive inputs (``sparsity`` is then 1 - n/m)."""
 
@@ -514,7 +525,7 @@ class Wanda(Config):
 
 @register_config(_SparseGPTHandler(), kind="prune.SparseGPT")
 @dataclass(frozen=True)
-class SparseGPT(Config):
+class SparseGPT(PruneConfig):
     """SparseGPT: OBS pruning with the error fed back into the kept weights (calibrated; nn.Linear): ``sparsity``
     of the layer, or ``nm=(n, m)``; ``damp``: fraction of the mean Hessian diagonal added for stability."""
 
@@ -573,7 +584,7 @@ def _config_of(plans, name: str):
     """The pruning config that last shaped layer ``name`` (with storage "mask")."""
     for plan in reversed(plans):
         hit = plan.match(name)
-        if hit is not None and isinstance(hit[1], (Magnitude, Random, NM, Wanda, SparseGPT)):
+        if hit is not None and isinstance(hit[1], PruneConfig):
             return hit[1]
     return None
 
@@ -608,7 +619,7 @@ def finalize(model: nn.Module, storage: str = "dense") -> nn.Module:
     swap_layers(target, replacements)
 
     def restore(config):
-        if not (isinstance(config, (Magnitude, Random, NM, Wanda, SparseGPT)) and config.storage == "mask"):
+        if not (isinstance(config, PruneConfig) and config.storage == "mask"):
             return config
         return replace(config, storage=storage)  # (a "2:4" finalize only gets here with NM(2, 4): checked above)
 

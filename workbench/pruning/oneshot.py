@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from workbench.plans.registry import Accumulator
 from workbench.pruning.masks import prune_lowest
 from workbench.quantization.experts import ExpertMatrix, expert_inputs
 from workbench.quantization.gptq import hessian, inverse_hessian_factor
@@ -35,7 +36,7 @@ from workbench.quantization.gptq import hessian, inverse_hessian_factor
 __all__ = ["NormAccumulator", "input_norms", "wanda_mask", "sparsegpt_prune", "prune_experts"]
 
 
-class NormAccumulator:
+class NormAccumulator(Accumulator):
     """sum over tokens of x_j^2 per input channel, one batch at a time (``add`` is what a pre-hook calls)."""
 
     def __init__(self, in_features: int, name: str = "layer"):

@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from workbench.plans.registry import Accumulator
 from workbench.quantization import formats as fm
 
 __all__ = ["hessian", "HessianAccumulator", "inverse_hessian_factor", "gptq_quantize", "GPTQStep"]
@@ -51,7 +52,7 @@ class GPTQStep:
     Hinv: torch.Tensor
 
 
-class HessianAccumulator:
+class HessianAccumulator(Accumulator):
     """``H = 2/n sum x x^T`` built one batch at a time (``add`` is what a forward pre-hook calls), so a layer's
     calibration inputs need not be kept: `gptq_quantize` takes it in place of the inputs.
 
@@ -72,6 +73,10 @@ class HessianAccumulator:
     def nbytes(self) -> int:
         """The bytes H takes once the first batch arrives."""
         return self.K * self.K * self.dtype.itemsize
+
+    def shares_with(self, other: Accumulator) -> bool:
+        """Another Hessian of the same width and dtype (the layers read one input)."""
+        return type(other) is type(self) and other.K == self.K and other.dtype == self.dtype
 
     def add(self, batch: tuple[torch.Tensor, ...]) -> None:
         if self.scaled:

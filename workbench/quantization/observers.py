@@ -18,6 +18,7 @@ import math
 
 import torch
 
+from workbench.plans.registry import Accumulator
 from workbench.quantization.primitives import (
     Granularity,
     PerTensor,
@@ -228,7 +229,7 @@ OBSERVERS = {"minmax": MinMax, "moving_average": MovingAverageMinMax, "percentil
              "histogram": Histogram}
 
 
-class ObserverAccumulator:
+class ObserverAccumulator(Accumulator):
     """An observer fed one calibration batch at a time (``add`` is what a forward pre-hook calls), so a
     layer's inputs need not be kept; remembers the inputs' device for the scale it proposes."""
 

@@ -13,10 +13,12 @@ from typing import Sequence
 
 import torch
 
+from workbench.plans.registry import Accumulator
+
 __all__ = ["activation_absmax", "AbsMaxAccumulator", "smoothing_factors"]
 
 
-class AbsMaxAccumulator:
+class AbsMaxAccumulator(Accumulator):
     """max |x_j| per input channel, one batch at a time (``add`` is what a forward pre-hook calls)."""
 
     def __init__(self, in_features: int, name: str = "layer"):

@@ -48,10 +48,10 @@ lint: install
 	$(BIN)/python -m mypy
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_import_structure.py
 
-# everything, as CI runs it: lint, then every test tier (slow ML claims, notebooks, browser tests), then the
-# other CPU classes' tier
+# everything, as CI runs it: lint, then every test tier (slow ML claims, notebooks, browser tests; the 30 slowest
+# tests listed at the end, to keep CI's time in view), then the other CPU classes' tier
 test: install lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=30
 	$(MAKE) test-isa
 
 # This machine as the other CPU classes (kernels/workbench_kernels/isa.py: an AVX-512 CPU without AMX, an AVX2-only one -

@@ -303,7 +303,7 @@ class _Feed:
         self.stats = stats
         self.leader: dict[str, str] = {}
         self.first = True
-        self.seen: dict[int, tuple[str, torch.Tensor]] = {}   # id(input) -> (layer, input), this batch
+        self.seen: dict[int, tuple[torch.Tensor, list[str]]] = {}   # id(input) -> (input, its layers), this batch
 
     def __call__(self, name: str, args: tuple) -> None:
         stat = self.stats[name]
@@ -311,20 +311,21 @@ class _Feed:
         if x is None or not isinstance(stat, Accumulator):
             _add(stat, args)
             return
-        before = self.seen.get(id(x))
+        readers = self.seen.get(id(x), (x, []))[1]   # the layers of this block that read x before, in order
         if name in self.leader:
-            if before is None or before[0] != self.leader[name]:
+            if self.leader[name] not in readers:
                 raise RuntimeError(f"calibration: {name!r} read the same input as {self.leader[name]!r} on the "
                                    f"first batch but not on a later one; use pipeline='original'")
             return
-        if self.first and before is not None:
-            other = self.stats[before[0]]
-            if isinstance(other, Accumulator) and other.shares_with(stat):
-                self.leader[name] = before[0]
-                other.users += 1
-                self.stats[name] = other
-                return
-        self.seen.setdefault(id(x), (name, x))
+        if self.first:
+            for earlier in readers:   # any of them whose accumulator can stand for this one (not only the first)
+                other = self.stats[earlier]
+                if isinstance(other, Accumulator) and other.shares_with(stat):
+                    self.leader[name] = earlier
+                    other.users += 1
+                    self.stats[name] = other
+                    return
+        self.seen.setdefault(id(x), (x, []))[1].append(name)
         _add(stat, args)
 
     def next_batch(self) -> None:

@@ -345,3 +345,20 @@ def test_a_model_in_train_mode_is_still_calibrated_block_by_block():
                          calibration=data, progress=False)
     report = wb.applied_report(small)
     assert set(report[report.status == "compressed"].calibration) == {"sequential"} and model.training
+
+
+def test_a_hessian_is_shared_past_an_earlier_reader_that_keeps_other_statistics():
+    """q reads x into Wanda's norms, k and v into GPTQ Hessians: k's Hessian also serves v (x added once), and later
+    batches must show the same sharing."""
+    from workbench.plans.apply import _Feed
+    from workbench.pruning.oneshot import NormAccumulator
+    from workbench.quantization.gptq import HessianAccumulator
+
+    stats = {"q": NormAccumulator(8, "q"), "k": HessianAccumulator(8, "k"), "v": HessianAccumulator(8, "v")}
+    feed = _Feed(stats)
+    for batch in range(2):
+        x = torch.randn(3, 8)
+        for name in ("q", "k", "v"):
+            feed(name, (x,))
+        feed.next_batch()
+    assert stats["v"] is stats["k"] and stats["k"].users == 2 and stats["k"].n == 6 and stats["q"].n == 2

@@ -2,7 +2,7 @@
 (eager: fp32, int8 and int4 weight-only; compiled: fp32, int4 and cpu-int8), the CPU kernels' custom ops compute
 what the eager kernels do, the decode step's passes put the dense GEMV and the decode attention where one row / one
 query position runs (and nowhere else), models the loop cannot take keep their path, a failed compile falls back
-saying so, and the README's ``wb.measurement.decode`` resolves after ``import workbench``. The compiled fp32 run is
+saying so, and the documented ``wb.measurement.decode`` resolves after ``import workbench``. The compiled fp32 run is
 marked ``slow`` (a compile takes 5-25 s on the 2-core machine)."""
 import subprocess
 import sys

@@ -154,7 +154,7 @@ MIN_COSINE = {name: t.min_cosine for name, t in TECHNIQUES.items()}
 
 # The real pretrained EfficientNet-Lite0 does not survive data-free 4-bit rounding or 50 % unstructured pruning of
 # its depthwise convolutions (3x3 kernels of 9 weights each, no fine-tuning): measured cosines 0.30 (int4 g64),
-# 0.71 (NF4) and 0.14 (magnitude 50 %), agreement with fp32 near 0 on real photos (README: "Any model"). These
+# 0.71 (NF4) and 0.14 (magnitude 50 %), agreement with fp32 near 0 on real photos (docs/any-model.md). These
 # cells assert the measured floor, as regression checks, instead of a closeness the method does not reach.
 MEASURED_FLOOR = {("efficientnet-lite0", "int4"): 0.25, ("efficientnet-lite0", "nf4"): 0.65,
                   ("efficientnet-lite0", "magnitude"): 0.10}

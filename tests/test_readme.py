@@ -1,5 +1,6 @@
-"""Every documented command runs: the README's Python snippets, its shell commands and the commands the notebooks
-print are extracted and executed, so a renamed function or option fails here, not in a reader's terminal.
+"""Every documented command runs: the README's Python snippets, the shell commands of the README and of the reference
+pages in ``docs/`` (`DOCUMENTS`) and the commands the notebooks print are extracted and executed, so a renamed
+function or option fails here, not in a reader's terminal.
 
 - **Python blocks** (```python) run in order in one namespace, in a fresh interpreter inside a temporary folder
   (``HF_HUB_OFFLINE=1``), after `READER_NAMES`: the names a snippet leaves to the reader (``x_eval``, ``fn``,
@@ -7,7 +8,7 @@ print are extracted and executed, so a renamed function or option fails here, no
   a 2-layer BERT from a random config with MiniLM's layer names (the same plan patterns match), so the whole
   walk-through costs seconds, not minutes.
 - **Shell commands**: the lines of ```bash blocks and the inline `workbench ...` / `python -m ...` / `make ...`
-  spans of the README, plus the `workbench ...` commands printed in the notebooks' markdown. Each one is
+  spans of the documents, plus the `workbench ...` commands printed in the notebooks' markdown. Each one is
   either run (after `SHELL_SUBSTITUTIONS`: MiniLM -> digits-mlp, placeholders -> files made here, optional
   ``[...]`` parts included), or only its command line is parsed (`PARSED_ONLY`: benchmarks of minutes, whose
   importable functions run in tests/benchmarks/test_benchmarks.py), or it is `EXCLUDED` with the reason. A command
@@ -33,6 +34,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+# the README and its reference pages; not docs/kernels.md, the record of how the kernels' defaults were measured
+DOCUMENTS = [README, *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "kernels.md")]
 PY = sys.executable
 pytestmark = pytest.mark.slow   # fresh interpreters, three papermill runs and the app command
 
@@ -56,6 +59,11 @@ def shell_commands(text: str) -> list[str]:
     prose = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
     out += [" ".join(m.split()) for m in re.findall(r"`((?:workbench |python -m |make )[^`]*)`", prose)]
     return list(dict.fromkeys(out))
+
+
+def documented_commands() -> list[str]:
+    """The shell commands of every document, then those the notebooks print."""
+    return list(dict.fromkeys([c for doc in DOCUMENTS for c in shell_commands(doc.read_text())] + notebook_commands()))
 
 
 def notebook_commands() -> list[str]:
@@ -244,15 +252,18 @@ def _argv(cmd: str) -> list[str]:
 
 def test_every_documented_command_has_a_decision():
     text = README.read_text()
-    commands = shell_commands(text) + notebook_commands()
+    commands = documented_commands()
     assert any(c.startswith("workbench report notebooks/00_start_here.ipynb") for c in commands)
     undecided = [c for c in commands
                  if c not in EXCLUDED and c not in PARSED_ONLY and not c.startswith(("workbench ", "python -m "))]
     assert not undecided, f"documented commands with no rule in tests/test_readme.py: {undecided}"
     for table in (EXCLUDED, PARSED_ONLY):
         stale = [c for c in table if c not in commands]
-        assert not stale, f"table entries for commands the README no longer has: {stale}"
+        assert not stale, f"table entries for commands the documents no longer have: {stale}"
     assert len(python_blocks(text)) >= 5
+    # only the README's Python runs here: a snippet on a reference page would go untested
+    assert [d.name for d in DOCUMENTS if python_blocks(d.read_text())] == ["README.md"]
+    assert len(DOCUMENTS) > 5
 
 
 def test_python_snippets_run_in_order(tmp_path):
@@ -314,7 +325,7 @@ def _serve(argv: list[str], cwd: Path) -> str:
 
 def test_shell_commands_run(tmp_path):
     _make_files(tmp_path)
-    commands = shell_commands(README.read_text()) + notebook_commands()
+    commands = documented_commands()
     ran, done = {}, set()
     for cmd in dict.fromkeys(commands):
         if cmd in EXCLUDED or cmd in PARSED_ONLY:

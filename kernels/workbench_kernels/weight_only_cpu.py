@@ -16,7 +16,7 @@ Four paths, picked per call by the number of rows M of x and the weight (`CpuWei
   holds the next 8 bits of x's 24-bit significand), and the weight enters as its integers u - z (exact in bf16),
   so every product is exact and AMX tiles (PyTorch's oneDNN brgemm micro-kernels) accumulate in fp32; each
   group's sums are then scaled by s[n, g]. The fp32 product without an fp32 GEMM: three bf16 passes on AMX cost
-  less than one fp32 GEMM on AVX-512 on large layers (README, side by side: 1.05-3.0x faster than the paths
+  less than one fp32 GEMM on AVX-512 on large layers (docs/kernels.md, side by side: 1.05-3.0x faster than the paths
   below within its default rows, 1.07-2.3x faster than fp32 ``F.linear``). As exact as an fp32 GEMM (tests: its
   error against an fp64 product is at most 3x the fp32 reference's), in another summation order. Outside the
   range of real activations it is not: the unscaled group sums overflow fp32 from |x| ~ 1e35 (the reference's
@@ -29,7 +29,7 @@ Four paths, picked per call by the number of rows M of x and the weight (`CpuWei
 - **fp32 brgemm** (fp32 x on an AVX-512 CPU, prefill_rows < M <= `brgemm_rows_for`, where the split path does
   not run - any format): blocks of up to 64 decoded fp32 weight rows (the reference's values bit for bit) times
   x^T by oneDNN's fp32 brgemm micro-kernels, each thread multiplying the rows it decoded; on these shapes 1.1-3.6x
-  faster than the decode-then-MKL path below (README, one thread).
+  faster than the decode-then-MKL path below (docs/kernels.md, one thread).
 - **prefill** (more rows): the whole weight is decoded (the same per-row routine, all threads) into an fp32
   matrix and multiplied by PyTorch's fp32 GEMM. The decode is bit for bit the reference's, so this path returns
   exactly the reference's result for fp32 inputs; the decode is a pass over N x K values against the GEMM's
@@ -45,13 +45,11 @@ the blocks packed for brgemm up to `AMX_BF16_ROWS` rows, by oneDNN's bf16 GEMM a
 sum in a different order from the reference's GEMM: fp32 outputs agree to ~1e-6 relative (tests: 1e-5; the fp32
 brgemm path within the error bound of any fp32 summation order); the fp32 prefill path is bit-identical.
 
-Why not PyTorch's packed kernels (``aten._weight_int4pack_mm_for_cpu``, ``aten._weight_int8pack_mm``): they need
-bf16 activations (fp32 ones fall to a scalar loop), keep scales and zeros in bf16 (our fp16 scales lose 3 bits),
-take int4 with groups that are multiples of 32 only (no asymmetric uint8 zero as such, no NF4 / int2). Speed
-depends on the CPU: on an AVX2 machine they ran at 2.6 ms (int4) / 2.4 ms (int8) for a 4096 x 4096 layer at M = 1
-where this kernel took 2.1 / 2.0; on an AVX-512 + AMX Xeon (three runs) aten's int4 took 1.0-1.1 ms against this
-kernel's 1.3 and its int8 1.5-1.9 against 1.65-1.84 (`python -m workbench.benchmarks.kernels_cpu` measures all of them
-side by side).
+PyTorch's packed kernels (``aten._weight_int4pack_mm_for_cpu``, ``aten._weight_int8pack_mm``) are not used: they
+need bf16 activations (fp32 ones fall to a scalar loop), keep scales and zeros in bf16 (the package's fp16 scales
+would lose 3 bits) and take int4 only in groups of multiples of 32 (no uint8 zero points as such, no NF4 / int2).
+Their speed against this kernel differs by CPU (docs/kernels.md; `python -m workbench.benchmarks.kernels_cpu`
+measures both side by side).
 
 Vector code chosen at run time (``cpu_isa()``; ``WORKBENCH_CPU_ISA`` caps it, `workbench_kernels.isa`): AVX-512
 for the decode path of 4- and 8-bit integer codes in whole 32-value groups (16 lanes; 4-bit codes meet x
@@ -121,7 +119,7 @@ SPLIT_MIN_VALUES = 1 << 19
 SPLIT_SMALL_VALUES = 96 * 1024
 # bf16 x above the split path's rows: blocks of decoded bf16 rows packed for AMX and multiplied by brgemm (no
 # per-call reorder of the weight) up to this many rows; oneDNN's bf16 GEMM on decoded blocks above (measured:
-# README).
+# docs/kernels.md).
 AMX_BF16_ROWS = 256
 
 

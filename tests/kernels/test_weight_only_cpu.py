@@ -290,7 +290,7 @@ def test_split_path_runs_only_where_it_is_exact_and_measured_faster():
     from 9 rows on weights of >= 0.5 M values, up to 2048 / 512 rows per channel (>= 1 M values / fewer), 512 with
     groups of >= 128, 128 with groups of 64, 32 with smaller ones from 4 M values; on smaller weights from K = 128
     and 32 output features, per channel or g >= 128, 256 / 512 rows (from 96 k values), g64 64 rows from 96 k
-    values; never on K = 64, a few output features or small weights in groups of 32 (README: 0.4-1.0x there).
+    values; never on K = 64, a few output features or small weights in groups of 32 (docs/kernels.md: 0.4-1.0x there).
     bf16 x: see `split_rows_for`."""
     assert not _layer(fm.NF4Format(64), 16, 64)[1].split_ok
     hqq = fm.IntFormat(4, 48, False, float_zero=True)

@@ -20,7 +20,11 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -109,6 +113,24 @@ struct Chunks {
   }
 };
 
+// The chunk layout of a weight shape, built once per (row bytes, group, bits, chunk bytes, offset) in the process
+// (its per-lane divisions cost ~2 us a call on a 320-wide layer, more than the layer's dot products) and kept: a
+// model has a few such shapes.
+const Chunks& chunks_for(const Weight& W, int64_t cb, int32_t offset) {
+  using Key = std::tuple<int64_t, int64_t, int, int64_t, int32_t>;
+  static std::mutex mu;
+  static std::map<Key, std::unique_ptr<const Chunks>> cache;
+  const Key key{W.row_bytes, W.group, W.bits, cb, offset};
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    auto made = std::make_unique<Chunks>(W, cb);
+    made->offset = offset;
+    it = cache.emplace(key, std::move(made)).first;
+  }
+  return *it->second;
+}
+
 // Row of x rounded to int8 per block of 32, in the chunk layout: xq (C * CB * (4-bit ? 2 : 1) bytes, zero past K),
 // dl (C * lanes: each lane's block scale d, zero past K), and T[g] = sum_{b in g} d_b * sum(q in b).
 struct RowX {
@@ -179,36 +201,44 @@ QuantizeBlock quantize_block32(bool vector) {
 void quantize_row(const float* x, const Weight& W, const Chunks& ch, RowX& r, QuantizeBlock quantize) {
   const int64_t K = W.K, nb = K / 32;
   const int64_t xbytes = ch.CB * (W.bits == 4 ? 2 : 1);
+  const int block_shift = W.bits == 4 ? 4 : 5;   // a block of 32 codes: 16 bytes of 4-bit codes, 32 of 8-bit ones
   r.xq.assign(ch.C * xbytes, 0);
   r.dl.assign(ch.C * ch.lanes, 0.f);
   r.T.assign(W.G, 0.f);
   r.zq.assign(ch.C * ch.lanes, 0);
-  std::vector<int8_t> q(K);
-  std::vector<float> d(nb);
-  for (int64_t b = 0; b < nb; ++b) {
+  thread_local std::vector<int8_t> q;   // (kept between calls: no allocation once warm)
+  thread_local std::vector<float> d;
+  q.resize(K);
+  d.resize(nb);
+  const int64_t blocks_per_group = W.group / 32;
+  for (int64_t b = 0, g = 0, in_group = 0; b < nb; ++b) {
     int32_t sum = 0;
     d[b] = quantize(x + b * 32, q.data() + b * 32, &sum);
-    r.T[b * 32 / W.group] += d[b] * static_cast<float>(sum);
+    r.T[g] += d[b] * static_cast<float>(sum);
+    if (++in_group == blocks_per_group) {
+      in_group = 0;
+      ++g;
+    }
   }
+  const int32_t z = W.fold_zero() ? static_cast<int32_t>(W.zconst) : 0;
   for (int64_t c = 0; c < ch.C; ++c) {
     int8_t* out = r.xq.data() + c * xbytes;
-    for (int64_t j = 0; j < ch.CB; ++j) {
-      const int64_t byte = c * ch.CB + j;
-      if (byte >= W.row_bytes) break;
-      if (W.bits == 4) {
-        out[j] = q[2 * byte];
-        out[ch.CB + j] = q[2 * byte + 1];
-      } else {
-        out[j] = q[byte];
+    const int64_t end = std::min(ch.CB, W.row_bytes - c * ch.CB);   // the chunk's bytes within the row
+    const int8_t* qc = q.data() + (W.bits == 4 ? 2 : 1) * c * ch.CB;
+    if (W.bits == 4) {
+      for (int64_t j = 0; j < end; ++j) {
+        out[j] = qc[2 * j];
+        out[ch.CB + j] = qc[2 * j + 1];
       }
+    } else {
+      std::memcpy(out, qc, static_cast<size_t>(end));
     }
     for (int64_t L = 0; L < ch.lanes; ++L) {
       const int64_t byte = c * ch.CB + 4 * L;
       if (byte >= W.row_bytes) break;
-      r.dl[c * ch.lanes + L] = d[byte / (W.bits == 4 ? 16 : 32)];
+      r.dl[c * ch.lanes + L] = d[byte >> block_shift];
       // what each lane's int32 sum of (u - offset) q must lose to be the sum of (u - z) q - or of u q when the
       // zero points come in after the row (zero_term)
-      const int32_t z = W.fold_zero() ? static_cast<int32_t>(W.zconst) : 0;
       if (z != ch.offset) {
         int32_t sum = 0;
         for (int64_t i = byte; i < std::min(byte + 4, W.row_bytes); ++i)
@@ -494,75 +524,108 @@ RowsFn rows_fn(Isa isa, int rows, int bits) {
   return nullptr;
 }
 
-// y (M, N) = round_int8(x) (M, K) @ W^T + bias, in x's dtype (computed in fp32).
-torch::Tensor linear(const torch::Tensor& x_in, const torch::Tensor& q, const torch::Tensor& scale,
-                     const c10::optional<torch::Tensor>& zero, double zconst, int64_t bits, int64_t group, int64_t K,
-                     const c10::optional<torch::Tensor>& bias, const std::string& isa_name) {
+// One call's weight from its tensors, checked: codes, fp16 scales, zero points (or nullptr: zconst for all).
+Weight weight_of(const torch::Tensor& q, const torch::Tensor& scale, const c10::optional<torch::Tensor>& zero,
+                 double zconst, int64_t bits, int64_t group, int64_t K) {
   TORCH_CHECK(bits == 4 || bits == 8, "act_int8_linear_cpu: codes of 4 or 8 bits, got ", bits);
   TORCH_CHECK(K % 32 == 0 && group % 32 == 0 && group > 0,
               "act_int8_linear_cpu: K and the group size must be multiples of 32, got K = ", K, ", group ", group);
-  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K && x_in.device().is_cpu(),
-              "act_int8_linear_cpu: x must be a 2-D CPU tensor (M, ", K, ")");
   TORCH_CHECK(q.dtype() == torch::kUInt8 && q.dim() == 2 && q.is_contiguous() && q.size(1) == K * bits / 8,
               "act_int8_linear_cpu: codes must be a contiguous uint8 (N, ", K * bits / 8, ") tensor");
   const int64_t N = q.size(0), G = (K + group - 1) / group;
-  TORCH_CHECK(scale.dtype() == torch::kHalf && scale.is_contiguous() && scale.size(0) == N && scale.size(1) == G,
+  TORCH_CHECK(scale.dtype() == torch::kHalf && scale.is_contiguous() && scale.dim() == 2 && scale.size(0) == N &&
+                  scale.size(1) == G,
               "act_int8_linear_cpu: scales must be a contiguous fp16 (", N, ", ", G, ") tensor");
   Weight W{q.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>()), nullptr, false,
            static_cast<float>(zconst), N, K, G, group, K * bits / 8, static_cast<int>(bits)};
   if (zero.has_value()) {
     const auto& z = *zero;
-    TORCH_CHECK((z.dtype() == torch::kUInt8 || z.dtype() == torch::kHalf) && z.is_contiguous() && z.size(0) == N &&
-                    z.size(1) == G,
+    TORCH_CHECK((z.dtype() == torch::kUInt8 || z.dtype() == torch::kHalf) && z.is_contiguous() && z.dim() == 2 &&
+                    z.size(0) == N && z.size(1) == G,
                 "act_int8_linear_cpu: zero points must be a contiguous uint8 or fp16 (", N, ", ", G, ") tensor");
     W.zero = z.data_ptr();
     W.zero_half = z.dtype() == torch::kHalf;
   }
-  const torch::Tensor x = x_in.to(torch::kFloat).contiguous();
+  return W;
+}
+
+// A bias as fp32 values (kept alive in *keep), or nullptr.
+const float* bias_of(const c10::optional<torch::Tensor>& bias, int64_t N, torch::Tensor* keep) {
+  if (!bias.has_value()) return nullptr;
+  *keep = bias->to(torch::kFloat).contiguous();
+  TORCH_CHECK(keep->numel() == N, "act_int8_linear_cpu: bias must have ", N, " values");
+  return keep->data_ptr<float>();
+}
+
+const Chunks& chunks_of(const Weight& W, Isa isa) {
+  return chunks_for(W, isa == Isa::Avx2 ? 32 : 64, isa == Isa::Avx2 && W.bits == 8 ? 128 : 0);
+}
+
+// The M rows of x rounded in the chunk layout: up to kKeptRows rows in buffers of this thread kept between calls
+// (no allocation a decode step once warm), more in `many` (the caller's, freed after the call).
+constexpr int64_t kKeptRows = 64;
+const RowX* quantize_rows(const torch::Tensor& x, const Weight& W, const Chunks& ch, Isa isa,
+                          std::vector<RowX>& many) {
+  thread_local std::vector<RowX> kept;
   const int64_t M = x.size(0);
-  const float* b = nullptr;
-  torch::Tensor bf;
-  if (bias.has_value()) {
-    bf = bias->to(torch::kFloat).contiguous();
-    TORCH_CHECK(bf.numel() == N, "act_int8_linear_cpu: bias must have ", N, " values");
-    b = bf.data_ptr<float>();
-  }
-  const Isa isa = parse_isa(isa_name);
-  Chunks ch(W, isa == Isa::Avx2 ? 32 : 64);
-  if (isa == Isa::Avx2 && bits == 8) ch.offset = 128;
-  std::vector<RowX> xs(M);
+  std::vector<RowX>& xs = M <= kKeptRows ? kept : many;
+  if (static_cast<int64_t>(xs.size()) < M) xs.resize(M);
   const QuantizeBlock quantize = quantize_block32(isa >= Isa::Avx2);
-  for (int64_t m = 0; m < M; ++m) quantize_row(x.data_ptr<float>() + m * K, W, ch, xs[m], quantize);
-  torch::Tensor y = torch::empty({M, N}, x.options());
-  float* yp = y.data_ptr<float>();
-  // ~64 k codes of work per share: below that a second thread's wake-up costs more than it saves
-  const int64_t grain = std::max<int64_t>(4, (int64_t{1} << 16) / std::max<int64_t>(K * M, 1));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    float out[kMaxRowsX];
-    for (int64_t m0 = 0; m0 < M; m0 += kMaxRowsX) {
-      const int rows = static_cast<int>(std::min<int64_t>(kMaxRowsX, M - m0));
-      const RowsFn f = rows_fn(isa, rows, static_cast<int>(bits));
-      int64_t n = n0;
+  for (int64_t m = 0; m < M; ++m) quantize_row(x.data_ptr<float>() + m * W.K, W, ch, xs[m], quantize);
+  return xs.data();
+}
+
+// y[m, n] for output rows n in [n0, n1) of one weight: y (M, N) row-major, b (N) or nullptr.
+void rows_range(const Weight& W, const Chunks& ch, const RowX* xs, int64_t M, Isa isa, int64_t n0, int64_t n1,
+                const float* b, float* yp) {
+  const int64_t N = W.N;
+  float out[kMaxRowsX];
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxRowsX) {
+    const int rows = static_cast<int>(std::min<int64_t>(kMaxRowsX, M - m0));
+    const RowsFn f = rows_fn(isa, rows, W.bits);
+    int64_t n = n0;
 #if WB_X86
-      if (rows == 1 && isa == Isa::Avx512) {   // decode: weight rows in fours, then the rest one by one
-        constexpr int NR = 4;
-        for (; n + NR <= n1; n += NR) {
-          float o[NR];
-          (bits == 4 ? wrows_avx512<NR, 4> : wrows_avx512<NR, 8>)(W, ch, xs[m0], n, o);
-          for (int r = 0; r < NR; ++r) yp[m0 * N + n + r] = o[r] + (b ? b[n + r] : 0.f);
-        }
-      }
-#endif
-      for (; n < n1; ++n) {
-        if (f) {
-          f(W, ch, xs.data() + m0, n, out);
-        } else {
-          rows_scalar(W, ch, xs.data() + m0, rows, n, out);
-        }
-        for (int i = 0; i < rows; ++i) yp[(m0 + i) * N + n] = out[i] + (b ? b[n] : 0.f);
+    if (rows == 1 && isa == Isa::Avx512) {   // decode: weight rows in fours, then the rest one by one
+      constexpr int NR = 4;
+      for (; n + NR <= n1; n += NR) {
+        float o[NR];
+        (W.bits == 4 ? wrows_avx512<NR, 4> : wrows_avx512<NR, 8>)(W, ch, xs[m0], n, o);
+        for (int r = 0; r < NR; ++r) yp[m0 * N + n + r] = o[r] + (b ? b[n + r] : 0.f);
       }
     }
-  });
+#endif
+    for (; n < n1; ++n) {
+      if (f) {
+        f(W, ch, xs + m0, n, out);
+      } else {
+        rows_scalar(W, ch, xs + m0, rows, n, out);
+      }
+      for (int i = 0; i < rows; ++i) yp[(m0 + i) * N + n] = out[i] + (b ? b[n] : 0.f);
+    }
+  }
+}
+
+// ~64 k codes of work per share: below that a second thread's wake-up costs more than it saves
+int64_t grain_for(int64_t K, int64_t M) { return std::max<int64_t>(4, (int64_t{1} << 16) / std::max<int64_t>(K * M, 1)); }
+
+// y (M, N) = round_int8(x) (M, K) @ W^T + bias, in x's dtype (computed in fp32).
+torch::Tensor linear(const torch::Tensor& x_in, const torch::Tensor& q, const torch::Tensor& scale,
+                     const c10::optional<torch::Tensor>& zero, double zconst, int64_t bits, int64_t group, int64_t K,
+                     const c10::optional<torch::Tensor>& bias, const std::string& isa_name) {
+  const Weight W = weight_of(q, scale, zero, zconst, bits, group, K);
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K && x_in.device().is_cpu(),
+              "act_int8_linear_cpu: x must be a 2-D CPU tensor (M, ", K, ")");
+  const torch::Tensor x = x_in.to(torch::kFloat).contiguous();
+  const int64_t M = x.size(0), N = W.N;
+  torch::Tensor bf;
+  const float* b = bias_of(bias, N, &bf);
+  const Isa isa = parse_isa(isa_name);
+  const Chunks& ch = chunks_of(W, isa);
+  std::vector<RowX> many;
+  const RowX* xs = quantize_rows(x, W, ch, isa, many);
+  torch::Tensor y = torch::empty({M, N}, x.options());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, grain_for(K, M), [&](int64_t n0, int64_t n1) { rows_range(W, ch, xs, M, isa, n0, n1, b, yp); });
   return x_in.scalar_type() == torch::kFloat ? y : y.to(x_in.scalar_type());
 }
 
@@ -593,6 +656,7 @@ torch::Tensor linear_op(const torch::Tensor& x, const torch::Tensor& q, const to
   shape.back() = q.size(0);
   return linear(x.reshape({-1, K}), q, scale, zero, zconst, bits, group, K, bias, "auto").view(shape);
 }
+
 
 }  // namespace
 

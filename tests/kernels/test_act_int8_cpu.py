@@ -62,6 +62,25 @@ def test_the_rounding_is_per_block_of_32_to_nearest_even():
 
 
 @pytest.mark.parametrize("isa", ISAS)
+def test_buffers_kept_between_calls_change_nothing(isa):
+    """The kernel keeps each thread's rounded rows of x and each shape's chunk layout between calls: calls of other
+    shapes, formats and row counts in between (fewer rows, a shorter K, more rows than it keeps) give each call
+    exactly what it gives alone, and many rows give what the rows give one at a time."""
+    calls = []
+    for fmt, N, K, M in [(fm.IntFormat(4, 32), 40, 512, 3), (fm.IntFormat(8, 32), 24, 96, 1),
+                         (fm.IntFormat(4, 96, symmetric=False), 33, 288, 70), (fm.IntFormat(4, 32), 40, 512, 1),
+                         (fm.IntFormat(8, None, symmetric=False), 8, 160, 5)]:
+        x = torch.randn(M, K, generator=torch.Generator().manual_seed(M + K))
+        calls.append((x, _weight(fmt, N, K)))
+    alone = [ak.linear(x, *w, isa=isa) for x, w in calls]
+    for _ in range(2):
+        for (x, w), expected in zip(reversed(calls), reversed(alone)):
+            assert torch.equal(ak.linear(x, *w, isa=isa), expected)
+    x, w = calls[2]   # 70 rows: more than the kernel keeps per thread
+    assert torch.equal(torch.cat([ak.linear(x[i:i + 1], *w, isa=isa) for i in range(len(x))]), alone[2])
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_threads_do_not_change_the_result(isa):
     w = _weight(fm.IntFormat(4, 32), 600, 512)
     x = torch.randn(3, 512)

@@ -71,6 +71,38 @@ def test_compiled_loop_gives_generates_tokens_and_compiles_once(variants, name):
     assert speed.path is D.DecodePath.COMPILED and speed.decode_tokens_per_s > 0
 
 
+def test_a_fresh_quantized_model_compiles_its_step_once_over_generations(llama):
+    # its layers build their packed CPU weights on the first forward, after the model's fingerprint was first taken
+    model = wb.apply(llama, {"model.layers.*": wb.quant.WeightOnly(bits=4, group_size=32)}, progress=False)
+    assert all(m.__dict__.get("_cpu_packed") is None for m in model.modules() if isinstance(m, WeightOnlyLinear))
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    with num_threads(1):
+        for T in (7, 8):
+            ids = _prompt(T, seed=T)
+            assert torch.equal(D.greedy(model, ids, 12), _generate(model, ids, 12))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == before + 1
+
+
+def test_after_the_first_step_the_loop_skips_dynamos_guards_and_stays_right_across_cache_buckets(variants,
+                                                                                                monkeypatch):
+    model, stances = variants["int4 g32"], []
+    real = torch.compiler.set_stance
+
+    def spy(*args, **kwargs):
+        stances.append(kwargs.get("skip_guard_eval_unsafe", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.compiler, "set_stance", spy)
+    with num_threads(1):
+        # 128-, 256- and again 128-position caches: one compiled entry each, told apart by the guards that differ
+        for T, n in ((9, 30), (100, 60), (12, 20)):
+            ids = _prompt(T, seed=T)
+            before = len(stances)
+            assert torch.equal(D.greedy(model, ids, n), _generate(model, ids, n)), (T, n)
+            assert stances[before:] == [True], stances   # once a generation, from its second step on
+    assert D._path(model, True) is D.DecodePath.COMPILED
+
+
 # formats whose forward dynamo once could not trace (each fell back to the eager step with a warning): NF4's codebook
 # (scipy), a Cast model's CastParameter (str.endswith in its __torch_function__), a quantized embedding and head
 @pytest.mark.slow

@@ -66,12 +66,27 @@ def _field(page, kind: str, label: str):
         "input, select").first
 
 
+def _speedup_bounds(points: list[float]) -> tuple[float, float]:
+    """Where the speedup chart cuts interval ends at its axis edge (what the workbench states: beyond twice the
+    points' own span - at least 0.25 around 1, the unchanged model - on each side), so that one noisy interval
+    cannot squeeze every point into a corner."""
+    lo, hi = min(*points, 1.0), max(*points, 1.0)
+    span = max(hi - lo, 0.25)
+    return max(lo - 2 * span, 0.0), hi + 2 * span
+
+
 def _check_axes(page) -> None:
-    """Each trade-off chart's axes hold its data (error bars included) and are not padded far beyond it."""
-    for chart in page.evaluate(AXES):
+    """Each trade-off chart's axes hold its data (error bars included; on the speedup chart an interval end past
+    `_speedup_bounds` may be cut at the axis edge, which then reaches that bound) and are not padded far beyond it."""
+    for i, chart in enumerate(page.evaluate(AXES)):   # the size chart, then the speedup chart
         plus = (chart["ex"] or {}).get("array") or [0] * len(chart["x"])
         minus = (chart["ex"] or {}).get("arrayminus") or [0] * len(chart["x"])
         xs = [*chart["x"], *(x + e for x, e in zip(chart["x"], plus)), *(x - e for x, e in zip(chart["x"], minus))]
+        if i == 1:
+            low, high = _speedup_bounds(chart["x"])
+            lo, hi = chart["xr"]
+            assert (lo <= low or min(xs) >= low) and (hi >= high or max(xs) <= high), (lo, hi, low, high, xs)
+            xs = [min(max(v, low), high) for v in xs]
         ey = (chart["ey"] or {}).get("array") or [0] * len(chart["y"])   # the quality's sampling error
         ys = [*chart["y"], *(y + e for y, e in zip(chart["y"], ey)), *(y - e for y, e in zip(chart["y"], ey))]
         for values, (lo, hi) in ((xs, chart["xr"]), (ys, chart["yr"])):

@@ -123,3 +123,87 @@ def test_status_says_why_pruning_left_the_size_as_it_was(digits_mlp, digits_task
     s.set(s.select("fc1"), wb.prune.Magnitude(0.8, storage="csr"))   # value + int32 index: 0.4x the bytes
     stored = s.apply_and_measure()
     assert stored.metrics.size_bytes < s.history[0].metrics.size_bytes and "keeps every weight" not in stored.status
+
+
+def _llama_and_task(layers: int = 3):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 128, (24, 16), generator=torch.Generator().manual_seed(1))
+    return model, wb.tasks.Fidelity(model, {"input_ids": ids[:16]}, calibration={"input_ids": ids[16:]})
+
+
+def _counting(monkeypatch, config) -> list[str]:
+    built: list[str] = []
+    handler = wb.plans.registry.handler_for(config)
+    real = handler.apply
+
+    def counting(name, *a, **k):
+        built.append(name)
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(handler, "apply", counting)
+    return built
+
+
+def _same_logits(a, b, ids) -> bool:
+    with torch.inference_mode():
+        return torch.equal(a(ids).logits, b(ids).logits)
+
+
+@pytest.mark.parametrize("pipeline", ["sequential", "original"])
+def test_the_session_builds_what_wb_apply_builds_and_rebuilds_only_what_a_change_reaches(monkeypatch, pipeline):
+    """One applier: the session's working copy equals wb.apply of the session's plan with the same calibration
+    batches and pipeline, after every edit. Sequentially a change in block 1 reaches the calibrated layers of the
+    blocks after it (their inputs were block 1's outputs), so those blocks are rebuilt, and nothing before it."""
+    import warnings
+
+    model, task = _llama_and_task()
+    gptq = wb.quant.WeightOnly(bits=4, group_size=32, method="gptq")
+    built = _counting(monkeypatch, gptq)   # (one handler for every WeightOnly config)
+    s = Session(model, task, calibration=8, threads=1, pipeline=pipeline)
+    s.set(s.select("model.layers.*.mlp.[gu]*_proj"), gptq)
+    s.set(s.select("model.layers.*.mlp.down_proj"), INT8)
+    ids = task.example_inputs(4)["input_ids"]
+    data = task.calibration(8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # calibrated block by block, no fallback to the original pipeline
+        s.apply_and_measure()
+    assert len(built) == 9
+    first = wb.apply(model, s.plan, calibration=data, progress=False, pipeline=pipeline)
+    assert _same_logits(s.work, first, ids)
+    built.clear()
+    s.set("model.layers.1.mlp.down_proj", INT4)
+    s.apply_and_measure()
+    after_block_1 = {f"model.layers.2.mlp.{p}_proj" for p in ("gate", "up", "down")}
+    expected = {"model.layers.1.mlp.down_proj"} | (after_block_1 if pipeline == "sequential" else set())
+    assert sorted(built) == sorted(expected)
+    second = wb.apply(model, s.plan, calibration=data, progress=False, pipeline=pipeline)
+    assert _same_logits(s.work, second, ids)
+    other = wb.apply(model, s.plan, calibration=data, progress=False,
+                     pipeline="original" if pipeline == "sequential" else "sequential")
+    assert not _same_logits(s.work, other, ids)   # the pipelines differ: the equality above says which one ran
+    s.undo()
+    s.apply_and_measure()
+    assert _same_logits(s.work, first, ids)
+    assert type(model.model.layers[1].mlp.down_proj) is torch.nn.Linear
+
+
+def test_a_failure_in_a_later_block_leaves_the_working_copy_as_it_was():
+    model, task = _llama_and_task()
+    gptq = wb.quant.WeightOnly(bits=4, group_size=32, method="gptq")
+    s = Session(model, task, calibration=8, threads=1)
+    s.set(s.select("model.layers.*.mlp.*"), gptq)
+    s.apply_and_measure()
+    held = {n: m for n, m in s.work.named_modules()}
+    s.set("model.layers.0.mlp.down_proj", INT8)
+    s.assigned["model.layers.2.mlp.up_proj"] = wb.quant.WeightOnly(bits=4, group_size=7, kernel="triton")  # (unchecked)
+    with pytest.raises(wb.ApplyError, match="'model.layers.2.mlp.up_proj'"):
+        s.apply_and_measure()
+    assert {n: m for n, m in s.work.named_modules()} == held and len(s.history) == 1
+    s.assigned["model.layers.2.mlp.up_proj"] = gptq
+    s.apply_and_measure()
+    assert _same_logits(s.work, wb.apply(model, s.plan, calibration=task.calibration(8), progress=False),
+                        task.example_inputs(4)["input_ids"])

@@ -33,9 +33,10 @@ from workbench.analysis.executors import Executor, InProcess, get_executor
 from workbench.analysis.replay import PrefixReplay
 from workbench.measurement.footprint import size_bytes
 from workbench.measurement.latency import num_threads, time_forward
-from workbench.plans.layers import swap_layers, transform_layer
-from workbench.plans.plan import layer_matcher
+from workbench.plans.apply import Recorded, build, normalize_calibration, undo
+from workbench.plans.plan import Assignment, layer_matcher
 from workbench.plans.registry import Config, config_to_dict, handler_for
+from workbench.plans.sequential import Pipeline
 from workbench.tasks.base import Task, check_model, model_device
 
 __all__ = ["sensitivity", "select_layers", "layer_latencies", "COLUMNS"]
@@ -91,8 +92,6 @@ def select_layers(model: nn.Module, candidates: Sequence[tuple[str, Config]], la
 
 
 def _calibration_batches(task: Task, calibration, model: nn.Module):
-    from workbench.plans.apply import normalize_calibration
-
     if calibration is None:
         return None
     return normalize_calibration(task.calibration(calibration) if isinstance(calibration, int) else calibration, model)
@@ -161,16 +160,15 @@ class _Session:
         else:
             self.base = self._evaluate()
             self.replay_status = "off: replay=False"
-        self.inputs: dict[str, list] = {}
+        self.recorded = Recorded(self.work, [], progress=False)   # each layer's inputs, recorded once for all
         needing = [c for _, c in candidates if handler_for(c).needs_calibration(c)]
         if needing:
-            from workbench.plans.layers import capture_inputs
-
             batches = _calibration_batches(task, opts.calibration, self.work)
             if not batches:
                 raise ValueError(f"candidate(s) {[cands_mod.label(c) for c in needing]} need calibration data; "
                                  f"pass calibration=<number of samples> or a list of batches")
-            self.inputs = capture_inputs(self.work, layers, batches, progress=False)
+            self.recorded = Recorded(self.work, batches, progress=False)
+            self.recorded.inputs(layers)
         self.latency_inputs: dict[str, tuple] = {}
         if opts.latency:
             self.latency_inputs = self._layer_inputs(task.example_inputs(opts.batch_size))
@@ -206,12 +204,15 @@ class _Session:
             if not handler.supports(original, config):
                 row["status"] = "unsupported"
             else:
+                swapped: list = []   # the one layer changed, built by wb.apply's applier from the recorded inputs
                 try:
-                    new = transform_layer(layer, original, config, self.inputs.get(layer)).module
+                    new = build(self.work, [Assignment(layer, row["type"], layer, config)], self.recorded.batches,
+                                Pipeline.ORIGINAL, recorded=self.recorded, progress=False,
+                                swapped=swapped).done[layer].module
                 except Exception as e:  # recorded per row: one unsuitable layer must not stop the analysis
+                    undo(self.work, swapped)
                     row["status"] = f"error: {type(e).__name__}: {e}"
                 else:
-                    previous = swap_layers(self.work, {layer: new})
                     try:
                         if self.replay is not None:
                             with self.replay.skip_before(layer):
@@ -219,7 +220,7 @@ class _Session:
                         else:
                             value = self._evaluate()
                     finally:
-                        swap_layers(self.work, previous)
+                        undo(self.work, swapped)
                     row.update(status="ok", value=value, loss=_loss(self.base, value, self.higher),
                                size_after=size_bytes(new),
                                latency_after_ms=self._time(new, layer) if self.opts.latency else float("nan"))

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Any, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -47,7 +48,8 @@ from workbench.plans.registry import Accumulator, Config, handler_for
 from workbench.plans.sequential import BlockList, Pipeline, capture_block_inputs, find_blocks, run_block, runs_as_chain
 from workbench.plans.spill import Spill
 
-__all__ = ["apply", "build_skeleton", "applied_plans", "applied_report", "ApplyError", "normalize_calibration",
+__all__ = ["apply", "build", "Built", "Recorded", "undo", "build_skeleton", "applied_plans", "applied_report",
+           "ApplyError", "normalize_calibration",
            "PLANS_ATTR", "Pipeline"]
 
 Batch = tuple[torch.Tensor, ...]
@@ -156,10 +158,8 @@ def apply(model: nn.Module, plan: Plan | Mapping[str, Config | None], calibratio
     originals = {n: target.get_submodule(n) for n in canonical_targets(target, plan)}
     flags = {m: m.use_nested_tensor for m in target.modules() if hasattr(m, "use_nested_tensor")}
     groups = tie_groups(target)
-    swapped: list[dict[str, nn.Module]] = []   # what the sequential pipeline already put in place, in order
+    swapped: list[dict[str, nn.Module]] = []   # what each swap replaced, in order (the rollback)
     spill = Spill(target) if inplace else None   # in place, what the blocks replaced waits on disk, not in memory
-    fallback = ""
-    own_arguments: list = []   # (True when the blocks take different arguments: each block's are kept)
     try:
         canonicalize_for(target, plan)   # the Linear-in-disguise layers the plan reaches, as survey saw them
         if needing:   # a calibrated layer its model never calls (its parent reads its weight) has no inputs
@@ -167,34 +167,17 @@ def apply(model: nn.Module, plan: Plan | Mapping[str, Config | None], calibratio
             if silent:
                 assignments, needing, uncalled = _pass_over_uncalled(target, assignments, needing, silent)
                 passed = [*passed, *uncalled]
-        blocks = None
-        if needing and pipeline is Pipeline.SEQUENTIAL:
-            blocks = find_blocks(target, [a.name for a in needing])
-            why = "no block list (an nn.ModuleList holding the calibrated layers) was found" if blocks is None \
-                else runs_as_chain(target, blocks, batches[0], own_arguments)
-            if why is not None:
-                blocks = None
-                if len(assignments) > 1:   # (one layer alone: nothing before it to compress, both are the same)
-                    fallback = f"calibrated from the original model's activations: {why}"
-                    warnings.warn(f"wb.apply: {type(model).__name__} cannot be calibrated block by block ({why}); "
-                                  f"its layers are calibrated from the original model's activations "
-                                  f"(pipeline='original')", stacklevel=2)
-        if blocks is not None:
-            done = _apply_sequential(target, assignments, needing, blocks, batches, progress, swapped, spill,
-                                     bool(own_arguments))
-        else:
-            inputs = capture_inputs(target, [a.name for a in needing], batches, progress) if needing else {}
-            done = {}
-            for a in tqdm(assignments, desc="apply", disable=not progress or len(assignments) < 2, leave=False):
-                done[a.name] = transform_layer(a.name, target.get_submodule(a.name), a.config, inputs.get(a.name))
-                inputs.pop(a.name, None)   # this layer's recorded inputs are no longer needed
-        _share_tied_groups(groups, {n: t.module for n, t in done.items()}, {n: t.config for n, t in done.items()})
+        built = build(target, assignments, batches, pipeline, groups=groups, progress=progress, swapped=swapped,
+                      spill=spill)
+        if built.fallback:
+            warnings.warn(f"wb.apply: {type(model).__name__} cannot be calibrated block by block ({built.why}); its "
+                          f"layers are calibrated from the original model's activations (pipeline='original')",
+                          stacklevel=2)
     except BaseException:
         if spill is not None:
             spill.restore()
             spill.close()
-        for previous in reversed(swapped):
-            swap_layers(target, previous)
+        undo(target, swapped)
         if inplace and originals:   # the user's model is left exactly as it was
             swap_layers(target, originals)
             for m, flag in flags.items():
@@ -202,8 +185,7 @@ def apply(model: nn.Module, plan: Plan | Mapping[str, Config | None], calibratio
         raise
     if spill is not None:
         spill.close()
-    placed = {n for step in swapped for n in step}
-    swap_layers(target, {n: t.module for n, t in done.items() if n not in placed})
+    done = built.done
     # A config whose structure depends on the data (e.g. a rank chosen by an energy threshold) is recorded
     # as the concrete per-layer config, ahead of the user's patterns, so wb.load rebuilds the same shapes.
     resolved = [(n, t.concrete) for n, t in done.items() if t.concrete != t.config]
@@ -211,11 +193,10 @@ def apply(model: nn.Module, plan: Plan | Mapping[str, Config | None], calibratio
     recorded = _recorded(plan, assignments, resolved, kept) if resolved or kept else plan
     record_plan(target, (*applied_plans(model), recorded))
     calibrated = {a.name for a in needing}
-    how = "original" if blocks is None else "sequential"
     rows = [{"layer": a.name, "type": a.module_type, "pattern": a.pattern, "config": repr(a.config),
              "status": "compressed", "recorded": repr(done[a.name].concrete),
-             "note": "; ".join(x for x in (done[a.name].note, fallback if a.name in calibrated else "") if x),
-             "calibration": how if a.name in calibrated else ""}
+             "note": "; ".join(x for x in (done[a.name].note, built.fallback if a.name in calibrated else "") if x),
+             "calibration": built.calibration if a.name in calibrated else ""}
             for a in assignments]
     rows += [{"layer": p.name, "type": p.module_type, "pattern": p.pattern, "config": repr(p.config),
               "status": "passed over", "recorded": "", "note": p.reason, "calibration": ""} for p in passed]
@@ -224,9 +205,101 @@ def apply(model: nn.Module, plan: Plan | Mapping[str, Config | None], calibratio
     return target
 
 
+@dataclass
+class Built:
+    """What `build` made: each layer's `Transformed` (``done``), where the calibrated layers' inputs came from
+    (``calibration``: "sequential", "original", or "" when no layer was calibrated), and - when the sequential
+    pipeline was asked for but could not be used - ``why`` and the note the report shows (``fallback``, "" when only
+    one layer was built: nothing before it to compress, both pipelines are the same)."""
+
+    done: dict[str, Transformed]
+    calibration: str = ""
+    why: str = ""
+    fallback: str = ""
+
+
+class Recorded:
+    """The "original" pipeline's data: each layer's inputs as ``model`` (as it is now, unchanged) receives them on
+    the calibration ``batches``, recorded in one pass for the layers first asked for and kept until `drop`.
+    ``wb.apply`` records once and drops each layer's inputs once it is built; the UI session and `wb.sensitivity`
+    keep them for the next layers they build."""
+
+    def __init__(self, model: nn.Module, batches: Sequence, progress: bool = True):
+        self.model, self.batches, self.progress = model, batches, progress
+        self._kept: dict[str, list[Batch]] = {}
+
+    def inputs(self, names: Sequence[str]) -> dict[str, list[Batch]]:
+        missing = [n for n in names if n not in self._kept]
+        if missing:
+            self._kept.update(capture_inputs(self.model, missing, self.batches, self.progress))
+        return {n: self._kept[n] for n in names}
+
+    def drop(self, name: str) -> None:
+        self._kept.pop(name, None)
+
+
+def undo(target: nn.Module, swapped: list[dict[str, nn.Module]]) -> None:
+    """Put back what each swap `build` made replaced (``swapped``, in order), newest first; empties the list."""
+    while swapped:
+        swap_layers(target, swapped.pop())
+
+
+def build(target: nn.Module, assignments: Sequence, batches: Sequence, pipeline: Pipeline | str = Pipeline.SEQUENTIAL,
+          *, recorded: Recorded | None = None, groups: Sequence[tuple[str, ...]] = (), progress: bool = True,
+          swapped: list[dict[str, nn.Module]] | None = None, spill: Spill | None = None,
+          step: Callable[[str], None] | None = None) -> Built:
+    """The applier: build each assignment's layer (``assignments``: `Assignment`-like, ``.name`` / ``.config``) of
+    ``target`` and put it in place, calibrating the layers that need it on ``batches`` through ``pipeline``.
+    `wb.apply`, the UI's `Session` and `wb.sensitivity` all build layers here.
+
+    Every assigned layer of ``target`` must be its original module when called (the session puts the originals of
+    the layers it rebuilds back first). ``"sequential"``: block by block (`_apply_sequential`); when the model has no
+    block list or its blocks cannot run as a chain, the layers are calibrated the original way and `Built` says why.
+    ``"original"``: inputs from ``recorded`` (default: recorded from ``target`` as it is now). ``groups``: the
+    model's tied layers (`tie_groups`, taken before any layer was swapped): each group fully built keeps one stored
+    copy. What every swap replaced is appended to ``swapped`` (with ``spill``, its tensors wait on disk): on an
+    error the caller puts it back with `undo` (and ``spill.restore()`` first). ``step(name)`` is called before each
+    layer is built (raising there stops the build)."""
+    pipeline = Pipeline.of(pipeline)
+    swapped = [] if swapped is None else swapped
+    first = len(swapped)   # the swaps before this build (the session's originals put back) are the caller's
+    needing = [a for a in assignments if handler_for(a.config).needs_calibration(a.config)]
+    if needing and not batches:
+        raise ValueError(f"calibration data is required for layer {needing[0].name!r} "
+                         f"({type(needing[0].config).__name__})")
+    blocks, why = None, ""
+    own_arguments: list = []   # (True when the blocks take different arguments: each block's are kept)
+    if needing and pipeline is Pipeline.SEQUENTIAL:
+        blocks = find_blocks(target, [a.name for a in needing])
+        found = "no block list (an nn.ModuleList holding the calibrated layers) was found" if blocks is None \
+            else runs_as_chain(target, blocks, batches[0], own_arguments)
+        if found is not None:
+            blocks, why = None, found
+    if blocks is not None:
+        done = _apply_sequential(target, assignments, needing, blocks, batches, progress, swapped, spill,
+                                 bool(own_arguments), step)
+    else:
+        own = recorded is None   # recorded for this build alone: each layer's inputs dropped once it is built
+        recorded = Recorded(target, batches, progress) if recorded is None else recorded
+        inputs = recorded.inputs([a.name for a in needing]) if needing else {}
+        done = {}
+        for a in tqdm(assignments, desc="apply", disable=not progress or len(assignments) < 2, leave=False):
+            if step is not None:
+                step(a.name)
+            done[a.name] = transform_layer(a.name, target.get_submodule(a.name), a.config, inputs.pop(a.name, None))
+            if own:
+                recorded.drop(a.name)
+    _share_tied_groups(groups, {n: t.module for n, t in done.items()}, {n: t.config for n, t in done.items()})
+    placed = {n for made in swapped[first:] for n in made}
+    swapped.append(swap_layers(target, {n: t.module for n, t in done.items() if n not in placed}))
+    how = ("sequential" if blocks is not None else "original") if needing else ""
+    fallback = f"calibrated from the original model's activations: {why}" if why and len(assignments) > 1 else ""
+    return Built(done, how, why if len(assignments) > 1 else "", fallback)
+
+
 def _apply_sequential(target: nn.Module, assignments, needing, blocks: BlockList, batches, progress: bool,
                       swapped: list[dict[str, nn.Module]], spill: Spill | None = None,
-                      own_arguments: bool = False) -> dict[str, Transformed]:
+                      own_arguments: bool = False, step: Callable[[str], None] | None = None) -> dict[str, Transformed]:
     """Transform ``assignments`` block by block (see `workbench.plans.sequential`): each block's layers are
     calibrated on the outputs of the compressed blocks before it and put in place at once (what they replaced
     is appended to ``swapped``, for the caller's rollback, and its tensors moved to ``spill`` when given).
@@ -266,6 +339,8 @@ def _apply_sequential(target: nn.Module, assignments, needing, blocks: BlockList
                         h.remove()
             new = {}
             for a in mine:
+                if step is not None:
+                    step(a.name)
                 done[a.name] = transform_layer(a.name, target.get_submodule(a.name), a.config, inputs.pop(a.name, None))
                 new[a.name] = done[a.name].module
             if new:
@@ -279,6 +354,8 @@ def _apply_sequential(target: nn.Module, assignments, needing, blocks: BlockList
         names = [a.name for a in outside if a.name in calibrated]
         inputs = capture_inputs(target, names, batches, progress) if names else {}
         for a in outside:
+            if step is not None:
+                step(a.name)
             done[a.name] = transform_layer(a.name, target.get_submodule(a.name), a.config, inputs.pop(a.name, None))
     finally:
         target.train(was_training)

@@ -42,15 +42,15 @@ def _default_candidates() -> dict[str, Config]:
 
 class Workbench:
     """See the module docstring. ``candidates``: the configs the sensitivity tab compares (default:
-    int8, int4 g64, 50 % sparse); ``quick``/``calibration``/``threads`` go to the `Session`;
+    int8, int4 g64, 50 % sparse); ``quick``/``calibration``/``threads``/``pipeline`` go to the `Session`;
     ``reference``: measure the unchanged model first (the charts' first point)."""
 
     def __init__(self, model, task, candidates: Sequence[Config] | Mapping[str, Config] | None = None, *,
                  quick: bool = True, calibration: int = 32, threads: int | None = None, background: bool = True,
-                 reference: bool = True):
+                 reference: bool = True, pipeline: str = "sequential"):
         import ipywidgets as W
 
-        self.session = Session(model, task, quick=quick, calibration=calibration, threads=threads)
+        self.session = Session(model, task, quick=quick, calibration=calibration, threads=threads, pipeline=pipeline)
         self.candidates = _named(candidates if candidates is not None else _default_candidates())
         self.background = background
         self._cancel = threading.Event()

@@ -1,37 +1,40 @@
 """`Session`: the state behind the interactive workbench, free of widgets (so it is tested directly).
 
 A session owns one working copy of the user's model (the user's model is never touched) and the
-per-layer assignment ``layer -> config`` the user is editing. `apply_and_measure` is incremental: only
-layers whose config changed since the last apply are rebuilt - each from the *original* layer, so
-changing a layer twice never compounds - and swapped into the working copy, all or nothing; then the
-working copy is measured (quick mode by default) and the result appended to the history. Every plan
-tried stays in the history; `restore` brings one back; `undo` / `redo` walk the edits.
+per-layer assignment ``layer -> config`` the user is editing. `apply_and_measure` builds with `wb.apply`'s
+applier (`workbench.plans.apply.build`) and the same calibration ``pipeline`` (sequential by default), so the
+working copy is what ``wb.apply(model, session.plan, calibration=task.calibration(n))`` returns. It is
+incremental: only the layers a change reaches are rebuilt - those whose config changed and, calibrated block by
+block, the calibrated layers after a changed block (with their blocks' other layers) - each from the *original*
+layer, so changing a layer twice never compounds; they are swapped into the working copy all or nothing; then the
+working copy is measured (quick mode by default) and the result appended to the history. Every plan tried stays
+in the history; `restore` brings one back; `undo` / `redo` walk the edits.
 """
 from __future__ import annotations
 
 import copy
 import math
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from workbench.plans.apply import ApplyError, normalize_calibration
+from workbench.plans.apply import ApplyError, Recorded, build, normalize_calibration, undo
 from workbench.plans.layers import (
     canonical_targets,
-    capture_inputs,
     compressible_layers,
     record_plan,
-    share_tied,
     skeleton_layer,
     swap_layers,
     tie_groups,
     transform_layer,
 )
-from workbench.plans.plan import Plan, layer_matcher
+from workbench.plans.plan import Assignment, Plan, layer_matcher
 from workbench.plans.registry import Config, handler_for
+from workbench.plans.sequential import Pipeline, find_blocks
 from workbench.tasks.base import Task, check_model
 
 __all__ = ["Session", "Entry", "Cancelled"]
@@ -96,10 +99,13 @@ class Entry:
 
 class Session:
     """See the module docstring. ``quick``: measure on the task's quick subset (the default);
-    ``calibration``: samples for configs that need calibration; ``threads``: CPU threads for measuring."""
+    ``calibration``: samples for configs that need calibration; ``threads``: CPU threads for measuring;
+    ``pipeline``: where calibrated layers' inputs come from, as for `wb.apply` (``"sequential"`` or
+    ``"original"``)."""
 
     def __init__(self, model: nn.Module, task: Task | str, *, quick: bool = True, calibration: int = 32,
-                 threads: int | None = None, batch_size: int | None = None):
+                 threads: int | None = None, batch_size: int | None = None,
+                 pipeline: Pipeline | str = Pipeline.SEQUENTIAL):
         from workbench import tasks
 
         check_model(model)
@@ -118,7 +124,9 @@ class Session:
         self._view = copy.deepcopy(model, {id(t): t for t in [*model.parameters(), *model.buffers()]})
         canonicalize(self._view)
         self._canonical_in_work: set[str] = set()
-        self._inputs: dict[str, list] = {}
+        self.pipeline = Pipeline.of(pipeline)
+        self._recorded: Recorded | None = None   # the calibration batches and the layers' inputs recorded on them
+        self._warned = False
         self.quick, self.calibration, self.threads, self.batch_size = quick, calibration, threads, batch_size
         modules = dict(self._view.named_modules())
         # every layer some registered technique can take (Linear, Conv and Embedding, their subclasses, ...)
@@ -257,26 +265,50 @@ class Session:
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"calibration must be a positive number of samples, got {n!r}")
         self._calibration = n
-        self._inputs.clear()
+        self._recorded = None
 
-    def _calibration_inputs(self, names: list[str]) -> dict[str, list]:
-        missing = [n for n in names if n not in self._inputs]
-        if missing:
+    def _calibration_data(self) -> Recorded:
+        """The calibration batches and, for the original pipeline, the layers' inputs recorded from the unchanged
+        model on them (kept for the next apply; dropped when the number of samples changes)."""
+        if self._recorded is None:
             batches = normalize_calibration(self.task.calibration(self.calibration), self._view)
-            self._inputs.update(capture_inputs(self._view, missing, batches, progress=False))
-        return {n: self._inputs[n] for n in names}
+            self._recorded = Recorded(self._view, batches, progress=False)
+        return self._recorded
+
+    def _to_rebuild(self, changed: list[str]) -> list[str]:
+        """The layers an apply builds: the ``changed`` ones and, with the sequential pipeline, what makes the
+        result the one `wb.apply` gives for the whole plan - a calibrated layer after a changed block was
+        calibrated on that block's old outputs (rebuilt, with every assigned layer of its block, which
+        `wb.apply` calibrates all unchanged; and the assigned layers outside the blocks, which are unchanged
+        while the blocks are calibrated). Tied layers are rebuilt together."""
+        calibrated = [n for n, c in self.assigned.items() if handler_for(c).needs_calibration(c)]
+        rebuild = set(changed)
+        blocks = find_blocks(self._view, calibrated) if calibrated and self.pipeline is Pipeline.SEQUENTIAL else None
+        if blocks is not None:
+            index = {b: i for i, b in enumerate(blocks.names)}
+            where = {n: blocks.block_of(n) for n in self.layer_names}
+            first = min((index[where[n]] for n in changed if where[n] is not None), default=None)
+            stale = {n for n in calibrated if n not in rebuild and first is not None
+                     and (where[n] is None or index[where[n]] > first)}
+            if stale or any(n in calibrated for n in rebuild):
+                redo_blocks = {where[n] for n in (stale | rebuild) & set(calibrated)}
+                rebuild |= {n for n in self.assigned if where[n] is None or where[n] in redo_blocks}
+        for group in tie_groups(self._view):
+            if rebuild & set(group):
+                rebuild |= set(group)
+        return [n for n in self.layer_names if n in rebuild]
 
     def estimate(self):
         """The calibration estimate (`wb.analysis.estimate_calibration`) of the layers that need one now."""
         from workbench.plans.estimate import estimate_calibration
 
-        plan = Plan([(n, self.assigned[n]) for n in self.changed if n in self.assigned])
-        needing = [n for n, c in plan.items() if handler_for(c).needs_calibration(c)]
+        needing = [n for n in self._to_rebuild(self.changed) if n in self.assigned
+                   and handler_for(self.assigned[n]).needs_calibration(self.assigned[n])]
         if not needing:
             return None
-        sub = Plan([(n, plan[n]) for n in needing])
+        sub = Plan([(n, self.assigned[n]) for n in needing])   # (the session builds in its working copy: in place)
         return estimate_calibration(self.original, sub, self.task.calibration(self.calibration), inplace=True,
-                                    pipeline="original")   # a session records every layer from the original
+                                    pipeline=self.pipeline)
 
     def apply_and_measure(self, label: str | None = None, progress: Callable[[str, float], None] | None = None,
                           cancel: threading.Event | None = None) -> Entry:
@@ -298,43 +330,41 @@ class Session:
         restored = [w for w in canonical if w in self._canonical_in_work]   # back to the original module
         changed = [n for n in self.layer_names if (n in set(self.changed) or (n in inside and n in self.assigned))
                    and not any(n.startswith(w + ".") for w in restored)]
-        needing = [n for n in changed if n in self.assigned
-                   and handler_for(self.assigned[n]).needs_calibration(self.assigned[n])]
-        report("calibrating" if needing else "applying", 0.0)
-        inputs = self._calibration_inputs(needing) if needing else {}
-        replacements: dict[str, nn.Module] = {}
-        concrete: dict[str, Config] = {}
-        for i, name in enumerate(changed):
-            report(f"applying {name}", 0.1 + 0.6 * i / max(1, len(changed)))
-            config = self.assigned.get(name)
-            if config is None:
-                replacements[name] = self._modules[name]
-                continue
-            done = transform_layer(name, self._modules[name], config, inputs.get(name))
-            replacements[name] = done.module
-            concrete[name] = done.concrete
-        for group in tie_groups(self._view):   # tied layers keep one stored copy, as in wb.apply
-            if all(n in replacements and self.assigned.get(n) is not None for n in group):
-                try:
-                    share_tied(group, replacements)
-                except ValueError as e:
-                    raise ApplyError(group[-1], self.assigned[group[-1]], e) from None
-        report("measuring", 0.7)
         restore_canonical = swap_layers(self.work, canonical)
-        previous = swap_layers(self.work, replacements)
         before = dict(self._concrete)
         canonical_before = set(self._canonical_in_work)
-        self._canonical_in_work = set(canonical_targets(self.original, self.plan))
-        self._concrete.update(concrete)
-        record_plan(self.work, (self._recorded_plan(),) if self.assigned else ())
+        swapped: list[dict[str, nn.Module]] = []
         try:
+            rebuild = self._to_rebuild(changed)
+            needing = [n for n in rebuild if n in self.assigned
+                       and handler_for(self.assigned[n]).needs_calibration(self.assigned[n])]
+            report("calibrating" if needing else "applying", 0.0)
+            data = self._calibration_data() if needing else None
+            # each layer is rebuilt from its original (changing a layer twice never compounds)
+            swapped.append(swap_layers(self.work, {n: self._modules[n] for n in rebuild
+                                                   if n not in inside or n in self.assigned}))
+            todo = [Assignment(n, type(self._modules[n]).__name__, n, self.assigned[n]) for n in rebuild
+                    if n in self.assigned]
+            order = {a.name: i for i, a in enumerate(todo)}
+            built = build(self.work, todo, data.batches if data is not None else [], self.pipeline, recorded=data,
+                          groups=tie_groups(self._view), progress=False, swapped=swapped,
+                          step=lambda name: report(f"applying {name}", 0.1 + 0.6 * order[name] / max(1, len(todo))))
+            if built.fallback and not self._warned:
+                self._warned = True
+                warnings.warn(f"wb.ui.Session: {type(self.original).__name__} cannot be calibrated block by block "
+                              f"({built.why}); its layers are calibrated from the original model's activations "
+                              f"(pipeline='original')", stacklevel=2)
+            report("measuring", 0.7)
+            self._canonical_in_work = set(canonical_targets(self.original, self.plan))
+            self._concrete.update({n: t.concrete for n, t in built.done.items()})
+            record_plan(self.work, (self._recorded_plan(),) if self.assigned else ())
             # the speedup against the unchanged model is measured side by side, in the same paired rounds -
             # never against a reference point timed once, cold, at start-up
             metrics = measure(self.work, self.task, quick=self.quick, threads=self.threads,
                               batch_size=self.batch_size, progress=False, name=type(self.original).__name__,
                               baseline=self.original)
-        except BaseException:
-            swap_layers(self.work, previous)   # measuring failed or was interrupted: back to before
+        except BaseException:   # building, measuring failed or was interrupted: back to before
+            undo(self.work, swapped)
             swap_layers(self.work, restore_canonical)
             self._concrete = before
             self._canonical_in_work = canonical_before

@@ -38,7 +38,8 @@ __all__ = [
     "qrange", "to_groups", "from_groups", "choose_qparams", "quantize", "dequantize", "fake_quantize",
     "quantize_affine", "dequantize_affine", "float8_quantize", "float8_dequantize", "FLOAT8_DTYPES",
     "nf4_codebook", "nf4_quantiles", "nf4_codes", "nf4_quantize", "nf4_dequantize", "dequantize_packed",
-    "fp16_scale",
+    "fp16_scale", "E2M1_MAX", "MX_BLOCK", "NVFP4_BLOCK", "E8M0_NAN", "e2m1_values", "e2m1_codes", "e8m0_to_float",
+    "mx_scale", "mx_quantize", "nvfp4_global_scale", "nvfp4_quantize",
     "quantize_per_token", "quantize_per_tensor", "sqnr",
 ]
 
@@ -256,6 +257,97 @@ def nf4_dequantize(codes: torch.Tensor, scale: torch.Tensor, group_size: int | N
         return (nf4_codebook().to(codes.device)[codes.long()] * scale).to(dtype)
     gran = PerGroup(group_size)
     return from_groups(nf4_dequantize(to_groups(codes, gran), scale, None, dtype), codes.shape, gran)
+
+
+# --- block-scaled floating point: OCP MX v1.0 (MXFP4, MXFP8) and NVIDIA's NVFP4 ---------------------------------
+
+# E2M1 (FP4): sign, 2 exponent bits (bias 1), 1 mantissa bit; no Inf, no NaN. Codes 0-7 are the magnitudes, code
+# 8 + c is -magnitude(c) (code 8 is -0).
+_E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_MAX = 6.0
+E2M1_EMAX = 2        # the largest normal's exponent: 6 = 1.5 * 2^2
+E4M3_EMAX = 8        # float8 e4m3fn: 448 = 1.75 * 2^8
+E8M0_NAN = 255       # the E8M0 code of a NaN scale (every element of its block decodes to NaN)
+MX_BLOCK = 32        # values sharing one E8M0 scale in every MX format
+NVFP4_BLOCK = 16     # values sharing one e4m3 scale in NVFP4
+
+
+def e2m1_values() -> torch.Tensor:
+    """The 16 values of the E2M1 codes, fp32, indexed by code (8 is -0.0)."""
+    return torch.tensor([*_E2M1_MAGNITUDES, *(-v for v in _E2M1_MAGNITUDES)], dtype=torch.float32)
+
+
+def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """uint8 E2M1 codes of ``x``: round to nearest, ties to the even code (the one whose mantissa bit is 0), and
+    magnitudes above 6 (and infinities) saturate to 6, as MX conversion specifies. A negative value keeps its sign
+    when it rounds to zero (code 8, -0). NaN has no E2M1 code: it becomes 0 (an MX block holding a NaN carries a
+    NaN scale instead, `mx_scale`)."""
+    a = x.float().abs()
+    # the magnitude code counts the thresholds passed; at a tie ">" keeps the even code below, ">=" takes the
+    # even code above: 0.25 -> 0, 0.75 -> 1.0, 1.25 -> 1.0, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4
+    code = ((a > 0.25).to(torch.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5) + (a >= 3.5) + (a > 5))
+    code = torch.where(torch.isnan(a), torch.zeros_like(code), code)
+    return code | (x < 0).to(torch.uint8) << 3
+
+
+def e8m0_to_float(code: torch.Tensor) -> torch.Tensor:
+    """fp32 value of E8M0 scale codes (uint8): 2^(code - 127), exactly (2^-127 is an fp32 subnormal); 255 is NaN."""
+    c = code.to(torch.int32)
+    bits = torch.where(c == 0, torch.full_like(c, 1 << 22), c << 23)      # exponent field c, or the subnormal 2^-127
+    bits = torch.where(c == E8M0_NAN, torch.full_like(c, 0x7FC00000), bits)
+    return bits.view(torch.float32)
+
+
+def mx_scale(amax: torch.Tensor, elem_emax: int) -> torch.Tensor:
+    """The E8M0 scale codes (uint8) of blocks whose largest magnitude is ``amax`` (fp32), for elements whose largest
+    normal has exponent ``elem_emax`` (E2M1: 2, E4M3: 8), as OCP MX v1.0 defines it: the shared exponent is
+    floor(log2(amax)) - elem_emax, clamped to E8M0's range [-127, 127]; a block of zeros gets the smallest scale
+    2^-127 and a block holding a NaN or an infinity the NaN scale (255)."""
+    a = amax.float()
+    _, e = torch.frexp(a)                               # a = m * 2^e, 0.5 <= m < 1: floor(log2(a)) = e - 1, exactly
+    code = torch.clamp(e.to(torch.int32) - 1 - elem_emax + 127, 0, 254)
+    code = torch.where(a == 0, torch.zeros_like(code), code)
+    return torch.where(torch.isfinite(a), code, torch.full_like(code, E8M0_NAN)).to(torch.uint8)
+
+
+def mx_quantize(x: torch.Tensor, element: str = "e2m1") -> tuple[torch.Tensor, torch.Tensor]:
+    """OCP MX quantization of grouped values ``x`` ``(G, 32)`` (fp32): (element codes: uint8 E2M1 codes or float8
+    e4m3fn values, ``(G, 32)``; E8M0 scale codes ``(G, 1)``). Each value is divided by its block's scale 2^shared
+    (exact) and converted to the element format, round to nearest even, saturating at the largest normal (6 or 448)."""
+    if element not in ("e2m1", "e4m3"):
+        raise ValueError(f"MX element must be 'e2m1' or 'e4m3', got {element!r}")
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    amax = torch.where(torch.isnan(xf).any(dim=-1, keepdim=True), torch.full_like(amax, float("nan")), amax)
+    code = mx_scale(amax, E2M1_EMAX if element == "e2m1" else E4M3_EMAX)
+    scale = e8m0_to_float(code)
+    scaled = torch.where(torch.isfinite(scale), xf / scale, torch.zeros_like(xf))
+    if element == "e2m1":
+        return e2m1_codes(scaled), code
+    fmax = torch.finfo(torch.float8_e4m3fn).max
+    return torch.clamp(scaled, -fmax, fmax).to(torch.float8_e4m3fn), code
+
+
+def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
+    """NVFP4's per-tensor scale (fp32, ``(1,)``) for a tensor whose largest magnitude is ``amax``: 448 * 6 / amax,
+    which maps the largest block scale to e4m3's largest value (1 for a tensor of zeros). Values decode as
+    ``e2m1 * (e4m3 block scale / global scale)``."""
+    a = amax.float().reshape(1)
+    return torch.where(a > 0, (E2M1_MAX * torch.finfo(torch.float8_e4m3fn).max) / a, torch.ones_like(a))
+
+
+def nvfp4_quantize(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 quantization of grouped values ``x`` ``(G, 16)`` (fp32) under ``global_scale`` (`nvfp4_global_scale`):
+    (uint8 E2M1 codes ``(G, 16)``, float8 e4m3fn block scales ``(G, 1)``). The block scale is amax / 6 times the
+    global scale, rounded to e4m3 (nearest even, at most 448); each value is divided by the scale it decodes with,
+    e4m3 / global scale in fp32, and rounded to E2M1 (nearest even, saturating at 6)."""
+    xf = x.float()
+    fmax = torch.finfo(torch.float8_e4m3fn).max
+    block = torch.clamp(xf.abs().amax(dim=-1, keepdim=True) / E2M1_MAX * global_scale, max=fmax)
+    s8 = block.to(torch.float8_e4m3fn)
+    s = s8.float() / global_scale
+    codes = e2m1_codes(torch.where(s > 0, xf / s, torch.zeros_like(xf)))
+    return codes, s8
 
 
 def dequantize_packed(qweight: torch.Tensor, bits: int, K: int, scale: torch.Tensor, group_size: int,

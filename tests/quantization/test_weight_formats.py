@@ -13,14 +13,15 @@ from workbench.quantization.modules import WeightOnlyLinear
 
 FORMATS = [fm.IntFormat(4, 32), fm.IntFormat(3, 24, symmetric=False), fm.IntFormat(4, 48, False, float_zero=True),
            fm.IntFormat(8, None), fm.IntFormat(2, 16), fm.NF4Format(64), fm.NF4Format(None), fm.FP8Format(),
-           fm.FP8Format(torch.float8_e5m2)]
+           fm.FP8Format(torch.float8_e5m2), fm.MXFP4Format(), fm.NVFP4Format(), fm.MXFP8Format()]
 # worst relative weight error of round-to-nearest on Gaussian weights, per format (loose bounds; a broken
 # decode gives errors of order 1)
-MAX_ERR = {"int": {2: 0.6, 3: 0.3, 4: 0.2, 8: 0.01}, "nf4": 0.2, "fp8": 0.1}
+MAX_ERR = {"int": {2: 0.6, 3: 0.3, 4: 0.2, 8: 0.01}, "nf4": 0.2, "fp8": 0.1, "mxfp4": 0.2, "nvfp4": 0.2, "mxfp8": 0.1}
 
 
 def test_registry_holds_each_format_class_once():
-    assert fm.FORMATS == {"int": fm.IntFormat, "nf4": fm.NF4Format, "fp8": fm.FP8Format}
+    assert fm.FORMATS == {"int": fm.IntFormat, "nf4": fm.NF4Format, "fp8": fm.FP8Format, "mxfp4": fm.MXFP4Format,
+                          "nvfp4": fm.NVFP4Format, "mxfp8": fm.MXFP8Format}
     assert all(issubclass(c, fm.WeightFormat) for c in fm.FORMATS.values())
     with pytest.raises(ValueError, match="'nf4' is taken by NF4Format"):
         fm.register_format(type("Other", (fm.NF4Format,), {"name": "nf4"}))

@@ -56,6 +56,7 @@ EXAMPLES = {
                                               kernel="triton")],
     wb.quant.NF4: [wb.quant.NF4(), wb.quant.NF4(group_size=None)],
     wb.quant.FP8: [wb.quant.FP8(), wb.quant.FP8(dtype=torch.float8_e5m2)],
+    wb.quant.MXFP4: [wb.quant.MXFP4()], wb.quant.MXFP8: [wb.quant.MXFP8()], wb.quant.NVFP4: [wb.quant.NVFP4()],
     wb.quant.Dynamic: [wb.quant.Dynamic(), wb.quant.Dynamic(kernel="triton", smooth_alpha=0.5)],
     wb.quant.Static: [wb.quant.Static(), wb.quant.Static(observer="percentile", kernel="cpu")],
     wb.precision.Cast: [wb.precision.Cast(), wb.precision.Cast(torch.float16)],

@@ -85,6 +85,9 @@ GRIDS: dict[type[fm.WeightFormat], Callable[[Any], Grid]] = {
     fm.IntFormat: lambda f: Grid(f.bits, f.group_size, f.symmetric),        # HQQ: asymmetric, real-valued zero points
     fm.NF4Format: lambda f: Grid(4, f.group_size, True),
     fm.FP8Format: lambda f: Grid(8, None, True),                            # one scale per row
+    fm.MXFP4Format: lambda f: Grid(4, f.group_size, True),                  # E2M1 codes: not integer codes
+    fm.NVFP4Format: lambda f: Grid(4, f.group_size, True),
+    fm.MXFP8Format: lambda f: Grid(8, f.group_size, True),
 }
 
 

@@ -7,7 +7,7 @@ available as ``wb.quant``:
              "embeddings.word_embeddings": wb.quant.WeightOnly(bits=4, group_size=64)})
 """
 from workbench.quantization import formats, integer, observers, packing, primitives
-from workbench.quantization.configs import FP8, NF4, Dynamic, Method, Static, WeightOnly
+from workbench.quantization.configs import FP8, MXFP4, MXFP8, NF4, NVFP4, Dynamic, Method, Static, WeightOnly
 from workbench.quantization.experts import WeightOnlyExperts
 from workbench.quantization.modules import (
            W8A8Conv2d,
@@ -17,6 +17,7 @@ from workbench.quantization.modules import (
            WeightOnlyLinear,
 )
 
-__all__ = ["primitives", "integer", "packing", "observers", "formats", "WeightOnly", "NF4", "FP8", "Dynamic", "Static",
+__all__ = ["primitives", "integer", "packing", "observers", "formats", "WeightOnly", "NF4", "FP8", "MXFP4", "MXFP8",
+           "NVFP4", "Dynamic", "Static",
            "Method", "WeightOnlyLinear", "WeightOnlyExperts", "WeightOnlyEmbedding", "WeightOnlyConv2d", "W8A8Linear",
            "W8A8Conv2d"]

@@ -48,7 +48,8 @@ from workbench.quantization.modules import (
 from workbench.quantization.observers import OBSERVERS, ObserverAccumulator
 from workbench.quantization.primitives import fp16_scale
 
-__all__ = ["Method", "WeightOnly", "NF4", "FP8", "Dynamic", "Static", "W8A8_KERNELS", "STATIC_KERNELS"]
+__all__ = ["Method", "WeightOnly", "NF4", "FP8", "MXFP4", "MXFP8", "NVFP4", "Dynamic", "Static", "W8A8_KERNELS",
+           "STATIC_KERNELS"]
 
 # the kernels the W8A8 configs accept (their ``choices``, which the generated forms offer): "cpu-int8" is a
 # weight-only path, and Static W8A8 has no Triton kernel (see `_check_w8a8`)
@@ -367,6 +368,39 @@ class FP8(Config):
 
     def format(self) -> fm.FP8Format:
         return fm.FP8Format(self.dtype)
+
+
+class _BlockFloatHandler(_FormatHandler):
+    """`MXFP4`, `MXFP8`, `NVFP4`: round to nearest into the block-scaled floating-point format, every weight layer;
+    the CPU kernel for the 4-bit ones where it runs."""
+
+
+@register_config(_BlockFloatHandler(), kind="quant.MXFP4")
+@dataclass(frozen=True)
+class MXFP4(Config):
+    """OCP MX v1.0 MXFP4 weights: E2M1 values with a power-of-two (E8M0) scale per 32 (4.25 bits a weight)."""
+
+    def format(self) -> fm.MXFP4Format:
+        return fm.MXFP4Format()
+
+
+@register_config(_BlockFloatHandler(), kind="quant.MXFP8")
+@dataclass(frozen=True)
+class MXFP8(Config):
+    """OCP MX v1.0 MXFP8 weights: float8 e4m3 values with a power-of-two (E8M0) scale per 32 (8.25 bits a weight)."""
+
+    def format(self) -> fm.MXFP8Format:
+        return fm.MXFP8Format()
+
+
+@register_config(_BlockFloatHandler(), kind="quant.NVFP4")
+@dataclass(frozen=True)
+class NVFP4(Config):
+    """NVIDIA NVFP4 weights: E2M1 values with a float8 e4m3 scale per 16 and an fp32 scale per tensor (4.5 bits a
+    weight)."""
+
+    def format(self) -> fm.NVFP4Format:
+        return fm.NVFP4Format()
 
 
 class _W8A8Handler(Handler):

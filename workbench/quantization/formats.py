@@ -8,6 +8,9 @@ A format encodes a 2-D weight ``(rows, K)`` (Linear: ``(out, in)``; Embedding: `
 | `IntFormat(bits, group_size, symmetric, float_zero)` | ``qweight`` uint8 packed codes, ``scale`` fp16 per group, ``zero`` per group (asymmetric only: uint8 code, or fp16 for HQQ) | bits/8 + 2/g (+1/g or 2/g) |
 | `NF4Format(group_size)` | ``qweight`` uint8, two codes per byte; ``scale`` fp16 absmax per group | 0.5 + 2/g |
 | `FP8Format(dtype)` | ``qweight`` float8; ``scale`` fp32 per row | 1 + 4/K |
+| `MXFP4Format()` (OCP MX v1.0) | ``qweight`` uint8, two E2M1 codes per byte; ``scale`` uint8 E8M0 per 32 values | 0.5 + 1/32 |
+| `MXFP8Format()` (OCP MX v1.0) | ``qweight`` float8 e4m3fn; ``scale`` uint8 E8M0 per 32 values | 1 + 1/32 |
+| `NVFP4Format()` (NVIDIA) | ``qweight`` uint8, two E2M1 codes per byte; ``scale`` float8 e4m3fn per 16 values; ``global_scale`` fp32 per tensor | 0.5 + 1/16 |
 
 Each format is one class derived from `WeightFormat` that implements the whole protocol - ``validate``,
 ``encode``, ``empty``, ``decode``, and which kernels read it (``triton_kind``, ``cpu_layout``) - and is
@@ -34,19 +37,27 @@ import torch
 from workbench.quantization import packing
 from workbench.quantization.primitives import (
     FLOAT8_DTYPES,
+    MX_BLOCK,
+    NVFP4_BLOCK,
     PerChannel,
     choose_qparams,
     dequantize_packed,
+    e2m1_values,
+    e8m0_to_float,
     float8_quantize,
     fp16_scale,
+    mx_quantize,
     nf4_codebook,
     nf4_codes,
+    nvfp4_global_scale,
+    nvfp4_quantize,
     qrange,
     quantize,
 )
 
-__all__ = ["WeightFormat", "IntFormat", "NF4Format", "FP8Format", "FORMATS", "register_format", "encode", "decode",
-           "empty", "validate", "check_finite", "int_qparams", "int_codes", "pack_int", "groups", "padded_groups", "short_group_note"]
+__all__ = ["WeightFormat", "IntFormat", "NF4Format", "FP8Format", "MXFP4Format", "MXFP8Format", "NVFP4Format",
+           "FORMATS", "register_format", "encode", "decode", "empty", "validate", "check_finite", "int_qparams",
+           "int_codes", "pack_int", "groups", "padded_groups", "short_group_note"]
 
 FORMATS: dict[str, type["WeightFormat"]] = {}   # name -> format class, filled by `register_format`
 
@@ -64,6 +75,7 @@ class WeightFormat(abc.ABC):
 
     name: ClassVar[str]
     cpu_kernel: ClassVar[bool] = False   # `workbench_kernels.weight_only_cpu` reads it (see ``cpu_layout``)
+    shared: ClassVar[tuple[str, ...]] = ()   # tensors that hold one value for all rows (not gathered by row)
     group_size: int | None = None   # values per scale along K; None: one group per row
 
     @abc.abstractmethod
@@ -231,6 +243,109 @@ class FP8Format(WeightFormat):
 
     def decode(self, t: dict[str, torch.Tensor], K: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return (t["qweight"].float() * t["scale"]).to(dtype)
+
+
+class _BlockFP4(WeightFormat):
+    """E2M1 codes, two per byte (`packing.pack`), with one scale per block of ``group_size`` values; the CPU kernel
+    reads them as a 16-value table times an fp32 scale per block (NF4's path)."""
+
+    cpu_kernel: ClassVar[bool] = True
+    group_size: ClassVar[int]
+
+    def validate(self) -> None:
+        pass
+
+    def block_scales(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Each block's fp32 scale ``(rows, G)``, as the values decode with it."""
+        raise NotImplementedError
+
+    def decode(self, t: dict[str, torch.Tensor], K: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        w = dequantize_packed(t["qweight"], 4, K, self.block_scales(t), self.group_size, lut=e2m1_values())
+        return w.to(dtype)
+
+    def cpu_layout(self, t: dict[str, torch.Tensor], K: int) -> dict:
+        return {"qweight": t["qweight"].contiguous(), "scale": self.block_scales(t).contiguous(), "zero": None,
+                "lut": e2m1_values(), "bits": 4, "group_size": self.group_size, "K": K}
+
+
+@register_format
+@dataclass(frozen=True)
+class MXFP4Format(_BlockFP4):
+    """OCP MX v1.0 MXFP4: E2M1 codes with an E8M0 (power-of-two) scale per 32 values (``scale``: uint8 biased
+    exponents; 255 is NaN); 4.25 bits a value."""
+
+    name: ClassVar[str] = "mxfp4"
+    group_size: ClassVar[int] = MX_BLOCK
+
+    def encode(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        rows, K = w.shape
+        codes, scale = mx_quantize(padded_groups(w.float(), MX_BLOCK), "e2m1")
+        return {"qweight": packing.pack(codes.reshape(rows, -1)[:, :K], 4), "scale": scale.reshape(rows, -1)}
+
+    def empty(self, shape: tuple[int, int], device=None) -> dict[str, torch.Tensor]:
+        rows, K = shape
+        return {"qweight": torch.empty(packing.packed_shape((rows, K), 4), dtype=torch.uint8, device=device),
+                "scale": torch.empty(rows, self.groups(K)[1], dtype=torch.uint8, device=device)}
+
+    def block_scales(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
+        return e8m0_to_float(t["scale"])
+
+
+@register_format
+@dataclass(frozen=True)
+class NVFP4Format(_BlockFP4):
+    """NVIDIA's NVFP4: E2M1 codes with a float8 e4m3fn scale per 16 values and one fp32 ``global_scale`` per tensor;
+    a value is ``e2m1 * (scale / global_scale)``; 4.5 bits a value."""
+
+    name: ClassVar[str] = "nvfp4"
+    group_size: ClassVar[int] = NVFP4_BLOCK
+    shared: ClassVar[tuple[str, ...]] = ("global_scale",)
+
+    def encode(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        rows, K = w.shape
+        wf = w.float()
+        global_scale = nvfp4_global_scale(wf.abs().amax())
+        codes, scale = nvfp4_quantize(padded_groups(wf, NVFP4_BLOCK), global_scale)
+        return {"qweight": packing.pack(codes.reshape(rows, -1)[:, :K], 4), "scale": scale.reshape(rows, -1),
+                "global_scale": global_scale}
+
+    def empty(self, shape: tuple[int, int], device=None) -> dict[str, torch.Tensor]:
+        rows, K = shape
+        return {"qweight": torch.empty(packing.packed_shape((rows, K), 4), dtype=torch.uint8, device=device),
+                "scale": torch.empty(rows, self.groups(K)[1], dtype=torch.float8_e4m3fn, device=device),
+                "global_scale": torch.empty(1, dtype=torch.float32, device=device)}
+
+    def block_scales(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
+        return t["scale"].float() / t["global_scale"].float()
+
+
+@register_format
+@dataclass(frozen=True)
+class MXFP8Format(WeightFormat):
+    """OCP MX v1.0 MXFP8 (E4M3 elements): float8 e4m3fn values with an E8M0 scale per 32 values (``scale``: uint8
+    biased exponents); 8.25 bits a value. Decoded to the layer's dtype for the matmul (no CPU kernel reads it)."""
+
+    name: ClassVar[str] = "mxfp8"
+    group_size: ClassVar[int] = MX_BLOCK
+
+    def validate(self) -> None:
+        pass
+
+    def encode(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        rows, K = w.shape
+        values, scale = mx_quantize(padded_groups(w.float(), MX_BLOCK), "e4m3")
+        return {"qweight": values.reshape(rows, -1)[:, :K].contiguous(), "scale": scale.reshape(rows, -1)}
+
+    def empty(self, shape: tuple[int, int], device=None) -> dict[str, torch.Tensor]:
+        rows, K = shape
+        return {"qweight": torch.empty(rows, K, dtype=torch.float8_e4m3fn, device=device),
+                "scale": torch.empty(rows, self.groups(K)[1], dtype=torch.uint8, device=device)}
+
+    def decode(self, t: dict[str, torch.Tensor], K: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        rows = t["qweight"].shape[0]
+        values = padded_groups(t["qweight"].float(), MX_BLOCK).reshape(rows, -1, MX_BLOCK)
+        w = (values * e8m0_to_float(t["scale"]).unsqueeze(-1)).reshape(rows, -1)[:, :K]
+        return w.to(dtype)
 
 
 def _format(fmt) -> WeightFormat:

@@ -399,7 +399,8 @@ class _PackedWeight(nn.Module):
         self.note = fm.short_group_note(fmt, K)   # None, or how a short last group was handled (for reports)
 
     def _tensors(self) -> dict[str, torch.Tensor]:
-        return {name: buf for name, buf in self.named_buffers(recurse=False) if name in ("qweight", "scale", "zero")}
+        names = fm.empty((1, 1), self.fmt, device="meta")   # the format's tensors (integer, NF4, fp8, MX, NVFP4)
+        return {name: buf for name, buf in self.named_buffers(recurse=False) if name in names}
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight the module computes with, as a float ``(rows, K)`` matrix."""
@@ -608,7 +609,8 @@ class WeightOnlyEmbedding(_PackedWeight):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:  # idx: (...) int64
         flat = idx.reshape(-1)
-        rows = {name: t.index_select(0, flat) for name, t in self._tensors().items()}  # gather, then dequantize
+        rows = {name: t if name in self.fmt.shared else t.index_select(0, flat)   # gather, then dequantize
+                for name, t in self._tensors().items()}
         out = fm.decode(rows, self.fmt, self.K, self.output_dtype)                # (N, dim)
         return out.reshape(*idx.shape, self.embedding_dim)
 

@@ -9,6 +9,9 @@ The storage is `workbench.quantization.formats.IntFormat(4, g, symmetric, float_
   (asymmetric) or fp16 ``(N, K // g)`` (HQQ's float zero points)::
 
     W[n, k] = (u[n, k] - zero[n, k // g]) * scale[n, k // g]
+
+  or, for a table format (E2M1 codes of MXFP4 / NVFP4: ``lut`` the 16 fp32 values, ``scale`` the fp32 block scales,
+  no zero), ``W[n, k] = lut[u[n, k]] * scale[n, k // g]``: each code's value gathered from the table in registers
     y[m, n] = sum_k x[m, k] W[n, k] + bias[n]
 
 Blocking (the shape of Triton's matmul tutorial). Program ``(pid, pid_k)`` owns the output tile
@@ -165,14 +168,14 @@ def _unpack_nibbles_fast(packed, dtype: tl.constexpr):
 def _int4_weight_only_mm_kernel(
         # pointers: x (M, K), qweight (N, ceil(K/2)) uint8, scale / zero (N, K // GROUP_SIZE), bias (N,),
         # c (M, N) (fp32 when SPLIT_K > 1)
-        x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, c_ptr,
+        x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, c_ptr, lut_ptr,
         # sizes (KP = ceil(K / 2) bytes a packed row); M_BUCKET only keys the autotuner
         M, N, K, KP, M_BUCKET,
         # strides (zero has scale's shape and strides)
         stride_xm, stride_xk, stride_wn, stride_wj, stride_sn, stride_sg, stride_cm, stride_cn,
         # what to compute: DOT_FP32 for fp32 operands, FAST_UNPACK for the PTX nibble unpacking (GPU, fp16/bf16)
         GROUP_SIZE: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr,
-        FAST_UNPACK: tl.constexpr,
+        FAST_UNPACK: tl.constexpr, HAS_LUT: tl.constexpr,
         # blocking
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
         GROUP_M: tl.constexpr,
@@ -211,7 +214,10 @@ def _int4_weight_only_mm_kernel(
             # codes minus the zero point in the dot's dtype (exact for integer zero points), then the group's
             # scale: on the (BLOCK_M, BLOCK_N) partial product when that has fewer entries than the weight tile
             # (decode), else on the weights
-            if FAST_UNPACK:
+            if HAS_LUT:   # a table format (E2M1): each code's value, gathered from the 16-entry table
+                d_lo = tl.load(lut_ptr + (packed & 0xF)).to(dot_dtype)
+                d_hi = tl.load(lut_ptr + (packed >> 4)).to(dot_dtype)
+            elif FAST_UNPACK:
                 u_lo, u_hi = _unpack_nibbles_fast(packed, dot_dtype)                      # (HALF, BLOCK_N)
                 zd = z.to(dot_dtype)
                 d_lo, d_hi = u_lo - zd, u_hi - zd
@@ -235,11 +241,17 @@ def _int4_weight_only_mm_kernel(
             k_even = (k0 + 2 * offs_j)[:, None]                                          # (HALF, 1)
             grp = k_even // GROUP_SIZE * stride_sg
             s, z = _group_params(s_ptrs + grp, z_ptrs + grp, (k_even < K) & n_mask[None, :], HAS_ZERO)
-            w_lo = (((packed & 0xF).to(tl.float32) - z) * s).to(dot_dtype)
+            if HAS_LUT:
+                w_lo = (tl.load(lut_ptr + (packed & 0xF)) * s).to(dot_dtype)
+            else:
+                w_lo = (((packed & 0xF).to(tl.float32) - z) * s).to(dot_dtype)
             if GROUP_SIZE % 2 == 1:     # an odd group size can end between the two codes of a byte
                 grp = (k_even + 1) // GROUP_SIZE * stride_sg
                 s, z = _group_params(s_ptrs + grp, z_ptrs + grp, (k_even + 1 < K) & n_mask[None, :], HAS_ZERO)
-            w_hi = (((packed >> 4).to(tl.float32) - z) * s).to(dot_dtype)
+            if HAS_LUT:
+                w_hi = (tl.load(lut_ptr + (packed >> 4)) * s).to(dot_dtype)
+            else:
+                w_hi = (((packed >> 4).to(tl.float32) - z) * s).to(dot_dtype)
             acc = tl.dot(a_even, w_lo, acc, input_precision=PRECISION)
             acc = tl.dot(a_odd, w_hi, acc, input_precision=PRECISION)
 
@@ -254,7 +266,7 @@ def _int4_weight_only_mm_kernel(
         tl.atomic_add(c_ptrs, acc, mask=c_mask, sem="relaxed")
 
 
-_KEY = ["M_BUCKET", "N", "K", "GROUP_SIZE", "HAS_ZERO", "HAS_BIAS"]
+_KEY = ["M_BUCKET", "N", "K", "GROUP_SIZE", "HAS_ZERO", "HAS_BIAS", "HAS_LUT"]
 _kernel_small_m = triton.autotune(configs=_autotune_configs(small_m=True), key=_KEY, reset_to_zero=["c_ptr"],
                                   do_bench=graph_bench,
                                   prune_configs_by={"early_config_prune": _prune})(_int4_weight_only_mm_kernel)
@@ -265,7 +277,7 @@ _kernel_large_m = triton.autotune(configs=_autotune_configs(small_m=False), key=
 
 # ---------------------------------------------------------------------------------------------- launcher
 def _check_inputs(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-                  group_size: int, bias: torch.Tensor | None) -> tuple[int, int]:
+                  group_size: int, bias: torch.Tensor | None, lut: torch.Tensor | None = None) -> tuple[int, int]:
     """Validate the arguments (also under fake tensors, so torch.compile reports the same errors); (N, K)."""
     check("x", x, dtypes=X_DTYPES, op=OP)
     if x.ndim < 1:
@@ -284,27 +296,33 @@ def _check_inputs(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, z
         check("zero", zero, dtypes=ZERO_DTYPES, shape=(N, K // group_size), op=OP)
     if bias is not None:
         check("bias", bias, dtypes=FLOAT_DTYPES, shape=(N,), op=OP)
-    check_same_device(OP, x=x, qweight=qweight, scale=scale, zero=zero, bias=bias)
+    if lut is not None:
+        check("lut", lut, dtypes=(torch.float32,), shape=(16,), op=OP)
+        if zero is not None:
+            raise ValueError(f"{OP}: a table format (lut) has no zero points; got both")
+    check_same_device(OP, x=x, qweight=qweight, scale=scale, zero=zero, bias=bias, lut=lut)
     return N, K
 
 
 def launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-           group_size: int, bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+           group_size: int, bias: torch.Tensor | None = None, config: dict | None = None,
+           lut: torch.Tensor | None = None) -> torch.Tensor:
     """Check, allocate, launch: ``(..., K) -> (..., N)`` in x's dtype (the custom op's implementation).
 
     ``config`` pins one configuration -- ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``SPLIT_K`` (and optionally
     ``num_warps``, ``num_stages``) -- instead of autotuning: for tests and benchmarks of a given blocking
     (each nibble plane is BLOCK_K / 2 deep, so BLOCK_K >= 32)."""
-    N, K = _check_inputs(x, qweight, scale, zero, group_size, bias)
+    N, K = _check_inputs(x, qweight, scale, zero, group_size, bias, lut)
 
     def call(kernel, x2, c, M):
         kernel(x2, qweight, scale, scale if zero is None else zero, scale if bias is None else bias, c,
+               scale if lut is None else lut,
                M, N, K, qweight.shape[1], m_bucket(M),
                x2.stride(0), x2.stride(1), qweight.stride(0), qweight.stride(1), scale.stride(0),
                scale.stride(1), c.stride(0), c.stride(1),
                GROUP_SIZE=group_size, HAS_ZERO=zero is not None, HAS_BIAS=bias is not None,
                DOT_FP32=x.dtype == torch.float32 or (INTERPRET and x.dtype == torch.bfloat16),
-               FAST_UNPACK=not INTERPRET and x.dtype != torch.float32, GROUP_M=8)
+               FAST_UNPACK=not INTERPRET and x.dtype != torch.float32, HAS_LUT=lut is not None, GROUP_M=8)
 
     return launch_split_k(OP, x, N, K, bias, config, (_kernel_small_m, _kernel_large_m),
                           _int4_weight_only_mm_kernel, min_block_k=32, call=call)
@@ -312,9 +330,10 @@ def launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: to
 
 # --------------------------------------------------------------------------------------------- reference
 def reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-              group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+              group_size: int, bias: torch.Tensor | None = None, lut: torch.Tensor | None = None) -> torch.Tensor:
     """The same math in PyTorch: dequantize to fp32, matmul in fp32, return x's dtype."""
-    w = dequantize_packed(qweight, 4, x.shape[-1], scale, group_size, 8.0 if zero is None else zero)   # (N, K)
+    w = dequantize_packed(qweight, 4, x.shape[-1], scale, group_size, 8.0 if zero is None else zero,
+                          lut=lut)                                                                 # (N, K)
     y = x.float() @ w.T                                                     # (..., N)
     if bias is not None:
         y = y + bias.float()
@@ -325,22 +344,24 @@ def reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero:
 # the schema is spelled out so that group_size is a plain int (it becomes a constexpr), never a SymInt
 @torch.library.custom_op("workbench::int4_weight_only_mm", mutates_args=(),
                          schema="(Tensor x, Tensor qweight, Tensor scale, Tensor? zero, int group_size, "
-                                "Tensor? bias=None) -> Tensor")
+                                "Tensor? bias=None, Tensor? lut=None) -> Tensor")
 def _int4_weight_only_mm_op(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                             zero: torch.Tensor | None, group_size: int,
-                            bias: torch.Tensor | None = None) -> torch.Tensor:
-    return launch(x, qweight, scale, zero, group_size, bias)
+                            bias: torch.Tensor | None = None, lut: torch.Tensor | None = None) -> torch.Tensor:
+    return launch(x, qweight, scale, zero, group_size, bias, lut=lut)
 
 
 @_int4_weight_only_mm_op.register_fake
-def _(x, qweight, scale, zero, group_size, bias=None):
-    N, _ = _check_inputs(x, qweight, scale, zero, group_size, bias)
+def _(x, qweight, scale, zero, group_size, bias=None, lut=None):
+    N, _ = _check_inputs(x, qweight, scale, zero, group_size, bias, lut)
     return x.new_empty(*x.shape[:-1], N)
 
 
 def int4_weight_only_mm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-                  group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+                        group_size: int, bias: torch.Tensor | None = None,
+                        lut: torch.Tensor | None = None) -> torch.Tensor:
     """``y = x @ W.T + bias`` with ``W[n, k] = (u[n, k] - zero[n, k // g]) * scale[n, k // g]`` (zero = 8 when
-    None), ``u`` the 4-bit codes packed two per byte in qweight ``(N, ceil(K / 2))``; x ``(..., K)`` ->
-    ``(..., N)`` in x's dtype. Calls ``torch.ops.workbench.int4_weight_only_mm``."""
-    return torch.ops.workbench.int4_weight_only_mm(x, qweight, scale, zero, group_size, bias)
+    None) or, with a 16-value table ``lut`` (E2M1 codes: MXFP4, NVFP4), ``W[n, k] = lut[u[n, k]] * scale[n, k // g]``;
+    ``u`` the 4-bit codes packed two per byte in qweight ``(N, ceil(K / 2))``; x ``(..., K)`` -> ``(..., N)`` in x's
+    dtype. Calls ``torch.ops.workbench.int4_weight_only_mm``."""
+    return torch.ops.workbench.int4_weight_only_mm(x, qweight, scale, zero, group_size, bias, lut)

@@ -184,11 +184,13 @@ kernel, out = k4._int4_weight_only_mm_kernel, []
 for case in json.loads(sys.argv[1]):
     xdt, g, zero, small, index = case
     config = k4._autotune_configs(small)[index]
-    consts = dict(GROUP_SIZE=g, HAS_ZERO=zero != "none", HAS_BIAS=True, DOT_FP32=xdt == "fp32",
-                  FAST_UNPACK=xdt != "fp32", GROUP_M=8, stride_xk=1, stride_wj=1, stride_sg=1, stride_cn=1,
-                  **config.kwargs)                                       # strides of 1 are specialized by the JIT
-    types = dict(x_ptr="*" + xdt, w_ptr="*u8", scale_ptr="*fp16", zero_ptr="*" + zero.replace("none", "fp16"),
-                 bias_ptr="*fp16", c_ptr="*fp32" if small else "*" + xdt)
+    lut = zero == "lut"                                                  # a table format (E2M1 codes)
+    consts = dict(GROUP_SIZE=g, HAS_ZERO=zero not in ("none", "lut"), HAS_BIAS=True, DOT_FP32=xdt == "fp32",
+                  FAST_UNPACK=xdt != "fp32", HAS_LUT=lut, GROUP_M=8, stride_xk=1, stride_wj=1, stride_sg=1,
+                  stride_cn=1, **config.kwargs)                          # strides of 1 are specialized by the JIT
+    types = dict(x_ptr="*" + xdt, w_ptr="*u8", scale_ptr="*fp32" if lut else "*fp16",
+                 zero_ptr="*" + zero.replace("none", "fp16").replace("lut", "fp16"), bias_ptr="*fp16",
+                 c_ptr="*fp32" if small else "*" + xdt, lut_ptr="*fp32")
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kernel.arg_names}
     aligned = [(i,) for i, n in enumerate(kernel.arg_names)
                if n in types or n in ("N", "K", "KP", "stride_xm", "stride_wn")]
@@ -205,11 +207,14 @@ print(json.dumps(out))
 def test_compiles_for_sm90_with_pipelined_tiles(compile_sm90):
     # (x dtype, g, zero dtype, decode family?, config index): bf16 decode with the fast unpacking, fp16 with a
     # K-tile spanning groups (gathered scales; odd g), and a prefill (wgmma) config
-    cases = [("bf16", 128, "u8", True, 0), ("fp16", 21, "fp16", True, 1), ("bf16", 64, "none", False, 1)]
+    # and the E2M1 table (MXFP4 / NVFP4: fp32 block scales) on the decode and prefill families
+    cases = [("bf16", 128, "u8", True, 0), ("fp16", 21, "fp16", True, 1), ("bf16", 64, "none", False, 1),
+             ("bf16", 32, "lut", True, 6), ("fp16", 16, "lut", False, 0)]
     for r in compile_sm90(SM90_SCRIPT, cases):
         assert r["async_copies"] >= 2, r          # x and weight tiles both go through cp.async stages
         assert r["shared"] <= 227 * 1024, r       # fits an H100's shared memory per block
-        assert r["asm"] == (r["case"][1] % r["config"]["BLOCK_K"] == 0), r   # fast unpacking on the one-group path
+        one_group = r["case"][1] % r["config"]["BLOCK_K"] == 0
+        assert r["asm"] == (one_group and r["case"][2] != "lut"), r   # fast unpacking on the one-group integer path
 
 
 @pytest.mark.gpu
@@ -221,3 +226,68 @@ def test_gpu_bf16_llama_shape(M):
     y = k4.int4_weight_only_mm(x, q, s, z, g)
     assert y.dtype == torch.bfloat16 and y.is_cuda
     assert rel_err(y, k4.reference(x, q, s, z, g)) <= TOL[torch.bfloat16]
+
+
+# ---- table formats: E2M1 codes (MXFP4: E8M0 scales per 32, NVFP4: e4m3 per 16 and a tensor scale) --------------
+TABLE_FORMATS = {"mxfp4": fm.MXFP4Format(), "nvfp4": fm.NVFP4Format()}
+
+
+def make_table(M, N, K, name, dtype=torch.float32, bias=True, seed=0):
+    """Arguments of the table call: x, codes, the format's fp32 block scales, no zero, its block, bias, the table."""
+    gen = torch.Generator().manual_seed(seed)
+    fmt = TABLE_FORMATS[name]
+    t = fm.encode(torch.randn(N, K, generator=gen), fmt)
+    scale, zero, lut = fmt.triton_tensors(t)
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    b = torch.randn(N, generator=gen) if bias else None
+    args = (x.to(DEVICE), t["qweight"].to(DEVICE), scale.to(DEVICE), zero, fmt.group_size,
+            None if b is None else b.to(DEVICE))
+    return args, lut.to(DEVICE), t, fmt
+
+
+@pytest.mark.parametrize("name", TABLE_FORMATS)
+def test_table_reference_is_x_times_the_formats_decoded_weight(name):
+    (x, q, s, z, g, b), lut, t, fmt = make_table(3, 40, 96, name)
+    expected = x.float().cpu() @ fm.decode(t, fmt, 96).T + b.cpu()
+    torch.testing.assert_close(k4.reference(x, q, s, z, g, b, lut=lut), expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("config, dtype", [("split-k", torch.float32), ("no-split", torch.float16),
+                                           ("tall", torch.bfloat16), ("tall", torch.float32)])
+@pytest.mark.parametrize("name", TABLE_FORMATS)
+@pytest.mark.parametrize("M, N, K", [(1, 16, 64), (3, 40, 96), (70, 40, 128)])
+def test_table_kernel_matches_reference(M, N, K, name, dtype, config):
+    """MXFP4 (blocks of 32: one group per K-tile of 32, tiles of 64 span two) and NVFP4 (blocks of 16: every K-tile
+    spans groups, gathered scales) through both decode paths of the kernel."""
+    args, lut, _, _ = make_table(M, N, K, name, dtype)
+    y = k4.launch(*args, config=CONFIGS[config], lut=lut)
+    assert y.shape == (M, N) and y.dtype == dtype
+    assert rel_err(y, k4.reference(*args, lut=lut)) <= TOL[dtype]
+
+
+@needs_triton
+def test_table_custom_op_and_module_path():
+    args, lut, _, _ = make_table(3, 40, 96, "nvfp4", torch.float16)
+    assert rel_err(k4.int4_weight_only_mm(*args, lut=lut), k4.reference(*args, lut=lut)) <= TOL[torch.float16]
+    torch.library.opcheck(torch.ops.workbench.int4_weight_only_mm.default, args + (lut,))
+    from torch import nn
+
+    from workbench.quantization.modules import WeightOnlyLinear
+
+    lin = nn.Linear(64, 24).to(DEVICE)
+    for fmt in TABLE_FORMATS.values():
+        layer = WeightOnlyLinear.from_float(lin, fmt, kernel="triton")
+        x = torch.randn(5, 64, device=DEVICE)
+        with torch.no_grad():
+            ref = nn.functional.linear(x, layer.dequantized_weight(), lin.bias)
+            assert rel_err(layer(x), ref) <= TOL[torch.float32]
+
+
+def test_table_inputs_are_checked():
+    args, lut, _, _ = make_table(3, 16, 64, "mxfp4")
+    with pytest.raises(ValueError, match="lut"):
+        k4.int4_weight_only_mm(*args, lut=lut[:8])
+    x, q, s, _, g, b = args
+    with pytest.raises(ValueError, match="no zero points"):
+        k4.int4_weight_only_mm(x, q, s, torch.zeros_like(s, dtype=torch.uint8), g, b, lut=lut)

@@ -99,6 +99,11 @@ class WeightFormat(abc.ABC):
         """Which Triton weight-only GEMM serves this format: "int8", "int4" or None (none does)."""
         return None
 
+    def triton_tensors(self, t: dict[str, torch.Tensor]) -> tuple:
+        """(scale, zero or None, 16-value table or None) as the Triton int4 kernel takes them (``triton_kind``
+        "int4"): the stored scale and zero point; a table format's fp32 block scales and its table."""
+        return t["scale"], t.get("zero"), None
+
     def cpu_layout(self, t: dict[str, torch.Tensor], K: int) -> dict | None:
         """The stored tensors as `workbench_kernels.weight_only_cpu` reads them (its `CpuWeight` fields:
         codes as stored, fp32 scale and zero or a lookup table); None when ``cpu_kernel`` is False."""
@@ -262,6 +267,14 @@ class _BlockFP4(WeightFormat):
     def decode(self, t: dict[str, torch.Tensor], K: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         w = dequantize_packed(t["qweight"], 4, K, self.block_scales(t), self.group_size, lut=e2m1_values())
         return w.to(dtype)
+
+    @property
+    def triton_kind(self) -> str | None:
+        return "int4"   # the int4 kernel with the E2M1 table in place of u - z
+
+    def triton_tensors(self, t: dict[str, torch.Tensor]) -> tuple:
+        scale = self.block_scales(t)
+        return scale, None, e2m1_values().to(scale.device)
 
     def cpu_layout(self, t: dict[str, torch.Tensor], K: int) -> dict:
         return {"qweight": t["qweight"].contiguous(), "scale": self.block_scales(t).contiguous(), "zero": None,

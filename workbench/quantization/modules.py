@@ -396,10 +396,11 @@ class _PackedWeight(nn.Module):
                 raise ValueError(f"{type(self).__name__}.{name}: expected {e.dtype} {tuple(e.shape)}, got "
                                  f"{t.dtype} {tuple(t.shape)}")
             self.register_buffer(name, t)
+        self._weight_names = tuple(expected)
         self.note = fm.short_group_note(fmt, K)   # None, or how a short last group was handled (for reports)
 
     def _tensors(self) -> dict[str, torch.Tensor]:
-        names = fm.empty((1, 1), self.fmt, device="meta")   # the format's tensors (integer, NF4, fp8, MX, NVFP4)
+        names = self.__dict__.get("_weight_names", ("qweight", "scale", "zero"))   # the format's tensors
         return {name: buf for name, buf in self.named_buffers(recurse=False) if name in names}
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -472,7 +473,7 @@ class WeightOnlyLinear(_FollowsDevice, _PackedWeight):
         """The stored weight as `workbench_kernels.weight_only_cpu` reads it (fp32 scales / zeros), made once and made
         again only when the stored tensors change (loading a state dict, ``copy_``, moving the module)."""
         buffers = self._buffers
-        q, s, z = buffers["qweight"], buffers["scale"], buffers.get("zero")
+        q, s, z = buffers["qweight"], buffers["scale"], buffers.get("zero", buffers.get("global_scale"))
         tensors = (q, s, z)
         # the key: which tensors, where their data is and how often it was written in place (this runs on every
         # forward, so it is kept to a few attribute reads, spelled out rather than a generator over the tensors:
@@ -569,8 +570,8 @@ class WeightOnlyLinear(_FollowsDevice, _PackedWeight):
             return int8_weight_only_mm(x, self.qweight, self.scale, bias)
         from workbench_kernels.int4_weight_only import int4_weight_only_mm
 
-        return int4_weight_only_mm(x, self.qweight, self.scale, getattr(self, "zero", None),
-                                   self.K // self.scale.shape[1], bias)
+        scale, zero, lut = self.fmt.triton_tensors(self._tensors())
+        return int4_weight_only_mm(x, self.qweight, scale, zero, self.K // scale.shape[1], bias, lut)
 
     def effective_weight(self) -> torch.Tensor:
         w = self.dequantized_weight(torch.float32)

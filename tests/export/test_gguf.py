@@ -30,7 +30,8 @@ LOGIT_ATOL = 1e-4
 Q8 = wb.quant.WeightOnly(bits=8, group_size=32, kernel="reference")
 Q4 = wb.quant.WeightOnly(bits=4, group_size=32, kernel="reference")
 Q4_ASYM = wb.quant.WeightOnly(bits=4, group_size=32, symmetric=False, kernel="reference")
-TYPES = {"q8_0": (Q8, "Q8_0", gguf.LlamaFileType.MOSTLY_Q8_0), "q4_0": (Q4, "Q4_0", gguf.LlamaFileType.MOSTLY_Q4_0)}
+TYPES = {"q8_0": (Q8, "Q8_0", gguf.LlamaFileType.MOSTLY_Q8_0), "q4_0": (Q4, "Q4_0", gguf.LlamaFileType.MOSTLY_Q4_0),
+         "mxfp4": (wb.quant.MXFP4(), "MXFP4", gguf.LlamaFileType.MOSTLY_MXFP4_MOE)}
 
 
 # --- models -----------------------------------------------------------------------------------------------------------
@@ -437,6 +438,7 @@ def _refused(tmp_path, model, error, match, **kw):
 
 @pytest.mark.parametrize("config, match", [
     (wb.quant.NF4(group_size=32), "stores NF4Format weights"),
+    (wb.quant.NVFP4(), "stores NVFP4Format weights"),
     (wb.quant.WeightOnly(bits=4, group_size=64, kernel="reference"), "has groups of 64 values over an input of 320"),
     (wb.quant.WeightOnly(bits=8, kernel="reference"), "has groups of 320 values"),
     (wb.quant.WeightOnly(bits=2, group_size=32, kernel="reference"), "stores symmetric 2-bit codes"),
@@ -448,7 +450,8 @@ def _refused(tmp_path, model, error, match, **kw):
     (wb.quant.Dynamic(kernel="reference"), "is a W8A8 layer.*GGUF stores weights only"),
     (wb.prune.Magnitude(sparsity=0.5), "is a PrunedLinear"),
     (wb.lowrank.SVD(rank=8), "is a LowRankLinear"),
-], ids=["nf4", "group-64", "int8-per-channel", "int2", "int3", "int8-asym", "hqq", "w8a8", "pruned", "low-rank"])
+], ids=["nf4", "nvfp4", "group-64", "int8-per-channel", "int2", "int3", "int8-asym", "hqq", "w8a8", "pruned",
+        "low-rank"])
 def test_refused_layers(tmp_path, tiny_llama, config, match):
     small = wb.apply(tiny_llama, {"model.layers.0.self_attn.q_proj": config}, progress=False)
     _refused(tmp_path, small, ValueError, r"gguf export: 'model\.layers\.0\.self_attn\.q_proj' " + match +

@@ -127,10 +127,11 @@ def test_float_tiny_llama_logits_and_greedy_tokens(tmp_path, tiny_llama):
     assert generated == want
 
 
-@pytest.mark.parametrize("config", [Q8, Q4, Q4_ASYM], ids=["q8_0", "q4_0", "q4_1-or-refused"])
+@pytest.mark.parametrize("config", [Q8, Q4, Q4_ASYM, wb.quant.MXFP4()],
+                         ids=["q8_0", "q4_0", "q4_1-or-refused", "mxfp4"])
 def test_quantized_tiny_llama_is_the_workbench_model(tmp_path, tiny_llama, config):
     small = wb.apply(tiny_llama, {"model.layers.*": config}, progress=False)
-    if not config.symmetric:
+    if not getattr(config, "symmetric", True):
         # Q4_1 holds an asymmetric group only where -scale*zero is an fp16 value: make it so (scales powers of two)
         for m in small.modules():
             if isinstance(m, wb.quantization.WeightOnlyLinear):

@@ -73,14 +73,17 @@ from workbench.export import ExportFormat, integer_weight_problem, register_expo
 from workbench.export.gguf_vocab import chat_template, read_vocabulary, tokenizer_file
 from workbench.plans import applied_plans
 from workbench.quantization import packing
+from workbench.quantization.formats import MXFP4Format
 from workbench.quantization.modules import W8A8Linear, WeightOnlyEmbedding, WeightOnlyLinear
+from workbench.quantization.primitives import E8M0_NAN
 
 __all__ = ["GGUF", "FloatType", "BlockType", "Architecture", "FILE_NAME", "block_types", "architectures", "rope_rows"]
 
 FILE_NAME = "model.gguf"
 BLOCK = 32   # values per block of Q8_0 / Q4_0 / Q4_1 (ggml's QK8_0 = QK4_0 = QK4_1 = 32)
 ALLOWED = ("WeightOnly(bits=8, group_size=32) symmetric as Q8_0, WeightOnly(bits=4, group_size=32) symmetric as Q4_0 "
-           "(asymmetric as Q4_1 where -scale*zero is an fp16 value), and floating-point layers as F32 / F16")
+           "(asymmetric as Q4_1 where -scale*zero is an fp16 value), MXFP4 as MXFP4, and floating-point layers as "
+           "F32 / F16")
 
 
 def _refuse(name: str, what: str) -> ValueError:
@@ -152,6 +155,20 @@ def block_types() -> dict[tuple[int, bool], BlockType]:
             (4, False): BlockType(T.Q4_1, F.MOSTLY_Q4_1, _q4_1)}
 
 
+def _mxfp4(name: str, codes: np.ndarray, scale: np.ndarray, zero: np.ndarray | None) -> np.ndarray:
+    """ggml's block_mxfp4: the E8M0 exponent byte, then the 32 E2M1 codes two a byte (Q4_0's nibble order). ggml reads
+    ``kvalues_mxfp4[code] * 2^(e - 128)``, its table the E2M1 values doubled: the same value for the same code."""
+    return np.concatenate([scale[..., None], _nibbles(codes)], axis=-1)               # (R, G, 17)
+
+
+@functools.cache
+def mxfp4_block() -> BlockType:
+    from gguf import GGMLQuantizationType as T
+    from gguf import LlamaFileType as F
+
+    return BlockType(T.MXFP4, F.MOSTLY_MXFP4_MOE, _mxfp4)
+
+
 # --- one quantized layer -> ggml blocks ------------------------------------------------------------------------------
 
 LayerEncoder = Callable[[str, nn.Module], tuple[np.ndarray, BlockType]]
@@ -169,6 +186,15 @@ def _encodes(*classes: type[nn.Module]) -> Callable[[LayerEncoder], LayerEncoder
 @_encodes(WeightOnlyLinear, WeightOnlyEmbedding)
 def _weight_only(name: str, m: nn.Module) -> tuple[np.ndarray, BlockType]:
     """The stored codes and fp16 scales as ggml blocks ``(rows, G * bytes per block)`` uint8, nothing re-quantized."""
+    if isinstance(m.fmt, MXFP4Format):   # E2M1 codes and E8M0 exponents as they are
+        rows, K = m.weight_shape
+        if K % BLOCK:
+            raise _refuse(name, f"has rows of {K} values, not whole MXFP4 blocks of {BLOCK}")
+        exponents = m.scale.detach().cpu().numpy()                                    # (rows, G) uint8
+        if (exponents == E8M0_NAN).any():
+            raise _refuse(name, "has MXFP4 blocks with a NaN scale, which ggml's E8M0 reads as 2^127")
+        codes = packing.unpack(m.qweight.detach().cpu(), 4, K).reshape(rows, K // BLOCK, BLOCK).numpy()
+        return mxfp4_block().encode(name, codes, exponents, None).reshape(rows, -1), mxfp4_block()
     why = integer_weight_problem(m)
     if why:
         raise _refuse(name, why)

@@ -155,3 +155,20 @@ def test_at_equal_bits_the_formats_are_measured_against_integer_groups():
     # (4.25 bits: the power-of-two scale costs); MXFP8 0.0292 vs FP8 with a scale per row 0.0264
     assert nv < 0.1 and mx < 0.12 and nv < mx and abs(nv / i32 - 1) < 0.05
     assert err(fm.MXFP8Format()) < 0.035
+
+
+def test_sensitivity_search_and_the_workbench_session_take_them(digits_mlp, digits_task):
+    candidates = {"mxfp4": wb.quant.MXFP4(), "nvfp4": wb.quant.NVFP4(), "mxfp8": wb.quant.MXFP8()}
+    table = wb.sensitivity(digits_mlp, digits_task, candidates, cache=False, progress=False, calibration=None)
+    assert set(table["status"]) == {"ok"} and len(table) == 9
+    size = table.pivot(index="layer", columns="candidate", values="size_after")
+    assert (size["mxfp4"] < size["nvfp4"]).all() and (size["nvfp4"] < size["mxfp8"]).all()
+    budget = wb.size_bytes(digits_mlp) // 3
+    plan, _ = wb.search(digits_mlp, digits_task, candidates, budget, table=table, progress=False)
+    assert len(plan) >= 1
+    from workbench.ui.session import Session
+
+    s = Session(digits_mlp, digits_task, threads=1)
+    s.set(s.select("fc*"), wb.quant.NVFP4())
+    entry = s.apply_and_measure()
+    assert entry.metrics.size_bytes < wb.size_bytes(digits_mlp) / 5 and entry.quality > 0.8

@@ -239,7 +239,8 @@ def test_plan_folds_batchnorm_before_quantizing(tmp_path):
     model.eval()
     x = torch.randn(2, 3, 10, 10)
     plan = Plan({"*": wb.quant.WeightOnly(bits=8, group_size=None)}, fold_batchnorm=True)
-    assert Plan.from_json(plan.to_json()) == plan and "fold_batchnorm=True" in repr(plan)
+    assert Plan.from_json(plan.to_json()) == plan and "stages=[FoldBatchNorm()]" in repr(plan)
+    assert plan == Plan({"*": wb.quant.WeightOnly(bits=8, group_size=None)}, stages=[wb.plans.FoldBatchNorm()])
     small = wb.apply(model, plan, progress=False)
     assert isinstance(small[1], nn.Identity) and isinstance(small[0], wb.quant.WeightOnlyConv2d)
     assert isinstance(model[1], nn.BatchNorm2d)                     # the user's model is untouched

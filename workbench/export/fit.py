@@ -295,7 +295,7 @@ def _refitted_plans(model: nn.Module, plans, configs: dict[str, Config]) -> tupl
                 deciding.setdefault(hit[0], set()).add(n)
         kept = [(p, c) for p, c in plan.items()
                 if p not in configs and not (c is not None and deciding.get(p) and deciding[p] <= set(configs))]
-        out.append(Plan([*mine, *kept], fold_batchnorm=plan.fold_batchnorm))
+        out.append(Plan([*mine, *kept], stages=plan.stages))
     rest = [(n, c) for n, c in configs.items() if owner[n] is None]
     if rest:
         out.append(Plan(rest))

@@ -1,5 +1,6 @@
-"""Per-layer plans: patterns -> technique configs, the config registry, `apply`, `save`/`load`, and the
-per-layer steps of the core (`workbench.plans.layers`) that every path changing layers calls."""
+"""Per-layer plans: patterns -> technique configs, model-level stages (`workbench.plans.stages`), the config registry,
+`apply`, `save`/`load`, and the per-layer steps of the core (`workbench.plans.layers`) that every path changing layers
+calls."""
 from workbench.plans.apply import (
     ApplyError,
     applied_plans,
@@ -25,6 +26,7 @@ from workbench.plans.plan import PLAN_FORMAT_VERSION, Assignment, PassedOver, Pl
 from workbench.plans.registry import (
     Config,
     Handler,
+    StageHandler,
     config_from_dict,
     config_to_dict,
     handler_for,
@@ -32,10 +34,11 @@ from workbench.plans.registry import (
     registered_kinds,
 )
 from workbench.plans.sequential import Pipeline
+from workbench.plans.stages import FoldBatchNorm
 
-__all__ = ["Plan", "Pipeline", "Handler", "handler_for", "Assignment", "PassedOver", "PLAN_FORMAT_VERSION", "Config",
-           "register_config", "registered_kinds",
-           "config_from_dict", "config_to_dict", "apply", "build_skeleton", "applied_plans", "applied_report",
-           "ApplyError", "normalize_calibration", "Transformed", "transform_layer", "skeleton_layer",
-           "capture_inputs", "canonical_view", "compressible_layers", "default_configs", "swap_layers", "tie_groups",
-           "share_tied", "record_plan"]
+__all__ = ["Plan", "Pipeline", "Handler", "StageHandler", "FoldBatchNorm", "handler_for", "Assignment", "PassedOver",
+           "PLAN_FORMAT_VERSION", "Config", "register_config", "registered_kinds", "config_from_dict",
+           "config_to_dict", "apply", "build_skeleton", "applied_plans", "applied_report", "ApplyError",
+           "normalize_calibration", "Transformed", "transform_layer", "skeleton_layer", "capture_inputs",
+           "canonical_view", "compressible_layers", "default_configs", "swap_layers", "tie_groups", "share_tied",
+           "record_plan"]

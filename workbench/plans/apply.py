@@ -44,7 +44,7 @@ from workbench.plans.layers import (
     transform_layer,
 )
 from workbench.plans.plan import Plan
-from workbench.plans.registry import Accumulator, Config, handler_for
+from workbench.plans.registry import Accumulator, Config, handler_for, stage_handler_for
 from workbench.plans.sequential import BlockList, Pipeline, capture_block_inputs, find_blocks, run_block, runs_as_chain
 from workbench.plans.spill import Spill
 
@@ -133,28 +133,33 @@ def apply(model: nn.Module, plan: Plan | Mapping[str, Config | None], calibratio
     _check_module(model)
     plan = _as_plan(plan)
     pipeline = Pipeline.of(pipeline)
-    assignments, passed = plan.survey(model)   # errors in the plan surface before anything is copied
-    needing = [a for a in assignments if handler_for(a.config).needs_calibration(a.config)]
     batches: list[Batch] = normalize_calibration(calibration, model) if calibration is not None else []
-    if needing and not batches:
-        layers = ", ".join(f"{a.name} ({type(a.config).__name__})" for a in needing[:5])
-        raise ValueError(f"calibration data is required for {len(needing)} layer(s): {layers}"
-                         f"{', ...' if len(needing) > 5 else ''}; pass calibration=task.calibration(n)")
-
-    if estimate and needing:
-        from workbench.plans.estimate import estimate_calibration
-
-        found = estimate_calibration(model, plan, batches, inplace=inplace, pipeline=pipeline)
-        tqdm.write(str(found))
-        if not found.fits:
-            raise MemoryError(f"not calibrating: {found}")
-    if plan.fold_batchnorm and inplace:
-        raise ValueError("a plan with fold_batchnorm=True changes weights before compressing them and cannot be "
-                         "rolled back in place; use inplace=False")
+    stages = [(s, stage_handler_for(s)) for s in plan.stages]
+    for stage, handler in stages:
+        if inplace and handler.changes_values(stage):
+            raise ValueError(f"the plan's stage {stage!r} changes weights before compressing them and cannot be "
+                             f"rolled back in place; use inplace=False")
+        if handler.needs_calibration(stage) and not batches:
+            raise ValueError(f"the plan's stage {stage!r} needs calibration data; pass calibration=task.calibration(n)")
+    if not stages:
+        assignments, passed = plan.survey(model)   # errors in the plan surface before anything is copied
+        _check_calibration(assignments, batches)
+        if estimate:
+            _estimate(model, plan, assignments, batches, inplace, pipeline)
     target = model if inplace else copy.deepcopy(model)
-    if plan.fold_batchnorm:
-        _fold(target)
-        assignments, passed = plan.survey(target)   # the folded structure (convolutions gained their biases)
+    if stages:   # the model-level stages, in order, on the copy; then the layers as they left them
+        for stage, handler in stages:
+            try:
+                handler.apply(target, stage, batches)
+            except (KeyboardInterrupt, ValueError, TypeError):
+                raise
+            except Exception as e:
+                raise RuntimeError(f"wb.apply: the plan's stage {stage!r} failed: {type(e).__name__}: {e}") from e
+        assignments, passed = plan.survey(target)
+        _check_calibration(assignments, batches)
+        if estimate:
+            _estimate(target, plan, assignments, batches, True, pipeline)
+    needing = [a for a in assignments if handler_for(a.config).needs_calibration(a.config)]
     originals = {n: target.get_submodule(n) for n in canonical_targets(target, plan)}
     flags = {m: m.use_nested_tensor for m in target.modules() if hasattr(m, "use_nested_tensor")}
     groups = tie_groups(target)
@@ -297,6 +302,26 @@ def build(target: nn.Module, assignments: Sequence, batches: Sequence, pipeline:
     return Built(done, how, why if len(assignments) > 1 else "", fallback)
 
 
+def _check_calibration(assignments, batches) -> None:
+    needing = [a for a in assignments if handler_for(a.config).needs_calibration(a.config)]
+    if needing and not batches:
+        layers = ", ".join(f"{a.name} ({type(a.config).__name__})" for a in needing[:5])
+        raise ValueError(f"calibration data is required for {len(needing)} layer(s): {layers}"
+                         f"{', ...' if len(needing) > 5 else ''}; pass calibration=task.calibration(n)")
+
+
+def _estimate(model: nn.Module, plan: Plan, assignments, batches, inplace: bool, pipeline: Pipeline) -> None:
+    """`apply(..., estimate=True)`: print the calibration's estimate; MemoryError when it does not fit."""
+    if not any(handler_for(a.config).needs_calibration(a.config) for a in assignments):
+        return
+    from workbench.plans.estimate import estimate_calibration
+
+    found = estimate_calibration(model, plan, batches, inplace=inplace, pipeline=pipeline)
+    tqdm.write(str(found))
+    if not found.fits:
+        raise MemoryError(f"not calibrating: {found}")
+
+
 def _apply_sequential(target: nn.Module, assignments, needing, blocks: BlockList, batches, progress: bool,
                       swapped: list[dict[str, nn.Module]], spill: Spill | None = None,
                       own_arguments: bool = False, step: Callable[[str], None] | None = None) -> dict[str, Transformed]:
@@ -425,7 +450,7 @@ def _recorded(plan: Plan, assignments, resolved: list[tuple[str, Config]], untou
     concrete = dict(resolved)
     left = {a.pattern for a in assignments if a.name not in concrete}
     kept = [(p, c) for p, c in plan.items() if p not in concrete and p not in untouched and (c is None or p in left)]
-    return Plan([*((n, None) for n in untouched), *resolved, *kept], fold_batchnorm=plan.fold_batchnorm)
+    return Plan([*((n, None) for n in untouched), *resolved, *kept], stages=plan.stages)
 
 
 NOT_CALLED = "never called when the calibration batch ran through the model"
@@ -486,17 +511,6 @@ def _pass_over_uncalled(model: nn.Module, assignments, needing, silent: Sequence
     return [a for a in assignments if a.name not in gone], [a for a in needing if a.name not in gone], passed
 
 
-def _fold(model: nn.Module) -> None:
-    from workbench.models.fuse import fold_batchnorm
-
-    was = model.training
-    model.eval()   # folding uses the running statistics (eval semantics)
-    try:
-        fold_batchnorm(model)
-    finally:
-        model.train(was)
-
-
 def _share_tied_groups(groups, modules: dict[str, nn.Module], configs: dict[str, Config]) -> None:
     """Tied layers (all assigned the same config, which `Plan.resolve` guarantees) keep one stored copy;
     ``groups``: the model's `tie_groups`, taken before any layer was swapped."""
@@ -533,8 +547,8 @@ def build_skeleton(model: nn.Module, plans: Sequence[Plan], values: bool = True)
     _check_module(model)
     target = copy.deepcopy(model) if values else empty_copy(model)
     for plan in plans:
-        if plan.fold_batchnorm:
-            _fold(target)
+        for stage in plan.stages:   # the stages' structure, in order (values come from the file)
+            stage_handler_for(stage).skeleton(target, stage)
         canonicalize_for(target, plan)   # the same rewriting as `apply`, from the same plan
         assignments = plan.resolve(target)
         modules = {a.name: skeleton_layer(a.name, target.get_submodule(a.name), a.config) for a in assignments}

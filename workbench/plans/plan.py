@@ -21,7 +21,7 @@ from typing import Any, Iterable, Iterator, Mapping
 
 from torch import nn
 
-from workbench.plans.registry import Config, config_from_dict, config_to_dict, handler_for
+from workbench.plans.registry import Config, config_from_dict, config_to_dict, handler_for, stage_handler_for
 
 __all__ = ["Plan", "Assignment", "PassedOver", "PLAN_FORMAT_VERSION", "layer_matcher"]
 
@@ -72,12 +72,24 @@ class Plan(Mapping[str, Config | None]):
     """An ordered, immutable mapping ``pattern -> config`` (see the module docstring)."""
 
     def __init__(self, entries: Mapping[str, Config | None] | Iterable[tuple[str, Config | None]] = (), *,
-                 fold_batchnorm: bool = False):
+                 fold_batchnorm: bool = False, stages: Iterable[Config] = ()):
+        from workbench.plans.stages import FoldBatchNorm
+
         if not isinstance(fold_batchnorm, bool):
             raise TypeError(f"fold_batchnorm must be True or False, got {fold_batchnorm!r}")
-        # fold every BatchNorm into the convolution / Linear before it (eval statistics) before compressing, so
-        # quantization acts on the weights that really compute (`workbench.models.fuse.fold_batchnorm`)
-        self.fold_batchnorm = fold_batchnorm
+        if isinstance(stages, Config):
+            raise TypeError(f"stages must be a list of stage configs, got a single {type(stages).__name__}; wrap it "
+                            f"in a list")
+        stages = tuple(stages)
+        for i, stage in enumerate(stages):
+            if not isinstance(stage, Config):
+                raise TypeError(f"plan stage {i}: expected a stage config (e.g. wb.plans.FoldBatchNorm()), got "
+                                f"{type(stage).__name__}")
+            stage_handler_for(stage)   # raises, naming where a per-layer config goes
+        # fold_batchnorm=True: the FoldBatchNorm stage first (the spelling plans had before stages)
+        if fold_batchnorm and not any(isinstance(s, FoldBatchNorm) for s in stages):
+            stages = (FoldBatchNorm(), *stages)
+        self.stages: tuple[Config, ...] = stages
         items = list(entries.items()) if isinstance(entries, Mapping) else list(entries)
         self._entries: dict[str, Config | None] = {}
         self._matchers = {}
@@ -105,23 +117,32 @@ class Plan(Mapping[str, Config | None]):
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, Plan) and list(self._entries.items()) == list(other._entries.items())
-                and self.fold_batchnorm == other.fold_batchnorm)
+                and self.stages == other.stages)
 
     def __hash__(self) -> int:
         return hash(self.to_json())
 
     def __repr__(self) -> str:
         inner = ", ".join(f"{p!r}: {c!r}" for p, c in self._entries.items())
-        return f"Plan({{{inner}}}{', fold_batchnorm=True' if self.fold_batchnorm else ''})"
+        return f"Plan({{{inner}}}{f', stages={list(self.stages)!r}' if self.stages else ''})"
+
+    @property
+    def fold_batchnorm(self) -> bool:
+        """Whether the plan folds BatchNorms first (a `FoldBatchNorm` stage)."""
+        from workbench.plans.stages import FoldBatchNorm
+
+        return any(isinstance(s, FoldBatchNorm) for s in self.stages)
 
     def __reduce__(self):
         # pickles (for process pools and Ray) as its entries; the compiled matchers are rebuilt
-        return (_rebuild, (list(self._entries.items()), self.fold_batchnorm))
+        return (_rebuild, (list(self._entries.items()), self.stages))
 
     def __or__(self, other: "Plan") -> "Plan":
-        """``a | b``: the entries of ``a`` then those of ``b`` (``a`` wins where both match)."""
+        """``a | b``: the stages and entries of ``a``, then those of ``b`` not already there (``a`` wins where both
+        match)."""
+        theirs = tuple(getattr(other, "stages", ()))
         return Plan([*self._entries.items(), *((p, c) for p, c in other.items() if p not in self._entries)],
-                    fold_batchnorm=self.fold_batchnorm or getattr(other, "fold_batchnorm", False))
+                    stages=(*self.stages, *(s for s in theirs if s not in self.stages)))
 
     def match(self, name: str) -> tuple[str, Config | None] | None:
         """The first (pattern, config) whose pattern matches ``name``, or None."""
@@ -251,7 +272,7 @@ class Plan(Mapping[str, Config | None]):
         return {
             "format": "workbench.plan",
             "version": PLAN_FORMAT_VERSION,
-            **({"fold_batchnorm": True} if self.fold_batchnorm else {}),
+            **({"stages": [config_to_dict(s) for s in self.stages]} if self.stages else {}),
             "entries": [{"pattern": p, "config": None if c is None else config_to_dict(c)}
                         for p, c in self._entries.items()],
         }
@@ -276,10 +297,17 @@ class Plan(Mapping[str, Config | None]):
                 raise ValueError(f"plan entry {i} must have exactly 'pattern' and 'config', got {e!r}")
             cfg = None if e["config"] is None else config_from_dict(e["config"], f"plan entry {i} ({e['pattern']!r})")
             out.append((e["pattern"], cfg))
-        fold = data.get("fold_batchnorm", False)
+        fold = data.get("fold_batchnorm", False)   # (plans written before stages)
         if not isinstance(fold, bool):
             raise ValueError(f"plan 'fold_batchnorm' must be true or false, got {fold!r}")
-        return cls(out, fold_batchnorm=fold)
+        stages = data.get("stages", [])
+        if not isinstance(stages, list):
+            raise ValueError(f"plan 'stages' must be a list, got {stages!r}")
+        built = [config_from_dict(s, f"plan stage {i}") for i, s in enumerate(stages)]
+        try:
+            return cls(out, fold_batchnorm=fold, stages=built)
+        except TypeError as e:
+            raise ValueError(f"plan stages: {e}") from None
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
@@ -302,8 +330,8 @@ class Plan(Mapping[str, Config | None]):
                 raise ValueError(f"{path}: {e}") from None
 
 
-def _rebuild(entries, fold_batchnorm):
-    return Plan(entries, fold_batchnorm=fold_batchnorm)
+def _rebuild(entries, stages):
+    return Plan(entries, stages=stages)
 
 
 def _some_names(model: nn.Module, limit: int = 8) -> str:

@@ -22,6 +22,10 @@ from torch import nn
 __all__ = [
     "Config",
     "Handler",
+    "StageHandler",
+    "stage_handler_for",
+    "is_stage",
+    "registered_stages",
     "Accumulator",
     "register_config",
     "handler_for",
@@ -124,16 +128,43 @@ class Handler(abc.ABC):
         raise ValueError(f"{name!r}: {type(config).__name__} has no quantization-aware training to convert from")
 
 
-_HANDLERS: dict[type, Handler] = {}
+class StageHandler(abc.ABC):
+    """What a model-level technique provides for its config type (a *stage*): it changes the whole model - several
+    layers together, e.g. folding every BatchNorm into the convolution before it, or a rotation of the residual
+    stream - where a `Handler` replaces one layer. A plan's stages (``Plan(entries, stages=[...])``) run in order
+    before its per-layer entries, on `wb.apply`'s copy of the model, inside the same transaction."""
+
+    @abc.abstractmethod
+    def apply(self, model: nn.Module, config: Config, calibration: Sequence) -> None:
+        """Transform ``model`` in place (it is `wb.apply`'s copy); ``calibration``: the normalized calibration
+        batches (empty when none were given; a stage that needs them says so in ``needs_calibration``)."""
+
+    @abc.abstractmethod
+    def skeleton(self, model: nn.Module, config: Config) -> None:
+        """Make the same structural change to ``model`` without computing values from data (`wb.load` fills them
+        from the file); ``model`` may hold meta tensors."""
+
+    def needs_calibration(self, config: Config) -> bool:
+        """Whether ``apply`` needs calibration batches (default: no)."""
+        return False
+
+    def changes_values(self, config: Config) -> bool:
+        """Whether ``apply`` rewrites weights (then `wb.apply` refuses ``inplace=True``: a failure later in the plan
+        could not put them back). Default: yes."""
+        return True
+
+
+_HANDLERS: dict[type, Handler | StageHandler] = {}
 _KINDS: dict[str, type] = {}
 
 
-def register_config(handler: Handler, kind: str | None = None) -> Callable[[type], type]:
-    """Class decorator: register a frozen-dataclass config type with its handler."""
+def register_config(handler: Handler | StageHandler, kind: str | None = None) -> Callable[[type], type]:
+    """Class decorator: register a frozen-dataclass config type with its handler (a `Handler`: a per-layer
+    technique; a `StageHandler`: a model-level stage)."""
 
-    if not isinstance(handler, Handler):
-        raise TypeError(f"register_config needs a Handler instance (a subclass of workbench.plans.registry.Handler), "
-                        f"got {type(handler).__name__}")
+    if not isinstance(handler, (Handler, StageHandler)):
+        raise TypeError(f"register_config needs a Handler instance (a subclass of workbench.plans.registry.Handler, "
+                        f"or StageHandler for a model-level stage), got {type(handler).__name__}")
 
     def deco(cls: type) -> type:
         if not (dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen):  # type: ignore[attr-defined]
@@ -149,7 +180,7 @@ def register_config(handler: Handler, kind: str | None = None) -> Callable[[type
     return deco
 
 
-def handler_for(config: Config) -> Handler:
+def _registered(config: Config) -> Handler | StageHandler:
     try:
         return _HANDLERS[type(config)]
     except KeyError:
@@ -158,13 +189,41 @@ def handler_for(config: Config) -> Handler:
             f"{sorted(_KINDS)}") from None
 
 
+def handler_for(config: Config) -> Handler:
+    """The per-layer handler of ``config``; a stage's config is refused, naming where it goes."""
+    handler = _registered(config)
+    if isinstance(handler, StageHandler):
+        raise TypeError(f"{type(config).__name__} is a model-level stage, not a per-layer technique: pass it as "
+                        f"wb.Plan(entries, stages=[{type(config).__name__}(...)])")
+    return handler
+
+
+def stage_handler_for(config: Config) -> StageHandler:
+    """The stage handler of ``config``; a per-layer technique's config is refused, naming where it goes."""
+    handler = _registered(config)
+    if not isinstance(handler, StageHandler):
+        raise TypeError(f"{type(config).__name__} is a per-layer technique, not a model-level stage: give it to a "
+                        f"plan's entries (a pattern -> config), not to stages")
+    return handler
+
+
+def is_stage(config: Config) -> bool:
+    """Whether ``config`` is a registered model-level stage."""
+    return isinstance(_registered(config), StageHandler)
+
+
 def registered_kinds() -> list[str]:
     return sorted(_KINDS)
 
 
 def registered_configs() -> list[type]:
-    """The registered config classes, in order of registration."""
-    return list(_KINDS.values())
+    """The registered per-layer technique config classes, in order of registration (stages: `registered_stages`)."""
+    return [cls for cls in _KINDS.values() if not isinstance(_HANDLERS[cls], StageHandler)]
+
+
+def registered_stages() -> list[type]:
+    """The registered model-level stage config classes, in order of registration."""
+    return [cls for cls in _KINDS.values() if isinstance(_HANDLERS[cls], StageHandler)]
 
 
 # --- JSON (de)serialisation of configs -------------------------------------------------------------
@@ -198,7 +257,7 @@ def _decode(value: Any, annotation: Any, where: str) -> Any:
 def config_to_dict(config: Config) -> dict[str, Any]:
     if not isinstance(config, Config) or not dataclasses.is_dataclass(config):
         raise TypeError(f"expected a technique config, got {type(config).__name__}")
-    handler_for(config)  # raises if unregistered
+    _registered(config)  # raises if unregistered
     return {"kind": config.kind,
             **{f.name: _encode(getattr(config, f.name)) for f in dataclasses.fields(config)}}
 

@@ -624,5 +624,5 @@ def finalize(model: nn.Module, storage: str = "dense") -> nn.Module:
         return replace(config, storage=storage)  # (a "2:4" finalize only gets here with NM(2, 4): checked above)
 
     record_plan(target, tuple(Plan({p: (restore(c) if c is not None else None) for p, c in plan.items()},
-                                   fold_batchnorm=plan.fold_batchnorm) for plan in plans))
+                                   stages=plan.stages) for plan in plans))
     return target.eval() if not model.training else target

@@ -256,7 +256,7 @@ def prepare(model: nn.Module, plan: Plan, learnable_scales: bool = False, kernel
                       f"({', '.join(experts[:3])}{', ...' if len(experts) > 3 else ''}): QAT fake-quantizes 2-D "
                       f"weights; they train in full precision and stay so after convert (quantize them after "
                       f"training with wb.apply)", stacklevel=2)
-        plan = Plan([*((n, None) for n in experts), *plan.items()], fold_batchnorm=plan.fold_batchnorm)
+        plan = Plan([*((n, None) for n in experts), *plan.items()], stages=plan.stages)
     swap_layers(target, replacements)
     object.__setattr__(target, QAT_PLAN_ATTR, plan)
     return target

@@ -330,10 +330,11 @@ def mx_quantize(x: torch.Tensor, element: str = "e2m1") -> tuple[torch.Tensor, t
 
 def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
     """NVFP4's per-tensor scale (fp32, ``(1,)``) for a tensor whose largest magnitude is ``amax``: 448 * 6 / amax,
-    which maps the largest block scale to e4m3's largest value (1 for a tensor of zeros). Values decode as
-    ``e2m1 * (e4m3 block scale / global scale)``."""
+    which maps the largest block scale to e4m3's largest value (1 for a tensor of zeros; at most fp32's largest).
+    Values decode as ``e2m1 * (e4m3 block scale / global scale)``."""
     a = amax.float().reshape(1)
-    return torch.where(a > 0, (E2M1_MAX * torch.finfo(torch.float8_e4m3fn).max) / a, torch.ones_like(a))
+    scale = torch.clamp((E2M1_MAX * torch.finfo(torch.float8_e4m3fn).max) / a, max=torch.finfo(torch.float32).max)
+    return torch.where(a > 0, scale, torch.ones_like(a))   # (below amax ~8e-36 the quotient is clamped, not inf)
 
 
 def nvfp4_quantize(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -86,7 +86,7 @@ def test_a_failing_stage_or_a_failing_layer_leaves_the_model_as_it_was():
     with pytest.raises((wb.ApplyError, ValueError)):
         wb.apply(model, Plan({"fc1": INT8, "fc2": bad}, stages=[Rescale()]), progress=False)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    with pytest.raises(ValueError, match="changes weights before compressing them.*inplace=False"):
+    with pytest.raises(ValueError, match="changes the model before its layers are compressed.*inplace=False"):
         wb.apply(model, Plan({"fc*": INT8}, stages=[Rescale()]), inplace=True)
 
 
@@ -111,3 +111,13 @@ def test_the_old_fold_batchnorm_spelling_is_the_fold_stage():
     assert both.stages == (FoldBatchNorm(), Rescale())
     with pytest.raises(ValueError, match="plan stage 0: unknown config kind 'nope'"):
         Plan.from_dict({**old, "stages": [{"kind": "nope"}]})
+
+
+def test_the_session_and_qat_refuse_plans_with_stages(digits_mlp, digits_task):
+    from workbench.ui.session import Session
+
+    plan = Plan({"fc1": INT8}, stages=[FoldBatchNorm()])
+    with pytest.raises(ValueError, match="model-level stages.*use wb.apply"):
+        Session(digits_mlp, digits_task).load_plan(plan)
+    with pytest.raises(ValueError, match="qat.prepare takes per-layer entries"):
+        wb.qat.prepare(digits_mlp, plan)

@@ -172,3 +172,33 @@ def test_sensitivity_search_and_the_workbench_session_take_them(digits_mlp, digi
     s.set(s.select("fc*"), wb.quant.NVFP4())
     entry = s.apply_and_measure()
     assert entry.metrics.size_bytes < wb.size_bytes(digits_mlp) / 5 and entry.quality > 0.8
+
+
+def test_nvfp4_experts_decode_each_expert_with_its_own_tensor_scale():
+    from workbench.quantization.experts import ExpertMatrix
+
+    matrix, fmt = ExpertMatrix("down_proj", 3, 4, 32, False), fm.NVFP4Format()
+    spread = torch.tensor([1.0, 0.01, 5.0])[:, None, None]   # each expert its own range, so its own tensor scale
+    w = torch.randn(3, 4, 32, generator=torch.Generator().manual_seed(0)) * spread
+    t = matrix.encode(w, fmt)
+    assert t["global_scale"].shape == (3, 1)
+    picked = {k: v[[2, 0]] for k, v in t.items()}                        # a batch of experts, as routing picks them
+    want = torch.stack([fm.decode(fm.encode(w[e], fmt), fmt, 32) for e in (2, 0)])
+    assert torch.equal(matrix.decode(picked, fmt, torch.float32), want)
+
+
+def test_dtype_conversions_keep_the_stored_tensors_and_tiny_tensors_stay_finite():
+    lin = nn.Linear(32, 4)
+    with torch.no_grad():
+        lin.weight.mul_(0.01)   # tensor scale 448 * 6 / amax above fp16's range
+    layer = wb.quant.WeightOnlyLinear.from_float(lin, fm.NVFP4Format())
+    before = layer.dequantized_weight()
+    layer.half()
+    assert {k: v.dtype for k, v in layer.state_dict().items()} == {
+        "bias": torch.float16, "qweight": torch.uint8, "scale": torch.float8_e4m3fn, "global_scale": torch.float32}
+    assert torch.equal(layer.dequantized_weight(), before) and layer(torch.randn(2, 32).half()).dtype == torch.float16
+    w = torch.zeros(2, 16)
+    w[0] = 1e-37                # 448 * 6 / amax overflows fp32: clamped, and the zero row stays zero
+    t = fm.encode(w, fm.NVFP4Format())
+    back = fm.decode(t, fm.NVFP4Format(), 16)
+    assert torch.isfinite(t["global_scale"]).all() and torch.isfinite(back).all() and back[1].abs().max() == 0

@@ -207,3 +207,43 @@ def test_a_failure_in_a_later_block_leaves_the_working_copy_as_it_was():
     s.apply_and_measure()
     assert _same_logits(s.work, wb.apply(model, s.plan, calibration=task.calibration(8), progress=False),
                         task.example_inputs(4)["input_ids"])
+
+
+def test_a_calibrated_head_is_calibrated_on_the_compressed_blocks_as_wb_apply_does():
+    """The head is outside the blocks: wb.apply calibrates it last, with every block compressed. Rebuilt alone (its
+    config changed) or because a block changed, the session does the same."""
+    import warnings
+
+    model, task = _llama_and_task()
+    gptq = wb.quant.WeightOnly(bits=4, group_size=32, method="gptq")
+    s = Session(model, task, calibration=8, threads=1)
+    s.set(s.select("model.layers.*.mlp.[gu]*_proj"), gptq)
+    s.set("lm_head", gptq)
+    s.apply_and_measure()
+    data, ids = task.calibration(8), task.example_inputs(4)["input_ids"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # no "cannot be calibrated block by block"
+        for layer, config in [("lm_head", wb.quant.WeightOnly(bits=8, group_size=32, method="gptq")),
+                              ("model.layers.2.mlp.down_proj", INT4)]:
+            s.set(layer, config)
+            s.apply_and_measure()
+            assert _same_logits(s.work, wb.apply(model, s.plan, calibration=data, progress=False), ids), layer
+
+
+def test_a_conv1d_left_again_is_the_models_own_module():
+    """GPT-2's Conv1D is rewritten to a Linear while the plan reaches it; when the assignment is taken back, the
+    working copy holds the model's own Conv1D again, as wb.apply of the empty plan would."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=1, n_head=2)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    ids = torch.randint(0, 64, (8, 12), generator=torch.Generator().manual_seed(1))
+    task = wb.tasks.Fidelity(model, {"input_ids": ids})
+    s = Session(model, task, threads=1)
+    s.set("transformer.h.0.mlp.c_fc", INT8)
+    s.apply_and_measure()
+    assert isinstance(s.work.transformer.h[0].mlp.c_fc, wb.quant.WeightOnlyLinear)
+    s.set("transformer.h.0.mlp.c_fc", None)
+    entry = s.apply_and_measure()
+    assert type(s.work.transformer.h[0].mlp.c_fc) is transformers.pytorch_utils.Conv1D
+    assert entry.quality == pytest.approx(0.0, abs=1e-9)

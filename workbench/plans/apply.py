@@ -136,9 +136,9 @@ def apply(model: nn.Module, plan: Plan | Mapping[str, Config | None], calibratio
     batches: list[Batch] = normalize_calibration(calibration, model) if calibration is not None else []
     stages = [(s, stage_handler_for(s)) for s in plan.stages]
     for stage, handler in stages:
-        if inplace and handler.changes_values(stage):
-            raise ValueError(f"the plan's stage {stage!r} changes weights before compressing them and cannot be "
-                             f"rolled back in place; use inplace=False")
+        if inplace:
+            raise ValueError(f"the plan's stage {stage!r} changes the model before its layers are compressed and "
+                             f"cannot be rolled back in place; use inplace=False")
         if handler.needs_calibration(stage) and not batches:
             raise ValueError(f"the plan's stage {stage!r} needs calibration data; pass calibration=task.calibration(n)")
     if not stages:
@@ -252,7 +252,7 @@ def undo(target: nn.Module, swapped: list[dict[str, nn.Module]]) -> None:
 def build(target: nn.Module, assignments: Sequence, batches: Sequence, pipeline: Pipeline | str = Pipeline.SEQUENTIAL,
           *, recorded: Recorded | None = None, groups: Sequence[tuple[str, ...]] = (), progress: bool = True,
           swapped: list[dict[str, nn.Module]] | None = None, spill: Spill | None = None,
-          step: Callable[[str], None] | None = None) -> Built:
+          step: Callable[[str], None] | None = None, calibrated: Sequence[str] | None = None) -> Built:
     """The applier: build each assignment's layer (``assignments``: `Assignment`-like, ``.name`` / ``.config``) of
     ``target`` and put it in place, calibrating the layers that need it on ``batches`` through ``pipeline``.
     `wb.apply`, the UI's `Session` and `wb.sensitivity` all build layers here.
@@ -264,7 +264,9 @@ def build(target: nn.Module, assignments: Sequence, batches: Sequence, pipeline:
     model's tied layers (`tie_groups`, taken before any layer was swapped): each group fully built keeps one stored
     copy. What every swap replaced is appended to ``swapped`` (with ``spill``, its tensors wait on disk): on an
     error the caller puts it back with `undo` (and ``spill.restore()`` first). ``step(name)`` is called before each
-    layer is built (raising there stops the build)."""
+    layer is built (raising there stops the build). ``calibrated``: the calibrated layers of the whole plan, from
+    which the block list is found (default: those of ``assignments``) - the session rebuilds a part of its plan, and
+    the blocks must be those `wb.apply` finds for all of it (a head alone has no block list)."""
     pipeline = Pipeline.of(pipeline)
     swapped = [] if swapped is None else swapped
     first = len(swapped)   # the swaps before this build (the session's originals put back) are the caller's
@@ -275,7 +277,7 @@ def build(target: nn.Module, assignments: Sequence, batches: Sequence, pipeline:
     blocks, why = None, ""
     own_arguments: list = []   # (True when the blocks take different arguments: each block's are kept)
     if needing and pipeline is Pipeline.SEQUENTIAL:
-        blocks = find_blocks(target, [a.name for a in needing])
+        blocks = find_blocks(target, list(calibrated) if calibrated is not None else [a.name for a in needing])
         found = "no block list (an nn.ModuleList holding the calibrated layers) was found" if blocks is None \
             else runs_as_chain(target, blocks, batches[0], own_arguments)
         if found is not None:

@@ -132,7 +132,8 @@ class StageHandler(abc.ABC):
     """What a model-level technique provides for its config type (a *stage*): it changes the whole model - several
     layers together, e.g. folding every BatchNorm into the convolution before it, or a rotation of the residual
     stream - where a `Handler` replaces one layer. A plan's stages (``Plan(entries, stages=[...])``) run in order
-    before its per-layer entries, on `wb.apply`'s copy of the model, inside the same transaction."""
+    before its per-layer entries, on `wb.apply`'s copy of the model (``inplace=True`` is refused: a failure later in
+    the plan could not put the stage's changes back), inside the same transaction."""
 
     @abc.abstractmethod
     def apply(self, model: nn.Module, config: Config, calibration: Sequence) -> None:
@@ -147,11 +148,6 @@ class StageHandler(abc.ABC):
     def needs_calibration(self, config: Config) -> bool:
         """Whether ``apply`` needs calibration batches (default: no)."""
         return False
-
-    def changes_values(self, config: Config) -> bool:
-        """Whether ``apply`` rewrites weights (then `wb.apply` refuses ``inplace=True``: a failure later in the plan
-        could not put them back). Default: yes."""
-        return True
 
 
 _HANDLERS: dict[type, Handler | StageHandler] = {}

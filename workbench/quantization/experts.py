@@ -103,7 +103,9 @@ class ExpertMatrix:
         tensors = dict(tensors)
         smooth = tensors.pop(SMOOTH, None)
         n = next(iter(tensors.values())).shape[0]
-        flat = {key: t.reshape(n * self.rows, *t.shape[2:]) for key, t in tensors.items()}
+        # a tensor holding one value per expert (NVFP4's global scale, (n, 1)) is repeated for each of its rows
+        flat = {key: t.reshape(n, 1, *t.shape[1:]).expand(n, self.rows, *t.shape[1:]).reshape(n * self.rows, -1)
+                if key in fmt.shared else t.reshape(n * self.rows, *t.shape[2:]) for key, t in tensors.items()}
         w = fm.decode(flat, fmt, self.K, dtype).reshape(n, self.rows, self.K)     # (n, rows, K)
         if smooth is not None:
             w = (w.float() / smooth.float().unsqueeze(1)).to(dtype)

@@ -329,7 +329,8 @@ class NVFP4Format(_BlockFP4):
                 "global_scale": torch.empty(1, dtype=torch.float32, device=device)}
 
     def block_scales(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
-        return t["scale"].float() / t["global_scale"].float()
+        # (the global scale is (1,) for a layer, one per row where rows of several tensors are stacked: experts)
+        return t["scale"].float() / t["global_scale"].float().reshape(-1, 1)
 
 
 @register_format

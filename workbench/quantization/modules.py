@@ -399,6 +399,28 @@ class _PackedWeight(nn.Module):
         self._weight_names = tuple(expected)
         self.note = fm.short_group_note(fmt, K)   # None, or how a short last group was handled (for reports)
 
+    def _apply(self, fn, recurse=True):
+        # moves take the format's tensors along, but a dtype conversion (model.half(), .to(torch.bfloat16)) does not
+        # change them: the codes, scales (fp16, float8, E8M0) and NVFP4's fp32 global scale are the format's, and
+        # converted they would decode to other values (an fp16 global scale overflows: the layer would read zeros)
+        names = self.__dict__.get("_weight_names", ())
+        packed = {k: self._buffers[k] for k in names if self._buffers.get(k) is not None}
+        order = list(self._buffers)
+        for k in packed:
+            del self._buffers[k]
+        try:
+            out = super()._apply(fn, recurse)
+        except BaseException:
+            self._buffers.update(packed)
+            raise
+        for k, t in packed.items():
+            moved = fn(t)
+            packed[k] = moved if moved.dtype == t.dtype else t.to(moved.device)
+        rebuilt = {k: packed[k] if k in packed else self._buffers[k] for k in order}
+        self._buffers.clear()
+        self._buffers.update(rebuilt)
+        return out
+
     def _tensors(self) -> dict[str, torch.Tensor]:
         names = self.__dict__.get("_weight_names", ("qweight", "scale", "zero"))   # the format's tensors
         return {name: buf for name, buf in self.named_buffers(recurse=False) if name in names}

@@ -236,6 +236,10 @@ def prepare(model: nn.Module, plan: Plan, learnable_scales: bool = False, kernel
             raise RuntimeError(f"qat.prepare: kernel='triton' needs a CUDA GPU (or TRITON_INTERPRET=1); the model "
                                f"is on {device}")
     plan = plan if isinstance(plan, Plan) else Plan(plan)
+    if plan.stages:   # (wb.load would run them on the base of a model trained without them)
+        raise ValueError(f"qat.prepare takes per-layer entries; this plan has model-level stages "
+                         f"({', '.join(repr(s) for s in plan.stages)}): apply them first (wb.apply with a plan of "
+                         f"only the stages) and prepare the result")
     target = copy.deepcopy(model)
     canonicalize_for(target, plan)   # Conv1D / MultiheadAttention the plan reaches, as wb.apply and wb.load do
     replacements = {}

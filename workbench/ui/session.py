@@ -238,6 +238,9 @@ class Session:
             plan = Plan.from_json(plan)
         elif not isinstance(plan, Plan):
             plan = Plan(plan)
+        if plan.stages:
+            raise ValueError(f"the session edits per-layer techniques; this plan also has model-level stages "
+                             f"({', '.join(repr(s) for s in plan.stages)}), which it cannot apply - use wb.apply")
         new = {}
         for a in plan.resolve(self._view):
             if a.name not in self._modules:
@@ -329,7 +332,7 @@ class Session:
         inside = {n for n in self.layer_names if any(n.startswith(w + ".") for w in canonical)}
         restored = [w for w in canonical if w in self._canonical_in_work]   # back to the original module
         changed = [n for n in self.layer_names if (n in set(self.changed) or (n in inside and n in self.assigned))
-                   and not any(n.startswith(w + ".") for w in restored)]
+                   and not any(n == w or n.startswith(w + ".") for w in restored)]
         restore_canonical = swap_layers(self.work, canonical)
         before = dict(self._concrete)
         canonical_before = set(self._canonical_in_work)
@@ -346,8 +349,9 @@ class Session:
             todo = [Assignment(n, type(self._modules[n]).__name__, n, self.assigned[n]) for n in rebuild
                     if n in self.assigned]
             order = {a.name: i for i, a in enumerate(todo)}
+            calibrated = [n for n, c in self.assigned.items() if handler_for(c).needs_calibration(c)]
             built = build(self.work, todo, data.batches if data is not None else [], self.pipeline, recorded=data,
-                          groups=tie_groups(self._view), progress=False, swapped=swapped,
+                          groups=tie_groups(self._view), progress=False, swapped=swapped, calibrated=calibrated,
                           step=lambda name: report(f"applying {name}", 0.1 + 0.6 * order[name] / max(1, len(todo))))
             if built.fallback and not self._warned:
                 self._warned = True

@@ -247,3 +247,18 @@ def test_a_conv1d_left_again_is_the_models_own_module():
     entry = s.apply_and_measure()
     assert type(s.work.transformer.h[0].mlp.c_fc) is transformers.pytorch_utils.Conv1D
     assert entry.quality == pytest.approx(0.0, abs=1e-9)
+
+
+def test_new_calibration_samples_mark_the_calibrated_layers_changed(session, digits_mlp, digits_task):
+    gptq = wb.quant.WeightOnly(bits=2, group_size=16, method="gptq")
+    session.set("fc2", gptq)
+    session.set("fc1", INT8)
+    session.apply_and_measure()
+    assert session.changed == []
+    session.calibration = 16
+    assert session.changed == ["fc2"]   # calibrated on 32 samples so far; fc1 needs no calibration
+    session.apply_and_measure()
+    reference = wb.apply(digits_mlp, session.plan, calibration=digits_task.calibration(16), progress=False)
+    x = digits_task.example_inputs(8)[0]
+    with torch.inference_mode():
+        assert torch.equal(session.work(x), reference(x))

@@ -260,13 +260,16 @@ class Session:
     # --- applying and measuring ------------------------------------------------------------------
     @property
     def calibration(self) -> int:
-        """Calibration samples for configs that need them; changing it drops the recorded layer inputs."""
+        """Calibration samples for configs that need them; changing it drops the recorded layer inputs and marks the
+        calibrated layers applied so far as changed (the next apply calibrates them on the new samples)."""
         return self._calibration
 
     @calibration.setter
     def calibration(self, n: int) -> None:
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"calibration must be a positive number of samples, got {n!r}")
+        if getattr(self, "_calibration", n) != n:
+            self.applied = {k: c for k, c in self.applied.items() if not handler_for(c).needs_calibration(c)}
         self._calibration = n
         self._recorded = None
 

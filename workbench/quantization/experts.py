@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workbench.quantization import formats as fm
-from workbench.quantization.modules import DecodedWeight
+from workbench.quantization.modules import DecodedWeight, apply_keeping_dtypes
 
 # (and, from the modules beside this one, reachable here: calibrated_experts, expert_inputs, coverage,
 # MIN_EXPERT_TOKENS, W8A8Experts, w8a8_experts - see `__getattr__` at the end)
@@ -423,20 +423,8 @@ class WeightOnlyExperts(nn.Module):
         super()._load_from_state_dict(*args, **kwargs)
 
     def _apply(self, fn, recurse=True):
-        self.__dict__.pop("_cpu_packed", None)
-        # moves take the stored tensors along, but a dtype conversion (model.half(), .to(torch.bfloat16)) changes
-        # only what they decode to: the codes and fp16 scales are the format's and stay as they are
-        packed = {f"{m.name}_{key}": self.get_buffer(f"{m.name}_{key}") for m in self.matrices for key in self.keys}
-        for k in packed:
-            del self._buffers[k]
-        try:
-            out = super()._apply(fn, recurse)
-        except BaseException:
-            self._buffers.update(packed)
-            raise
-        for k, t in packed.items():
-            moved = fn(t)
-            self._buffers[k] = moved if moved.dtype == t.dtype else t.to(moved.device)
+        names = [f"{m.name}_{key}" for m in self.matrices for key in self.keys]
+        out = apply_keeping_dtypes(self, names, fn, lambda: super(WeightOnlyExperts, self)._apply(fn, recurse))
         self.weight_dtype = fn(torch.empty(0, dtype=self.weight_dtype)).dtype
         return out
 

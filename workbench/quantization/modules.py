@@ -378,6 +378,30 @@ def _w8a8_cpu():
     return w8a8_cpu
 
 
+def apply_keeping_dtypes(module: nn.Module, names, fn, apply):
+    """``module._apply`` for a module holding a format's stored tensors (buffers ``names``): moves take them along,
+    but a dtype conversion (model.half(), .to(torch.bfloat16)) does not change them - the codes and scales (fp16,
+    float8, E8M0, NVFP4's fp32 tensor scale) are the format's, and converted they would decode to other values (an
+    fp16 tensor scale overflows: the layer would read zeros). ``apply()`` runs nn.Module's own ``_apply``."""
+    module.__dict__.pop("_cpu_packed", None)
+    packed = {k: module._buffers[k] for k in names if module._buffers.get(k) is not None}
+    order = list(module._buffers)
+    for k in packed:
+        del module._buffers[k]
+    try:
+        out = apply()
+    except BaseException:
+        module._buffers.update(packed)
+        raise
+    for k, t in packed.items():
+        moved = fn(t)
+        packed[k] = moved if moved.dtype == t.dtype else t.to(moved.device)
+    rebuilt = {k: packed[k] if k in packed else module._buffers[k] for k in order}
+    module._buffers.clear()
+    module._buffers.update(rebuilt)
+    return out
+
+
 class _PackedWeight(nn.Module):
     """Holds a format's tensors as buffers (saved by state_dict, counted by size_bytes)."""
 
@@ -400,26 +424,8 @@ class _PackedWeight(nn.Module):
         self.note = fm.short_group_note(fmt, K)   # None, or how a short last group was handled (for reports)
 
     def _apply(self, fn, recurse=True):
-        # moves take the format's tensors along, but a dtype conversion (model.half(), .to(torch.bfloat16)) does not
-        # change them: the codes, scales (fp16, float8, E8M0) and NVFP4's fp32 global scale are the format's, and
-        # converted they would decode to other values (an fp16 global scale overflows: the layer would read zeros)
-        names = self.__dict__.get("_weight_names", ())
-        packed = {k: self._buffers[k] for k in names if self._buffers.get(k) is not None}
-        order = list(self._buffers)
-        for k in packed:
-            del self._buffers[k]
-        try:
-            out = super()._apply(fn, recurse)
-        except BaseException:
-            self._buffers.update(packed)
-            raise
-        for k, t in packed.items():
-            moved = fn(t)
-            packed[k] = moved if moved.dtype == t.dtype else t.to(moved.device)
-        rebuilt = {k: packed[k] if k in packed else self._buffers[k] for k in order}
-        self._buffers.clear()
-        self._buffers.update(rebuilt)
-        return out
+        return apply_keeping_dtypes(self, self.__dict__.get("_weight_names", ()), fn,
+                                    lambda: super(_PackedWeight, self)._apply(fn, recurse))
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         names = self.__dict__.get("_weight_names", ("qweight", "scale", "zero"))   # the format's tensors

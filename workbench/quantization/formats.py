@@ -29,6 +29,7 @@ this is the same as a padded last group without storing the padding. `short_grou
 from __future__ import annotations
 
 import abc
+import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -250,6 +251,12 @@ class FP8Format(WeightFormat):
         return (t["qweight"].float() * t["scale"]).to(dtype)
 
 
+@functools.cache
+def _e2m1_table(device: torch.device) -> torch.Tensor:
+    """The 16 E2M1 values on ``device``, made once per device (the Triton path reads it at every call)."""
+    return e2m1_values().to(device)
+
+
 class _BlockFP4(WeightFormat):
     """E2M1 codes, two per byte (`packing.pack`), with one scale per block of ``group_size`` values; the CPU kernel
     reads them as a 16-value table times an fp32 scale per block (NF4's path)."""
@@ -274,7 +281,7 @@ class _BlockFP4(WeightFormat):
 
     def triton_tensors(self, t: dict[str, torch.Tensor]) -> tuple:
         scale = self.block_scales(t)
-        return scale, None, e2m1_values().to(scale.device)
+        return scale, None, _e2m1_table(scale.device)
 
     def cpu_layout(self, t: dict[str, torch.Tensor], K: int) -> dict:
         return {"qweight": t["qweight"].contiguous(), "scale": self.block_scales(t).contiguous(), "zero": None,

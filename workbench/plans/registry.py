@@ -24,7 +24,6 @@ __all__ = [
     "Handler",
     "StageHandler",
     "stage_handler_for",
-    "is_stage",
     "registered_stages",
     "Accumulator",
     "register_config",
@@ -201,11 +200,6 @@ def stage_handler_for(config: Config) -> StageHandler:
         raise TypeError(f"{type(config).__name__} is a per-layer technique, not a model-level stage: give it to a "
                         f"plan's entries (a pattern -> config), not to stages")
     return handler
-
-
-def is_stage(config: Config) -> bool:
-    """Whether ``config`` is a registered model-level stage."""
-    return isinstance(_registered(config), StageHandler)
 
 
 def registered_kinds() -> list[str]:

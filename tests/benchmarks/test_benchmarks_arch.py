@@ -1,4 +1,5 @@
-"""Smoke tests for the architecture benchmarks (recurrent int8, BatchNorm folding): tiny settings, so none rots."""
+"""Smoke tests for the architecture benchmarks (recurrent int8, BatchNorm folding, rotations): tiny settings, so none
+rots."""
 
 
 def test_bench_recurrent_smoke():
@@ -26,3 +27,15 @@ def test_bench_experts_smoke():
     assert list(df.path) == ["fp32", "int4 reference", "int4 cpu kernel", "w8a8 dynamic cpu kernel"]
     kernel = df[df.path == "int4 cpu kernel"].iloc[0]
     assert kernel.max_abs_diff_to_reference < 1e-4 and (df.median_ms > 0).all()
+
+
+def test_bench_rotation_smoke():
+    from workbench.benchmarks.rotation import bench_rotation, markdown
+
+    ppl, kurt = bench_rotation("tiny-llama", calibration=8, quick=True, schemes=["fp32", "KV4 per token"])
+    assert list(ppl.rotation) == ["none", "Rotate()", "Rotate(online=True)"] * 2
+    fp32 = ppl[ppl.scheme == "fp32"]
+    assert abs(fp32.ratio.iloc[1:] - 1).max() < 1e-4   # the rotation alone keeps the function
+    assert kurt.loc[2, "mlp.down_proj"] < kurt.loc[0, "mlp.down_proj"] / 4
+    text = markdown(ppl, kurt)
+    assert "| KV4 per token | " in text and "input kurtosis" in text

@@ -140,6 +140,18 @@ def test_quantized_tiny_llama_is_the_workbench_model(tmp_path, tiny_llama, confi
     _check_quantized(small, folder)
 
 
+def test_rotated_tiny_llama_ships_to_llama_cpp(tmp_path, tiny_llama):
+    """A QuaRot-style rotated model (`wb.quant.Rotate()`: norms folded, the head untied, the residual stream and the
+    heads' values rotated in the weights) is an ordinary Llama to llama.cpp: in fp32 it computes tiny-llama's logits,
+    and quantized to Q4_0 after the rotation it is the workbench model."""
+    with pytest.warns(UserWarning, match="untied"):
+        rotated = wb.apply(tiny_llama, wb.Plan({}, stages=[wb.quant.Rotate()]), progress=False)
+    tokens = _tokens()
+    _check_float(tiny_llama, wb.export(rotated, tmp_path / "f32", format="gguf"), tokens)
+    small = wb.apply(rotated, {"model.layers.*": Q4}, progress=False)
+    _check_quantized(small, wb.export(small, tmp_path / "q4", format="gguf"), tokens)
+
+
 def test_tokenizer_metadata_gives_the_same_ids(tmp_path, tiny_llama):
     """llama.cpp's tokenizer, built from the file's tokenizer.ggml.* fields alone, splits text as tokenizer.json
     does."""

@@ -108,3 +108,38 @@ def test_the_attention_is_restored_after_an_error_and_non_hf_models_are_refused(
     with pytest.raises(TypeError, match="KVCacheFormat"):
         with kvcache.quantized_kv_cache(model, "int8"):
             pass
+
+
+def test_fewer_bits_use_the_same_grid_with_fewer_levels_and_count_fewer_bytes():
+    x = torch.tensor([0.5, 1.5, 2.5, -7.5, 7.0, 0.0, 3.49, -0.5]).reshape(1, 1, 1, 8)   # max|x| 7.5: scale 1 at 4 bits
+    q, scale = kvcache.quantize(x, KVCacheFormat(torch.int8, "token", bits=4))
+    assert scale.item() == 1.0
+    assert q.flatten().tolist() == [0, 2, 2, -8, 7, 0, 3, 0]        # round half to even, codes in [-8, 7]
+    q3, scale3 = kvcache.quantize(x, KVCacheFormat(torch.int8, "token", bits=3))
+    assert scale3.item() == pytest.approx(7.5 / 3.5) and int(q3.min()) == -4 and int(q3.max()) <= 3
+    cfg = _config()
+    int4 = KVCacheFormat(torch.int8, "token", bits=4)
+    assert kvcache.bytes_per_position(cfg, int4) == 2 * 2 * 2 * 8 / 2 + 2 * 2 * 2 * 4   # half a byte a value
+    assert KVCacheFormat(bits=4, rotate=True).label == "int4 per token, rotated"
+    for bad in (dict(bits=1), dict(bits=9), dict(dtype=torch.float8_e4m3fn, bits=4)):
+        with pytest.raises(ValueError, match="bits"):
+            KVCacheFormat(**bad)
+
+
+def test_rotated_keys_and_values_give_the_same_attention_before_rounding(monkeypatch):
+    """With the rounding replaced by the identity, the rotated cache computes exactly the attention it had (queries
+    and keys turned alike, values turned back at the output); with 3-bit rounding it is a different model (the
+    rotation really acts)."""
+    model = _llama()
+    ids = torch.randint(1, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        ref = model(ids).logits
+        with kvcache.quantized_kv_cache(model, KVCacheFormat(bits=3, rotate=True)):
+            turned3 = model(ids).logits
+        with kvcache.quantized_kv_cache(model, KVCacheFormat(bits=3)):
+            plain3 = model(ids).logits
+        monkeypatch.setattr(kvcache, "fake_quantize", lambda x, fmt: x)
+        with kvcache.quantized_kv_cache(model, KVCacheFormat(bits=3, rotate=True)):
+            turned = model(ids).logits
+    torch.testing.assert_close(turned, ref, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(turned3, plain3, atol=1e-4)

@@ -88,6 +88,9 @@ def integer_weight_problem(m: nn.Module) -> str | None:
     from workbench.quantization.formats import IntFormat
 
     fmt = m.fmt
+    if getattr(m, "act_bits", None) is not None:
+        return (f"rounds its input to {m.act_bits} bits per token (W{fmt.bits}A{m.act_bits}), which the format's "
+                f"weight-only layers do not do")
     if not isinstance(fmt, IntFormat):
         return f"stores {type(fmt).__name__} weights ({fmt}), not integer codes"
     if fmt.float_zero:
@@ -153,6 +156,14 @@ def export(model: nn.Module, path: str | os.PathLike, format: str | ExportFormat
     itself for its report.
     """
     fmt = _format(format)
+    from workbench.plans.layers import input_transforms
+
+    online = input_transforms(model)
+    if online:
+        names = ", ".join(f"{n} ({', '.join(map(repr, h))})" for n, h in online.items())
+        raise ValueError(f"wb.export: {names} transform their input at run time (an online rotation, "
+                         f"wb.quant.Rotate(online=True)), which no exported format runs; rotate with online=False "
+                         f"to export")
     if not isinstance(requantize, bool):
         from workbench.tasks.base import Task
 

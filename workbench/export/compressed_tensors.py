@@ -14,9 +14,18 @@ scales and fp32 W8A8 scales exactly).
 | `WeightOnlyLinear`, `IntFormat` 2-8 bits, per channel or group, symmetric | ``weights`` int, ``symmetric: true``, strategy channel / group | ``pack-quantized`` | ``weight_packed`` int32 (N, K*bits/32), ``weight_scale`` (N, G), ``weight_shape`` |
 | the same, asymmetric (integer zero point) | ``symmetric: false`` | ``pack-quantized`` | + ``weight_zero_point`` int32, packed along N |
 | `WeightOnlyLinear`, `FP8Format` e4m3 (``wb.quant.FP8()``: fp32 scale per row) | ``weights`` float 8 bits, strategy channel | ``naive-quantized`` | ``weight`` float8_e4m3fn (N, K), ``weight_scale`` (N, 1) |
+| `WeightOnlyLinear`, `NVFP4Format` (``wb.quant.NVFP4()``) | ``weights`` float 4 bits, strategy tensor_group, group 16, e4m3 scales (NVFP4A16) | ``nvfp4-pack-quantized`` | ``weight_packed`` uint8 (N, K/2), ``weight_scale`` float8_e4m3fn (N, K/16), ``weight_global_scale`` (1,) |
+| `WeightOnlyLinear`, `MXFP8Format` (``wb.quant.MXFP8()``) | ``weights`` float 8 bits, strategy group, group 32, uint8 E8M0 scales (MXFP8A16) | ``mxfp8-quantized`` | ``weight`` float8_e4m3fn (N, K), ``weight_scale`` uint8 (N, K/32) |
+| `WeightOnlyLinear`, `MXFP4Format` (``wb.quant.MXFP4()``) | ``weights`` float 4 bits, strategy group, group 32, uint8 E8M0 scales (MXFP4A16) | ``mxfp4-pack-quantized`` | ``weight_packed`` uint8 (N, K/2), ``weight_scale`` uint8 (N, K/32) |
 | `W8A8Linear`, dynamic | int8 channel weights + ``input_activations`` int8 per token, dynamic | ``int-quantized`` | ``weight`` int8 (N, K), ``weight_scale`` (N, 1) |
 | `W8A8Linear`, static | + ``input_activations`` int8 per tensor, static | ``int-quantized`` | + ``input_scale`` (1,) |
 | any layer the plan left in floating point | listed in ``ignore`` | - | ``weight`` (and ``bias``) as they are |
+
+The 4-bit floating-point layers are written as stored: E2M1 codes two per byte (the first value of a pair in the low
+nibble, as both pack them), the e4m3 or E8M0 block scales and NVFP4's tensor scale (``weight_global_scale``: the
+scale a value is divided by, ``e2m1 * weight_scale / weight_global_scale``, as in the workbench). compressed-tensors
+decompresses them in bf16: MXFP4 weights exactly (an E2M1 value times a power of two), NVFP4's within bf16's rounding of
+``weight_scale / weight_global_scale`` (within 2^-8 relative; measured 3.3e-3 at most).
 
 Codes map one to one: the workbench stores unsigned codes ``u`` (a symmetric format with the implicit zero point
 ``2^(bits-1)``), compressed-tensors signed ones ``q = u - 2^(bits-1)`` (its zero points shifted the same way), and
@@ -49,7 +58,7 @@ from torch import nn
 from workbench.export import ExportFormat, integer_weight_problem, register_export_format
 from workbench.plans import applied_plans
 from workbench.quantization import packing
-from workbench.quantization.formats import FP8Format
+from workbench.quantization.formats import FP8Format, MXFP4Format, MXFP8Format, NVFP4Format
 from workbench.quantization.modules import W8A8Linear, WeightOnlyLinear
 
 __all__ = ["CompressedTensors", "Activations", "Scheme", "LAYER_ENCODERS", "BASE_FILES"]
@@ -59,7 +68,8 @@ BASE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.jso
               "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json", "vocab.txt", "merges.txt",
               "chat_template.jinja", "chat_template.json", "preprocessor_config.json", "processor_config.json")
 ALLOWED = ("integer weight-only nn.Linear (2-8 bits, per channel or whole groups, symmetric or with an integer zero "
-           "point: pack-quantized), W8A8 int8 nn.Linear (int8 per-channel weights, dynamic per-token or static "
+           "point: pack-quantized), NVFP4, MXFP4 and MXFP8 weight-only nn.Linear (whole blocks), W8A8 int8 nn.Linear (int8 "
+           "per-channel weights, dynamic per-token or static "
            "per-tensor activations: int-quantized) and floating-point layers")
 
 
@@ -79,11 +89,15 @@ class Scheme:
     group_size: int | None        # None: per output channel
     symmetric: bool
     activations: Activations = Activations.NONE
-    kind: str = "int"             # the weights' QuantizationType: "int" codes, or "float" (FP8 e4m3 values)
+    kind: str = "int"             # "int" codes, "float" (FP8 e4m3 values), "nvfp4" / "mxfp4" (E2M1), "mxfp8" (e4m3)
 
     @property
     def format(self) -> str:
         """The compressed-tensors `CompressionFormat` value its layers are stored in."""
+        if self.kind in ("nvfp4", "mxfp4"):
+            return f"{self.kind}-pack-quantized"
+        if self.kind == "mxfp8":
+            return "mxfp8-quantized"
         if self.kind == "float":
             return "naive-quantized"   # float8 weights as they are (the float-quantized alias wants activations)
         return "pack-quantized" if self.activations is Activations.NONE else "int-quantized"
@@ -92,9 +106,15 @@ class Scheme:
         """The `compressed_tensors.QuantizationScheme` of this group."""
         from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
-        weights = QuantizationArgs(num_bits=self.bits, type=self.kind, symmetric=self.symmetric, dynamic=False,
-                                   strategy="channel" if self.group_size is None else "group",
-                                   group_size=self.group_size)
+        if self.kind in ("nvfp4", "mxfp4", "mxfp8"):   # compressed-tensors' NVFP4A16 / MXFP4A16 / MXFP8A16 presets
+            scale_dtype = torch.float8_e4m3fn if self.kind == "nvfp4" else torch.uint8
+            weights = QuantizationArgs(num_bits=self.bits, type="float", symmetric=True, dynamic=False,
+                                       strategy="tensor_group" if self.kind == "nvfp4" else "group",
+                                       group_size=self.group_size, scale_dtype=scale_dtype, zp_dtype=scale_dtype)
+        else:
+            weights = QuantizationArgs(num_bits=self.bits, type=self.kind, symmetric=self.symmetric, dynamic=False,
+                                       strategy="channel" if self.group_size is None else "group",
+                                       group_size=self.group_size)
         inputs = None
         if self.activations is not Activations.NONE:
             per_token = self.activations is Activations.DYNAMIC_PER_TOKEN
@@ -128,6 +148,8 @@ def _weight_only(name: str, m: WeightOnlyLinear) -> tuple[Scheme, dict[str, torc
 
     if isinstance(m.fmt, FP8Format):
         return _fp8_weight_only(name, m)
+    if isinstance(m.fmt, (NVFP4Format, MXFP4Format, MXFP8Format)):
+        return _block_float_weight_only(name, m)
     why = integer_weight_problem(m)
     if why:
         raise _refuse(name, why)
@@ -166,6 +188,26 @@ def _fp8_weight_only(name: str, m: WeightOnlyLinear) -> tuple[Scheme, dict[str, 
                           "stores a column permutation")
     return Scheme(8, None, True, kind="float"), {"weight": m.qweight.detach().cpu().contiguous(),       # (N, K)
                                                 "weight_scale": m.scale.detach().cpu().float().contiguous()}   # (N, 1)
+
+
+def _block_float_weight_only(name: str, m: WeightOnlyLinear) -> tuple[Scheme, dict[str, torch.Tensor]]:
+    """NVFP4 / MXFP4: the packed E2M1 codes and the block (and tensor) scales as stored; MXFP8: the e4m3 values and
+    their E8M0 block scales."""
+    for leaf, what in (("smooth", "divides its inputs by an AWQ smoothing vector"),
+                       ("perm", "stores a column permutation")):
+        if leaf in m._buffers:
+            raise _refuse(name, what)
+    if getattr(m, "act_bits", None) is not None:
+        raise _refuse(name, f"rounds its input to {m.act_bits} bits per token")
+    kind, g, K = m.fmt.name, m.fmt.group_size, m.in_features
+    if K % g:
+        raise _refuse(name, f"has a short last block ({kind} blocks of {g} do not divide the input size {K})")
+    values = "weight" if kind == "mxfp8" else "weight_packed"
+    tensors = {values: m.qweight.detach().cpu().contiguous(),          # (N, K / 2) uint8, or (N, K) float8 e4m3
+               "weight_scale": m.scale.detach().cpu().contiguous()}    # (N, K / g) e4m3 / E8M0
+    if kind == "nvfp4":
+        tensors["weight_global_scale"] = m.global_scale.detach().cpu().float().reshape(1)
+    return Scheme(8 if kind == "mxfp8" else 4, g, True, kind=kind), tensors
 
 
 @_encodes(W8A8Linear)

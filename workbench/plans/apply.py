@@ -60,7 +60,8 @@ def applied_report(model: nn.Module):
     """What the last `apply` did, one row per layer its plan matched: layer, type, pattern, config, status
     ("compressed" / "passed over"), the concrete config recorded, the handler's note or the reason a layer
     was passed over, and ``calibration``: where a calibrated layer's inputs came from ("sequential" or
-    "original"; "" for a layer without calibration) (a DataFrame; empty for a model `apply` did not produce)."""
+    "original"; "" for a layer without calibration); first a row per model-level stage (status "stage", layer "",
+    the stage's note: what it did) (a DataFrame; empty for a model `apply` did not produce)."""
     import pandas as pd
 
     return pd.DataFrame(getattr(model, REPORT_ATTR, []),
@@ -147,14 +148,17 @@ def apply(model: nn.Module, plan: Plan | Mapping[str, Config | None], calibratio
         if estimate:
             _estimate(model, plan, assignments, batches, inplace, pipeline)
     target = model if inplace else copy.deepcopy(model)
+    stage_rows = []
     if stages:   # the model-level stages, in order, on the copy; then the layers as they left them
         for stage, handler in stages:
             try:
-                handler.apply(target, stage, batches)
+                note = handler.apply(target, stage, batches)
             except (KeyboardInterrupt, ValueError, TypeError):
                 raise
             except Exception as e:
                 raise RuntimeError(f"wb.apply: the plan's stage {stage!r} failed: {type(e).__name__}: {e}") from e
+            stage_rows.append({"layer": "", "type": type(model).__name__, "pattern": "", "config": repr(stage),
+                               "status": "stage", "recorded": repr(stage), "note": note or "", "calibration": ""})
         assignments, passed = plan.survey(target)
         _check_calibration(assignments, batches)
         if estimate:
@@ -198,7 +202,7 @@ def apply(model: nn.Module, plan: Plan | Mapping[str, Config | None], calibratio
     recorded = _recorded(plan, assignments, resolved, kept) if resolved or kept else plan
     record_plan(target, (*applied_plans(model), recorded))
     calibrated = {a.name for a in needing}
-    rows = [{"layer": a.name, "type": a.module_type, "pattern": a.pattern, "config": repr(a.config),
+    rows = stage_rows + [{"layer": a.name, "type": a.module_type, "pattern": a.pattern, "config": repr(a.config),
              "status": "compressed", "recorded": repr(done[a.name].concrete),
              "note": "; ".join(x for x in (done[a.name].note, built.fallback if a.name in calibrated else "") if x),
              "calibration": built.calibration if a.name in calibrated else ""}

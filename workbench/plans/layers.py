@@ -7,7 +7,8 @@
 - `skeleton_layer`: the same structure without values or calibration (what `wb.load` fills).
 - `tie_groups` / `share_tied`: layers that share a weight (GPT-2's ``lm_head`` and ``wte``) are compressed
   into one stored copy, so a compressed model never grows.
-- `swap_layers`: put modules in place and return what they replaced (for an all-or-nothing rollback).
+- `swap_layers`: put modules in place and return what they replaced (for an all-or-nothing rollback); an
+  `InputTransform` hook on a replaced layer (part of the model's function, e.g. an online rotation) moves with it.
 - `record_plan` / `applied_plans`: what was applied, which is what `wb.save` writes.
 
 `wb.apply`, `wb.load` (through `build_skeleton`), the workbench's `Session`, `wb.sensitivity`, QAT's
@@ -27,7 +28,8 @@ from workbench.plans.registry import Config, handler_for
 
 __all__ = ["ApplyError", "Transformed", "transform_layer", "skeleton_layer", "capture_inputs", "swap_layers",
            "tie_groups", "share_tied", "record_plan", "applied_plans", "PLANS_ATTR", "Batch", "default_configs",
-           "compressible_layers", "canonical_targets", "canonicalize_for", "canonical_view", "empty_copy"]
+           "compressible_layers", "canonical_targets", "canonicalize_for", "canonical_view", "empty_copy",
+           "InputTransform", "input_transforms"]
 
 PLANS_ATTR = "_workbench_plans"
 
@@ -137,6 +139,34 @@ def empty_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
+class InputTransform:
+    """A forward pre-hook that is part of the model's function: it changes a layer's input before the layer computes
+    (e.g. `workbench.quantization.rotation`'s online Hadamard before ``down_proj``, whose weight holds the inverse).
+    Register an instance with ``layer.register_forward_pre_hook``; `swap_layers` carries it onto whatever replaces the
+    layer (a quantized module computes on the transformed input, and calibration records it), and `wb.export`
+    refuses a model holding one (no exported format runs it). Subclasses implement ``__call__(module, args)``."""
+
+    def __call__(self, module: nn.Module, args: tuple):   # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+def input_transforms(model: nn.Module) -> dict[str, list[InputTransform]]:
+    """``{layer name: its InputTransform hooks}`` for every layer of ``model`` holding one."""
+    found = {}
+    for name, m in model.named_modules():
+        hooks = [h for h in m._forward_pre_hooks.values() if isinstance(h, InputTransform)]
+        if hooks:
+            found[name] = hooks
+    return found
+
+
+def _carry_transforms(old: nn.Module, new: nn.Module) -> None:
+    present = list(new._forward_pre_hooks.values())
+    for h in old._forward_pre_hooks.values():
+        if isinstance(h, InputTransform) and not any(h is p for p in present):
+            new.register_forward_pre_hook(h)
+
+
 def swap_layers(model: nn.Module, replacements: Mapping[str, nn.Module]) -> dict[str, nn.Module]:
     """Put each replacement in place; returns the modules replaced (swap them back to undo).
 
@@ -153,6 +183,7 @@ def swap_layers(model: nn.Module, replacements: Mapping[str, nn.Module]) -> dict
             previous[name] = old
             for alias in aliases.get(id(old), [name]) or [name]:
                 done.append((alias, model.get_submodule(alias)))
+                _carry_transforms(old, new)
                 model.set_submodule(alias, new)
     except BaseException:
         for alias, old in reversed(done):

@@ -135,9 +135,10 @@ class StageHandler(abc.ABC):
     the plan could not put the stage's changes back), inside the same transaction."""
 
     @abc.abstractmethod
-    def apply(self, model: nn.Module, config: Config, calibration: Sequence) -> None:
+    def apply(self, model: nn.Module, config: Config, calibration: Sequence) -> str | None:
         """Transform ``model`` in place (it is `wb.apply`'s copy); ``calibration``: the normalized calibration
-        batches (empty when none were given; a stage that needs them says so in ``needs_calibration``)."""
+        batches (empty when none were given; a stage that needs them says so in ``needs_calibration``). May return
+        a note - what it did, in words - that `wb.applied_report` shows in the stage's row."""
 
     @abc.abstractmethod
     def skeleton(self, model: nn.Module, config: Config) -> None:

@@ -17,6 +17,7 @@ __all__ = ["describe"]
 
 _UNITS = {"bits": "bits", "group_size": "group", "sparsity": "sparse"}
 _NONE = {"group_size": "per channel"}   # what None means for a field, where it has one meaning everywhere
+_UNSAID = {"act_bits"}   # optional fields whose None is the plain case (activations as they come): said only when set
 
 
 def optional_of(hint: Any) -> tuple[Any, bool]:
@@ -50,12 +51,14 @@ def describe(config: Config | None) -> str:
         default = f.default if f.default is not dataclasses.MISSING else dataclasses.MISSING
         identifying = i == 0 or kind is int or kind is torch.dtype or (
             isinstance(kind, type) and issubclass(kind, enum.Enum))
-        if not identifying and value == default:
+        if (not identifying or f.name in _UNSAID) and value == default:
             continue
         if value is None:
             parts.append(_NONE.get(f.name, f"no {f.name.replace('_', ' ')}"))
         elif f.name == "sparsity":
             parts.append(f"{value:.0%} sparse")
+        elif f.name == "act_bits":
+            parts.append(f"activations {value} bits")
         elif f.name in _UNITS and not isinstance(value, bool):
             unit = _UNITS[f.name]
             parts.append(f"{in_words(value)} {unit}" if f.name != "group_size" else f"{unit} {in_words(value)}")

@@ -16,8 +16,9 @@ from workbench.quantization.modules import (
            WeightOnlyEmbedding,
            WeightOnlyLinear,
 )
+from workbench.quantization.rotation import Rotate
 
 __all__ = ["primitives", "integer", "packing", "observers", "formats", "WeightOnly", "NF4", "FP8", "MXFP4", "MXFP8",
-           "NVFP4", "Dynamic", "Static",
+           "NVFP4", "Dynamic", "Static", "Rotate",
            "Method", "WeightOnlyLinear", "WeightOnlyExperts", "WeightOnlyEmbedding", "WeightOnlyConv2d", "W8A8Linear",
            "W8A8Conv2d"]

@@ -117,6 +117,10 @@ class _FormatHandler(Handler):
         """Whether the stored weight has permuted input columns (GPTQ act-order with dynamic groups)."""
         return False
 
+    def _act_bits(self, config) -> int | None:
+        """The bits a Linear's input is rounded to per token (None: as it comes)."""
+        return None
+
     def from_trained(self, name, layer, config, weight_scale=None, input_padding=None):
         """The stored module for a QAT-trained float ``layer``: round to nearest on the trained weights, or, with
         learned ``weight_scale`` (LSQ), those scales (rounded to fp16, as every stored scale is)."""
@@ -136,7 +140,8 @@ class _FormatHandler(Handler):
                 getattr(new, key).copy_(t)
             return new
         if isinstance(layer, nn.Linear):
-            return WeightOnlyLinear.from_float(layer, fmt, name, tensors=tensors, kernel=self._kernel(config))
+            return WeightOnlyLinear.from_float(layer, fmt, name, tensors=tensors, kernel=self._kernel(config),
+                                               act_bits=self._act_bits(config))
         return weight_only_conv(conv_args(layer, input_padding)["op"]).from_float(
             layer, fmt, name, tensors=tensors, input_padding=input_padding)
 
@@ -157,7 +162,7 @@ class _FormatHandler(Handler):
         tensors, smooth = self._linear_tensors(name, module, config, fmt, inputs)
         perm = tensors.pop("perm", None) if tensors is not None else None
         return WeightOnlyLinear.from_float(module, fmt, name, tensors=tensors, smooth=smooth,
-                                           kernel=self._kernel(config), perm=perm)
+                                           kernel=self._kernel(config), perm=perm, act_bits=self._act_bits(config))
 
     def skeleton(self, name: str, module: nn.Module, config):
         if experts.takes_experts(module):
@@ -177,7 +182,7 @@ class _FormatHandler(Handler):
         return WeightOnlyLinear(module.in_features, module.out_features, fmt, module.bias is not None,
                                 device=module.weight.device, bias_dtype=module.weight.dtype,
                                 smooth=self._smooth(config), kernel=self._kernel(config),
-                                perm=self._permuted(config))
+                                perm=self._permuted(config), act_bits=self._act_bits(config))
 
 
 class _NF4Handler(_FormatHandler):
@@ -193,6 +198,8 @@ class _WeightOnlyHandler(_FormatHandler):
     kernel choice (the fast paths are matmuls: nn.Linear only)."""
 
     def supports(self, module: nn.Module, config) -> bool:
+        if config.act_bits is not None:   # the input rounded per token: a Linear's input
+            return selectable(module, (nn.Linear,))
         if self._experts(module, config):
             return True
         if config.method is not Method.RTN or config.kernel in ("cpu", "triton"):
@@ -207,6 +214,10 @@ class _WeightOnlyHandler(_FormatHandler):
             config.method in (Method.RTN, Method.AWQ) or (config.method is Method.GPTQ and not config.act_order))
 
     def why_not(self, module: nn.Module, config) -> str | None:
+        if config.act_bits is not None and not selectable(module, (nn.Linear,)):
+            return (lookalike_reason(module, (nn.Linear,)) or
+                    f"act_bits={config.act_bits} rounds the input of nn.Linear layers per token; "
+                    f"{type(module).__name__} is not one")
         if experts.takes_experts(module):   # (supports said no: a method or kernel only nn.Linear has)
             return (f"fused mixture-of-experts weights are stored round to nearest, GPTQ (without act_order) or AWQ on "
                     f"the reference path (method={config.method.value!r}, act_order={config.act_order}, "
@@ -282,6 +293,9 @@ class _WeightOnlyHandler(_FormatHandler):
         return (config.method is Method.GPTQ and config.act_order and not config.static_groups
                 and config.group_size is not None)
 
+    def _act_bits(self, config) -> int | None:
+        return config.act_bits
+
 
 class _DefaultGroupSize(int):
     """The default of ``WeightOnly.group_size``: 64 values per group, or per channel (None) for 8-bit weights.
@@ -297,7 +311,10 @@ class WeightOnly(Config):
     """Integer weight-only quantization: ``bits`` in {2, 3, 4, 8}; ``group_size`` along the input dimension
     (None: per output channel; default 64, and per channel for 8 bits); symmetric or asymmetric (with a zero
     point); ``method`` one of
-    rtn, gptq, awq, hqq (the last three for nn.Linear; hqq needs ``symmetric=False``)."""
+    rtn, gptq, awq, hqq (the last three for nn.Linear; hqq needs ``symmetric=False``). ``act_bits``: also round each
+    Linear's input per token to that many bits, symmetric (W4A8: ``act_bits=8``, W4A4: ``act_bits=4``): the
+    numbers an integer WxAy kernel multiplies, computed here on the weight-only paths with the rounded input (no
+    integer kernel for them yet; nn.Linear layers only, not exported)."""
 
     bits: int = 4
     group_size: int | None = _DEFAULT_GROUP   # 64, or None (per channel) for bits=8
@@ -309,6 +326,7 @@ class WeightOnly(Config):
     #                               does, of the activation order (False: the layer stores a column permutation)
     kernel: str = field(default="auto", metadata={"choices": KERNELS})  # Linear matmul: "auto" (the device's
     #                  fastest path), "reference", "cpu", "cpu-int8" (int8-rounded activations), "triton"
+    act_bits: int | None = None   # the input rounded per token to act_bits (W4A8, W4A4), or as it comes
 
     def __post_init__(self):
         if isinstance(self.method, str) and not isinstance(self.method, Method):
@@ -332,6 +350,12 @@ class WeightOnly(Config):
                              f"symmetric={self.symmetric} has only 'reference' and 'cpu'")
         if not 0 < self.damp < 1:
             raise ValueError(f"WeightOnly.damp must be in (0, 1), got {self.damp!r}")
+        if self.act_bits is not None:
+            if not isinstance(self.act_bits, int) or isinstance(self.act_bits, bool) or not 2 <= self.act_bits <= 8:
+                raise ValueError(f"WeightOnly.act_bits must be None or an int from 2 to 8, got {self.act_bits!r}")
+            if self.kernel == "cpu-int8":
+                raise ValueError("WeightOnly(kernel='cpu-int8') rounds the input to int8 per 32 values; act_bits "
+                                 "rounds it per token: use one or the other")
 
     def format(self) -> fm.IntFormat:
         return fm.IntFormat(self.bits, self.group_size, self.symmetric, float_zero=self.method is Method.HQQ)

@@ -10,7 +10,14 @@ per token. A `KVCacheFormat` says how a key or value tensor ``(B, kv_heads, T, h
   fixed channels (KIVI, Liu et al. 2024).
 
 int8 is symmetric with the package's grid (`primitives.choose_qparams`: scale = max|x| / 127.5, codes clamped to
-[-128, 127]); fp8 e4m3 maps max|x| to 448 (`primitives.float8_quantize`). Scales are fp32 (4 bytes each).
+[-128, 127]); ``bits`` below 8 keeps the int8 container with the same grid of fewer levels (``bits=4``: scale
+max|x| / 7.5, codes in [-8, 7]; a real cache would pack them, and `bytes_per_position` counts ``bits / 8`` bytes a
+value); fp8 e4m3 maps max|x| to 448 (`primitives.float8_quantize`). Scales are fp32 (4 bytes each).
+``rotate=True`` (QuaRot's online rotation of keys and values): queries and keys are multiplied by one orthogonal
+matrix per head (the normalized Hadamard matrix of head_dim where one is constructed,
+`workbench.quantization.rotation.OnlineHadamard`) before keys are quantized, which leaves every score q . k as it
+was, and values are rotated before they are quantized and the attention output rotated back: the same attention,
+with the keys' outlier channels spread over the head.
 
 - `quantize` / `dequantize` / `fake_quantize`: one tensor;
 - `bytes_per_position` / `cache_bytes`: what the cache of a Hugging Face config costs;
@@ -23,6 +30,7 @@ int8 is symmetric with the package's grid (`primitives.choose_qparams`: scale = 
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -45,17 +53,22 @@ class KVCacheFormat:
 
     dtype: torch.dtype = torch.int8
     per: str = "token"
+    bits: int = 8          # int8 only: codes of fewer bits on the same grid (4: [-8, 7])
+    rotate: bool = False   # keys and values rotated per head before they are quantized (see the module docstring)
 
     def __post_init__(self):
         if self.dtype not in KV_DTYPES:
             raise ValueError(f"KVCacheFormat.dtype must be one of {KV_DTYPES}, got {self.dtype!r}")
         if self.per not in SCALE_AXES:
             raise ValueError(f"KVCacheFormat.per must be one of {sorted(SCALE_AXES)}, got {self.per!r}")
+        if not isinstance(self.bits, int) or not 2 <= self.bits <= 8 or (self.dtype != torch.int8 and self.bits != 8):
+            raise ValueError(f"KVCacheFormat.bits must be an int from 2 to 8 (below 8 with dtype int8 only), got "
+                             f"{self.bits!r} with {self.dtype}")
 
     @property
     def label(self) -> str:
-        kind = "int8" if self.dtype == torch.int8 else str(self.dtype).replace("torch.float8_", "fp8 ")
-        return f"{kind} per {self.per}"
+        kind = f"int{self.bits}" if self.dtype == torch.int8 else str(self.dtype).replace("torch.float8_", "fp8 ")
+        return f"{kind} per {self.per}" + (", rotated" if self.rotate else "")
 
 
 def _check(x: torch.Tensor) -> None:
@@ -70,8 +83,9 @@ def quantize(x: torch.Tensor, fmt: KVCacheFormat) -> tuple[torch.Tensor, torch.T
     xf = x.float()
     amax = xf.abs().amax(dim=SCALE_AXES[fmt.per], keepdim=True)                 # e.g. (B, H, T, 1) per token
     if fmt.dtype == torch.int8:
-        scale = torch.clamp(amax / 127.5, min=EPS)
-        return torch.clamp(torch.round(xf / scale), -128, 127).to(torch.int8), scale
+        half = float(1 << (fmt.bits - 1))
+        scale = torch.clamp(amax / (half - 0.5), min=EPS)
+        return torch.clamp(torch.round(xf / scale), -half, half - 1).to(torch.int8), scale
     fmax = torch.finfo(fmt.dtype).max
     scale = torch.clamp(amax / fmax, min=EPS)
     return torch.clamp(xf / scale, -fmax, fmax).to(fmt.dtype), scale
@@ -87,6 +101,13 @@ def fake_quantize(x: torch.Tensor, fmt: KVCacheFormat) -> torch.Tensor:
     return dequantize(q, scale, x.dtype)
 
 
+@functools.lru_cache(maxsize=8)
+def _turn(head_dim: int):
+    from workbench.quantization.rotation import OnlineHadamard
+
+    return OnlineHadamard(head_dim)
+
+
 def _shape(config) -> tuple[int, int, int]:
     """(layers, kv_heads, head_dim) of a Hugging Face decoder config."""
     layers = config.num_hidden_layers
@@ -97,15 +118,15 @@ def _shape(config) -> tuple[int, int, int]:
 
 
 def bytes_per_position(config, fmt: KVCacheFormat | None = None, float_bytes: int = 2) -> float:
-    """Bytes the cache grows by per token of context, batch 1, all layers, keys and values: codes (1 byte with
-    ``fmt``, else ``float_bytes``) plus, per token, its fp32 scales (``per="token"`` only; the other scales do not
-    grow with the context, see `cache_bytes`)."""
+    """Bytes the cache grows by per token of context, batch 1, all layers, keys and values: codes (``fmt.bits / 8``
+    bytes with ``fmt``, else ``float_bytes``) plus, per token, its fp32 scales (``per="token"`` only; the other
+    scales do not grow with the context, see `cache_bytes`)."""
     layers, kv_heads, head_dim = _shape(config)
     values = 2 * layers * kv_heads * head_dim
     if fmt is None:
         return float(values * float_bytes)
     scales = 2 * layers * kv_heads * 4 if fmt.per == "token" else 0
-    return float(values + scales)
+    return float(values * fmt.bits / 8 + scales)
 
 
 def cache_bytes(config, context: int, fmt: KVCacheFormat | None = None, float_bytes: int = 2) -> float:
@@ -141,9 +162,15 @@ def quantized_kv_cache(model: nn.Module, fmt: KVCacheFormat) -> Iterator[nn.Modu
                          f"{previous!r} is not one; call model.set_attn_implementation('sdpa') first")
 
     def attend(module, query, key, value, attention_mask, **kwargs):
-        return inner(module, query, fake_quantize(key, fmt), fake_quantize(value, fmt), attention_mask, **kwargs)
+        if not fmt.rotate:
+            return inner(module, query, fake_quantize(key, fmt), fake_quantize(value, fmt), attention_mask, **kwargs)
+        turn = _turn(key.shape[-1])
+        query, key, value = turn.rotate(query), turn.rotate(key), turn.rotate(value)
+        out, *rest = inner(module, query, fake_quantize(key, fmt), fake_quantize(value, fmt), attention_mask, **kwargs)
+        return (turn.rotate(out, transpose=True), *rest)   # (B, T, heads, head_dim): the values' rotation undone
 
-    name = f"workbench_kv_{str(fmt.dtype).replace('torch.', '')}_{fmt.per}_{previous}"
+    name = (f"workbench_kv_{str(fmt.dtype).replace('torch.', '')}{fmt.bits}_{fmt.per}{'_rot' * fmt.rotate}_"
+            f"{previous}")
     ALL_ATTENTION_FUNCTIONS.register(name, attend)
     model.set_attn_implementation(name)
     try:

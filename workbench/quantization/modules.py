@@ -38,6 +38,7 @@ from torch import nn
 
 from workbench.quantization import formats as fm
 from workbench.quantization.primitives import (
+    EPS,
     PerToken,
     choose_qparams,
     quantize,
@@ -50,7 +51,7 @@ __all__ = ["conv_args", "WeightOnlyLinear", "WeightOnlyEmbedding", "WeightOnlyCo
            "WeightOnlyConvTranspose2d", "W8A8Linear", "W8A8Conv1d", "W8A8Conv2d", "W8A8ConvTranspose2d",
            "weight_only_conv", "w8a8_conv", "DecodedWeight", "ConvOp", "InputPadding", "layer_type",
            "input_padding_of", "selectable", "lookalike_reason", "FORWARD_BYPASSED", "LAYER_TYPES", "CONV_TYPES", "KERNELS", "PATHS", "KernelPath",
-           "choose_kernel"]
+           "choose_kernel", "round_per_token"]
 
 
 # --- drop-in weights ----------------------------------------------------------------------------------------
@@ -453,9 +454,10 @@ class WeightOnlyLinear(_FollowsDevice, _PackedWeight):
 
     def __init__(self, in_features: int, out_features: int, fmt: fm.WeightFormat, bias: bool = True,
                  tensors: dict[str, torch.Tensor] | None = None, device=None, bias_dtype=torch.float32,
-                 smooth: bool = False, kernel: str = "auto", perm: bool = False):
+                 smooth: bool = False, kernel: str = "auto", perm: bool = False, act_bits: int | None = None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        self.act_bits = act_bits   # (None, or the input rounded per token to act_bits first: W4A8, W4A4)
         self.weight_shape, self.weight_dtype = (out_features, in_features), bias_dtype
         self._init_weight(out_features, in_features, fmt, tensors, device)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=bias_dtype, device=device)) if bias else None
@@ -474,6 +476,9 @@ class WeightOnlyLinear(_FollowsDevice, _PackedWeight):
         whole_groups = self.K % fm.groups(self.fmt, self.K)[0] == 0   # the Triton kernels need whole groups
         supported = ("reference",) + (("cpu",) if weight_only_cpu.supports(self.fmt) else ()) + (
             ("triton",) if self.fmt.triton_kind and whole_groups else ())
+        if kernel == "cpu-int8" and self.act_bits is not None:
+            raise ValueError(f"WeightOnlyLinear({self.fmt}): kernel='cpu-int8' rounds the input to int8 per 32 values, "
+                             f"act_bits={self.act_bits} per token: one rounding of the activations or the other")
         if kernel == "cpu-int8":
             from workbench_kernels import act_int8_cpu
 
@@ -527,22 +532,25 @@ class WeightOnlyLinear(_FollowsDevice, _PackedWeight):
     def from_float(cls, linear: nn.Linear, fmt: fm.WeightFormat, name: str = "linear",
                    tensors: dict[str, torch.Tensor] | None = None,
                    smooth: torch.Tensor | None = None, kernel: str = "auto",
-                   perm: torch.Tensor | None = None) -> "WeightOnlyLinear":
+                   perm: torch.Tensor | None = None, act_bits: int | None = None) -> "WeightOnlyLinear":
         """Round-to-nearest unless ``tensors`` (from GPTQ, AWQ, HQQ) are given. ``smooth``: per-input-channel
         factors already multiplied into the weight that ``tensors`` encode; ``perm``: the input-column order
-        ``tensors`` encode (GPTQ act-order)."""
+        ``tensors`` encode (GPTQ act-order); ``act_bits``: the input is rounded per token to that many bits first
+        (`round_per_token`)."""
         w = linear.weight.detach()
         fm.check_finite(name, w)
         tensors = fm.encode(w, fmt) if tensors is None else tensors
         new = cls(linear.in_features, linear.out_features, fmt, linear.bias is not None, tensors,
-                  bias_dtype=w.dtype, smooth=smooth is not None, device=w.device, perm=perm is not None)
+                  bias_dtype=w.dtype, smooth=smooth is not None, device=w.device, perm=perm is not None,
+                  act_bits=act_bits)
         return _fill(new, linear, smooth=smooth, perm=perm).set_kernel(kernel)
 
     @property
     def rounds_activations(self) -> bool:
-        """Whether the layer rounds its input (to int8 per 32 values: ``kernel="cpu-int8"``); a model-wide
-        attribute of the modules that do (`workbench.measurement.decode` widens its compiled-vs-eager check)."""
-        return self.kernel is KernelPath.CPU_INT8
+        """Whether the layer rounds its input (to int8 per 32 values: ``kernel="cpu-int8"``; per token to
+        ``act_bits``); a model-wide attribute of the modules that do (`workbench.measurement.decode` widens its
+        compiled-vs-eager check)."""
+        return self.kernel is KernelPath.CPU_INT8 or self.act_bits is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., in)
         # (module attributes are read from nn.Module's own dicts: on small layers the per-call Python cost is a
@@ -550,6 +558,9 @@ class WeightOnlyLinear(_FollowsDevice, _PackedWeight):
         smooth, perm = self._buffers.get("smooth"), self._buffers.get("perm")
         if smooth is not None:
             x = x / smooth.to(x.dtype)
+        act_bits = self.act_bits
+        if act_bits is not None:   # the activations a WxAy integer kernel multiplies (computed here in floats)
+            x = round_per_token(x, act_bits)
         if perm is not None:   # every path below computes with the stored (permuted) K order
             x = x.index_select(-1, perm)
         bias = self._parameters.get("bias")
@@ -610,8 +621,20 @@ class WeightOnlyLinear(_FollowsDevice, _PackedWeight):
         return w.to(self.weight_dtype)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, "
+        acts = "" if self.act_bits is None else f", act_bits={self.act_bits} per token"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}{acts}, "
                 f"kernel={self.kernel}{self._note_repr()}")
+
+
+def round_per_token(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """``x`` rounded per row (the last dimension) to a symmetric ``bits``-bit grid, in ``x``'s dtype: the package's
+    grid (`primitives.choose_qparams`: scale max|x| / ((2^bits - 1) / 2), codes in [-2^(bits-1), 2^(bits-1) - 1]),
+    computed in fp32; for 8 bits the numbers `quantize_per_token` gives. A row holding NaN or Inf gives NaN."""
+    xf = x.float()
+    half = float(1 << (bits - 1))
+    scale = (xf.abs().amax(-1, keepdim=True) / (half - 0.5)).clamp_(min=EPS)
+    scale = torch.where(torch.isfinite(scale), scale, float("nan"))
+    return (torch.round(xf * (1.0 / scale)).clamp_(-half, half - 1) * scale).to(x.dtype)   # (quantize_per_token's steps)
 
 
 class WeightOnlyEmbedding(_PackedWeight):

@@ -88,6 +88,12 @@ class CausalLM(Task):
         """Perplexity and its 95 % half-width from the spread of the windows' mean losses."""
         from workbench.measurement.sampling import perplexity_halfwidth
 
+        losses = self.window_losses(model, quick, batch_size)
+        return {"perplexity": math.exp(float(losses.mean()))}, {"perplexity": perplexity_halfwidth(losses)}
+
+    def window_losses(self, model: nn.Module, quick: bool = False, batch_size: int = 8) -> np.ndarray:
+        """Each evaluation window's mean next-token loss (nats; the perplexity is exp of their mean): two models'
+        arrays pair window by window, so their difference has a far smaller error than either perplexity."""
         check_model(model)
         n = min(self.eval_windows, self.quick_windows) if quick else self.eval_windows
         starts = np.arange(n) * self.block_size
@@ -102,8 +108,7 @@ class CausalLM(Task):
                                      f"vocabulary of {logits.shape[-1]}")
                 loss = F.cross_entropy(logits.transpose(1, 2), y.to(device), reduction="none")  # (B, T)
                 losses.append(loss.double().mean(1).cpu().numpy())
-        losses = np.concatenate(losses)
-        return {"perplexity": math.exp(float(losses.mean()))}, {"perplexity": perplexity_halfwidth(losses)}
+        return np.concatenate(losses)
 
     def _logits(self, out: Any, shape: tuple[int, int]) -> torch.Tensor:
         logits = I.output_tensor(out, f"task {self.name!r}", prefer=("logits",))

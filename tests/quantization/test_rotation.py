@@ -116,13 +116,41 @@ def _refusal(model, match):
 
 
 def test_what_the_rotation_cannot_hold_is_refused_naming_the_layer():
-    from tests import gallery, moe_models
+    from tests import gallery
 
     _refusal(gallery.gpt2()[0], "no single list of decoder layers")   # GPT-2: LayerNorm, Conv1D, `h` blocks
     _refusal(gallery.gemma2()[0], r"model\.layers\.0\.pre_feedforward_layernorm")   # norms around the branches
-    _refusal(moe_models.mixtral(), r"model\.layers\.0\.mlp is a mixture of experts")
     _refusal(gallery.phi3()[0], r"model\.layers\.0\.self_attn\.q_proj")   # fused qkv_proj
     _refusal(gallery.bert()[0], "causal LM")
+
+
+@pytest.mark.parametrize("online", [False, True], ids=["fused", "online"])
+@pytest.mark.parametrize("kind", ["mixtral", "gpt_oss", "qwen2_moe"])
+def test_mixtures_of_experts_rotate_their_router_experts_and_shared_expert(kind, online, tmp_path):
+    """transformers 5's fused experts in both orientations (Mixtral's (E, 2I, H) used as F.linear, GPT-OSS's
+    transposed ones with biases and attention sinks) and Qwen2-MoE's shared expert with its gate: the same function,
+    the experts really turned, then quantized; the online rotation has no dense down_proj to act on and says so."""
+    from tests import moe_models
+
+    model = _randomised(moe_models.MODELS[kind]())
+    x = moe_models.TOKENS
+    rotated = wb.apply(model, wb.Plan({}, stages=[wb.quant.Rotate(online=online)]), progress=False)
+    with torch.no_grad():
+        torch.testing.assert_close(rotated(x).logits, model(x).logits, rtol=1e-4, atol=1e-4)
+    experts = rotated.model.layers[1].mlp.experts
+    assert not torch.allclose(experts.down_proj, model.model.layers[1].mlp.experts.down_proj, atol=1e-3)
+    note = wb.applied_report(rotated).set_index("status").loc["stage", "note"]
+    assert ("no online rotation: every MLP is a mixture of experts" in note) == online
+    assert not input_transforms(rotated)
+    plan = wb.Plan({"model.layers.*": wb.quant.WeightOnly(bits=8, group_size=None)},
+                   stages=[wb.quant.Rotate(online=online)])
+    small = wb.apply(model, plan, progress=False)
+    with torch.no_grad():
+        y = small(x).logits
+        torch.testing.assert_close(y, model(x).logits, rtol=0.05, atol=0.05)
+    wb.save(small, tmp_path / "moe.safetensors")
+    with torch.no_grad():
+        assert torch.equal(wb.load(tmp_path / "moe.safetensors", base=model)(x).logits, y)
 
 
 def test_a_norm_that_is_not_rmsnorm_is_refused():

@@ -3,18 +3,19 @@
 outlier channels, so they quantize with less error.
 
 `Rotate` is a model-level stage (``wb.Plan(entries, stages=[wb.quant.Rotate()])``) for Llama-family decoders (Llama,
-Mistral, Qwen2 / Qwen3 and their look-alikes: pre-norm RMSNorm blocks with ``self_attn.{q,k,v,o}_proj`` and
-``mlp.{gate,up,down}_proj``). It
+Mistral, Qwen2 / Qwen3, Gemma and their look-alikes: pre-norm RMSNorm blocks with ``self_attn.{q,k,v,o}_proj`` and an
+MLP of ``gate / up / down_proj`` nn.Linears or a mixture of experts - transformers 5's fused experts in either
+orientation with their router, and a shared expert with its gate, as Mixtral, GPT-OSS, Qwen2/3-MoE have). It
 
 1. folds every RMSNorm's scale into the Linears that read it (``input_layernorm`` into q / k / v,
    ``post_attention_layernorm`` into gate / up, the final norm into the head) and leaves the norms with unit scale
    (the head is untied from the embedding first: the embedding takes the rotation, the head the final norm too);
-2. rotates the residual stream by one orthogonal matrix Q (d x d): the embedding's rows ``E Q``, the Linears that
-   read the stream ``W Q``, the ones that write to it ``Q^T W`` (and their biases). RMSNorm without a scale commutes
-   with Q (it divides by the vector's norm, which Q keeps);
+2. rotates the residual stream by one orthogonal matrix Q (d x d): the embedding's rows ``E Q``, the Linears (and
+   routers, and experts) that read the stream ``W Q``, the ones that write to it ``Q^T W`` (and their biases).
+   RMSNorm without a scale commutes with Q (it divides by the vector's norm, which Q keeps);
 3. with ``heads=True``, rotates each head's values by one orthogonal H (head_dim x head_dim): ``v_proj``'s rows of
    every kv head ``H^T W``, ``o_proj``'s columns of every head ``W H``;
-4. with ``online=True``, rotates ``down_proj``'s input at run time by a Hadamard R of the MLP's width (an
+4. with ``online=True``, rotates a dense MLP's ``down_proj`` input at run time by a Hadamard R of its width (an
    `OnlineHadamard` hook, ``x R`` computed as two small products of its Kronecker factors) and its weight by
    ``W R``: the product the MLP feeds ``down_proj``, where LLMs' largest activation outliers sit, is spread before
    it is quantized. The hook moves with the layer when it is compressed; `wb.export` refuses such a model (no
@@ -205,9 +206,9 @@ class _Block:
     k: nn.Linear
     v: nn.Linear
     o: nn.Linear
-    gate: nn.Linear
-    up: nn.Linear
-    down: nn.Linear
+    readers: list[tuple[torch.Tensor, int]]   # the MLP's tensors reading the normed stream (and their hidden dim)
+    writers: list[tuple[torch.Tensor, int]]   # the MLP's tensors writing to the stream (and their hidden dim)
+    down: nn.Linear | None                    # a dense MLP's down_proj (the online rotation's layer)
 
 
 @dataclass
@@ -236,6 +237,64 @@ def _linear(model: nn.Module, parent: nn.Module, pname: str, attr: str) -> nn.Li
         raise _refuse(model, f"has no plain Linear at {pname}.{attr} ({what}): the rotation is fused into the Llama "
                              f"family's q / k / v / o and gate / up / down projections; rotate before compressing")
     return mod
+
+
+def _mlp_tensors(model: nn.Module, name: str, mlp: nn.Module, hidden: int):
+    """(readers, writers, the dense down_proj or None) of a decoder layer's MLP: a dense one (gate / up / down
+    nn.Linears) or a mixture of experts (transformers 5's fused experts - `experts.experts_layout`, either
+    orientation - with its router, and a shared expert of nn.Linears with its gate, as Qwen2-MoE has). Each entry is
+    a tensor and the dimension of it that runs along the hidden size. Anything else holding parameters is refused."""
+    from workbench.quantization.experts import experts_layout
+
+    readers: list[tuple[torch.Tensor, int]] = []
+    writers: list[tuple[torch.Tensor, int]] = []
+    dense_down = None
+    moe = False
+    for sub, mod in mlp.named_modules():
+        own = dict(mod.named_parameters(recurse=False))
+        if not own:
+            continue
+        where = f"{name}.{sub}" if sub else name
+        try:
+            layout = experts_layout(mod)
+        except ValueError as e:
+            raise _refuse(model, f"layer {where}: {e}") from None
+        if layout is not None:   # fused experts: (E, rows, K) used as F.linear, or transposed (E, K, rows)
+            moe = True
+            for m in layout:
+                p = own.pop(m.name)
+                if m.name == "down_proj":   # rows = hidden: the writer
+                    writers.append((p, 2 if m.transposed else 1))
+                    bias = own.pop("down_proj_bias", None)
+                    if bias is not None:
+                        writers.append((bias, 1))
+                else:                       # K = hidden: a reader
+                    readers.append((p, 1 if m.transposed else 2))
+                    own.pop(f"{m.name}_bias", None)   # (its outputs are not the stream)
+            if own:
+                raise _refuse(model, f"layer {where} holds {sorted(own)} beside its expert projections")
+        elif isinstance(mod, nn.Linear):
+            if sub.rpartition(".")[2] == "down_proj":
+                if mod.out_features != hidden:
+                    raise _refuse(model, f"layer {where} writes {mod.out_features} features, not the hidden size "
+                                         f"{hidden}")
+                writers += [(mod.weight, 0)] + ([(mod.bias, 0)] if mod.bias is not None else [])
+                dense_down = mod if not sub.count(".") else dense_down
+            else:
+                if mod.in_features != hidden:
+                    raise _refuse(model, f"layer {where} reads {mod.in_features} features, not the hidden size "
+                                         f"{hidden}")
+                readers.append((mod.weight, 1))
+        elif set(own) <= {"weight", "bias"} and own["weight"].dim() == 2 and own["weight"].shape[1] == hidden and \
+                ("bias" not in own or own["bias"].shape == own["weight"].shape[:1]):
+            readers.append((own["weight"], 1))   # a router: (experts, hidden) scores of the normed stream
+        else:
+            raise _refuse(model, f"layer {where} ({type(mod).__name__}) holds parameters the rotation does not know "
+                                 f"how to turn")
+    if not readers or not writers:
+        raise _refuse(model, f"layer {name} has no MLP reading and writing the residual stream (gate / up / down "
+                             f"projections)")
+    return readers, writers, None if moe else dense_down
 
 
 def _layout(model: nn.Module) -> _Layout:
@@ -275,14 +334,11 @@ def _layout(model: nn.Module) -> _Layout:
             raise _refuse(model, f"layer {name} holds {', '.join(extra)} beside its attention, MLP and two norms (e.g. "
                                  f"norms after the attention or the MLP): the residual stream cannot be rotated "
                                  f"through it")
-        if hasattr(mlp, "experts"):
-            raise _refuse(model, f"layer {name}.mlp is a mixture of experts: the rotation covers dense MLPs "
-                                 f"(gate / up / down) for now")
+        readers, writers, down = _mlp_tensors(model, f"{name}.mlp", mlp, hidden)
         b = _Block(name, layer.input_layernorm, layer.post_attention_layernorm,
                    *(_linear(model, attn, f"{name}.self_attn", a) for a in ("q_proj", "k_proj", "v_proj", "o_proj")),
-                   *(_linear(model, mlp, f"{name}.mlp", a) for a in ("gate_proj", "up_proj", "down_proj")))
-        for lin, side in ((b.q, "in"), (b.k, "in"), (b.v, "in"), (b.gate, "in"), (b.up, "in"),
-                          (b.o, "out"), (b.down, "out")):
+                   readers, writers, down)
+        for lin, side in ((b.q, "in"), (b.k, "in"), (b.v, "in"), (b.o, "out")):
             size = lin.in_features if side == "in" else lin.out_features
             if size != hidden:
                 raise _refuse(model, f"layer {names[id(lin)]} has {size} {side}put features, not the hidden size "
@@ -370,12 +426,15 @@ def rotate(model: nn.Module, config: "Rotate") -> list[str]:
             for b in lay.blocks:
                 g1, one1 = scales[id(b.norm1)]
                 g2, one2 = scales[id(b.norm2)]
-                for lin, g in ((b.q, g1), (b.k, g1), (b.v, g1), (b.gate, g2), (b.up, g2)):
-                    _set(lin.weight, (_w(lin) * g[None, :]) @ Q)
-                for lin in (b.o, b.down):
-                    _set(lin.weight, Q.T @ _w(lin))
-                    if lin.bias is not None:
-                        _set(lin.bias, Q.T @ lin.bias.detach().to("cpu", torch.float64))
+                for lin in (b.q, b.k, b.v):
+                    _set(lin.weight, (_w(lin) * g1[None, :]) @ Q)
+                _set(b.o.weight, Q.T @ _w(b.o))
+                if b.o.bias is not None:
+                    _set(b.o.bias, Q.T @ b.o.bias.detach().to("cpu", torch.float64))
+                for t, dim in b.readers:   # W diag(g) Q along the hidden dimension
+                    _turn(t, dim, Q, g2)
+                for t, dim in b.writers:   # Q^T W: each vector along the hidden dimension times Q
+                    _turn(t, dim, Q)
                 _set(b.norm1.weight, one1)
                 _set(b.norm2.weight, one2)
             g, one = scales[id(lay.norm)]
@@ -393,13 +452,19 @@ def rotate(model: nn.Module, config: "Rotate") -> list[str]:
                         _set(b.v.bias, (bv @ H).reshape(-1))
                     wo = _w(b.o).reshape(lay.hidden, lay.heads, hd)
                     _set(b.o.weight, torch.einsum("ohj,jk->ohk", wo, H).reshape(b.o.weight.shape))
-            if config.online:
+            dense = [b for b in lay.blocks if b.down is not None]
+            if config.online and dense:
                 hooks = _online_hooks(lay, config.seed)
-                notes.append(f"down_proj's input at run time: {', '.join(map(repr, set(hooks.values())))}")
-                for b in lay.blocks:
-                    hook = hooks[b.down.in_features]
-                    _set(b.down.weight, hook.rotate(_w(b.down)))
-                    b.down.register_forward_pre_hook(hook)
+                notes.append(f"down_proj's input at run time: {', '.join(map(repr, set(hooks.values())))}" +
+                             (f" (the {len(lay.blocks) - len(dense)} mixture-of-experts MLPs' down projections "
+                              f"only in their weights)" if len(dense) < len(lay.blocks) else ""))
+            elif config.online:
+                notes.append("no online rotation: every MLP is a mixture of experts (their down projections are "
+                             "rotated in their weights only)")
+            for b in dense if config.online else []:
+                hook = hooks[b.down.in_features]
+                _set(b.down.weight, hook.rotate(_w(b.down)))
+                b.down.register_forward_pre_hook(hook)
             after = _probe(model, lay.embed.num_embeddings, device)
     finally:
         model.train(was)
@@ -415,8 +480,16 @@ def rotate(model: nn.Module, config: "Rotate") -> list[str]:
 
 
 def _online_hooks(lay: _Layout, seed: int) -> dict[int, OnlineHadamard]:
-    """One hook per MLP width (shared by the layers of that width)."""
-    return {n: OnlineHadamard(n, seed) for n in sorted({b.down.in_features for b in lay.blocks})}
+    """One hook per dense MLP width (shared by the layers of that width)."""
+    return {n: OnlineHadamard(n, seed) for n in sorted({b.down.in_features for b in lay.blocks if b.down is not None})}
+
+
+def _turn(t: torch.Tensor, dim: int, Q: torch.Tensor, g: torch.Tensor | None = None) -> None:
+    """``t`` in place: every vector along ``dim`` (the hidden size) times diag(g) (when given), then Q."""
+    x = t.detach().to("cpu", torch.float64).movedim(dim, -1)
+    if g is not None:
+        x = x * g
+    _set(t, (x @ Q).movedim(-1, dim))
 
 
 def _untie_config(model: nn.Module) -> None:
@@ -443,7 +516,8 @@ class _RotateHandler(StageHandler):
         if config.online:   # type: ignore[attr-defined]
             hooks = _online_hooks(lay, config.seed)   # type: ignore[attr-defined]
             for b in lay.blocks:
-                b.down.register_forward_pre_hook(hooks[b.down.in_features])
+                if b.down is not None:
+                    b.down.register_forward_pre_hook(hooks[b.down.in_features])
 
 
 @register_config(_RotateHandler(), kind="quant.Rotate")

@@ -143,3 +143,57 @@ def test_rotated_keys_and_values_give_the_same_attention_before_rounding(monkeyp
             turned = model(ids).logits
     torch.testing.assert_close(turned, ref, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(turned3, plain3, atol=1e-4)
+
+
+def _generate(model, ids, **kw):
+    with torch.inference_mode():
+        return model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
+                              return_dict_in_generate=True, output_scores=True, **kw)
+
+
+@pytest.mark.parametrize("fmt", [KVCacheFormat(), KVCacheFormat(bits=4), KVCacheFormat(bits=3), KVCacheFormat(bits=2),
+                                 KVCacheFormat(torch.float8_e4m3fn)], ids=lambda f: f.label)
+def test_the_stored_cache_computes_what_the_fake_quantized_one_does_and_holds_its_bytes(fmt):
+    """Each token quantized once with its own scale and stored (packed below 8 bits) is what `quantized_kv_cache`
+    attends to: greedy generation gives the same tokens and the same scores, bit for bit; the cache holds exactly
+    `cache_bytes` of the tokens it saw."""
+    model = _llama()
+    ids = torch.randint(1, 64, (2, 9), generator=torch.Generator().manual_seed(4))
+    cache = kvcache.QuantizedKVCache(model, fmt)
+    stored = _generate(model, ids, past_key_values=cache)
+    with kvcache.quantized_kv_cache(model, fmt):
+        fake = _generate(model, ids)
+    assert torch.equal(stored.sequences, fake.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(stored.scores, fake.scores))
+    tokens = stored.sequences.shape[1] - 1   # (the last token is generated, never cached)
+    assert cache.nbytes() == 2 * kvcache.cache_bytes(model.config, tokens, fmt)   # batch 2
+    if fmt.bits < 8:
+        assert cache.layers[0]._quantized_keys[0].dtype == torch.uint8    # packed codes
+        assert cache.layers[0]._quantized_keys[0].shape[-1] == 8 * fmt.slot_bits // 8
+
+
+def test_the_stored_rotated_cache_turns_back_exactly_and_beams_reorder(monkeypatch):
+    model = _llama()
+    ids = torch.randint(1, 64, (1, 9), generator=torch.Generator().manual_seed(4))
+    plain = _generate(model, ids)
+    turned4 = _generate(model, ids, past_key_values=kvcache.QuantizedKVCache(model, KVCacheFormat(bits=2,
+                                                                                                   rotate=True)))
+    flat4 = _generate(model, ids, past_key_values=kvcache.QuantizedKVCache(model, KVCacheFormat(bits=2)))
+    assert not all(torch.equal(a, b) for a, b in zip(turned4.scores, flat4.scores))   # the rotation acts
+    beams = _generate(model, ids, num_beams=3, past_key_values=kvcache.QuantizedKVCache(model, KVCacheFormat()))
+    with kvcache.quantized_kv_cache(model, KVCacheFormat()):
+        assert torch.equal(beams.sequences, _generate(model, ids, num_beams=3).sequences)
+    # with the rounding taken out, the rotated storage gives back exactly the attention of the float model
+    monkeypatch.setattr(kvcache, "quantize", lambda x, fmt: (x.float(), torch.ones(*x.shape[:-1], 1)))
+    turned = _generate(model, ids, past_key_values=kvcache.QuantizedKVCache(model, KVCacheFormat(rotate=True)))
+    assert torch.equal(turned.sequences, plain.sequences)
+    torch.testing.assert_close(torch.stack(turned.scores), torch.stack(plain.scores), rtol=1e-5, atol=1e-5)
+
+
+def test_the_stored_cache_refuses_scales_that_would_change_and_other_models():
+    with pytest.raises(ValueError, match="per-token"):
+        kvcache.QuantizedKVCache(_llama(), KVCacheFormat(per="head"))
+    with pytest.raises(TypeError, match="transformers decoder"):
+        kvcache.QuantizedKVCache(nn.Linear(2, 2), KVCacheFormat())
+    with pytest.raises(TypeError, match="KVCacheFormat"):
+        kvcache.QuantizedKVCache(_llama(), "int8")

@@ -26,6 +26,13 @@ with the keys' outlier channels spread over the head.
   read back, so perplexity and generation measure the format's error. "head" and "channel" scales are recomputed
   over the positions attended so far (a real cache would calibrate them or grow them; the error is the same for
   a prefill).
+- `QuantizedKVCache(model, fmt)`: the real thing for ``per="token"`` - a transformers ``Cache`` whose layers
+  (`QuantizedKVLayer`, on transformers' ``BaseQuantizedLayer``) store each new token's keys and values as codes
+  (packed two per byte at 4 bits, four at 2; 3-bit codes in 4-bit slots) with its fp32 scales, and hand the
+  attention their dequantized history: ``model.generate(ids, past_key_values=QuantizedKVCache(model, fmt))``.
+  It computes what `quantized_kv_cache` computes (each token is quantized once, with its own scale), and
+  ``cache.nbytes()`` is what it holds (`cache_bytes` of the tokens so far). Per-head and per-channel scales would
+  change as tokens arrive (re-quantizing the history, as KIVI's residual window does): refused.
 """
 from __future__ import annotations
 
@@ -37,10 +44,11 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from workbench.quantization import packing
 from workbench.quantization.primitives import EPS, FLOAT8_DTYPES
 
 __all__ = ["KVCacheFormat", "SCALE_AXES", "quantize", "dequantize", "fake_quantize", "bytes_per_position",
-           "cache_bytes", "quantized_kv_cache"]
+           "cache_bytes", "quantized_kv_cache", "QuantizedKVCache"]   # (and QuantizedKVLayer, made on first use)
 
 # per -> the axes of (B, kv_heads, T, head_dim) that share one scale
 SCALE_AXES = {"token": (3,), "head": (2, 3), "channel": (2,)}
@@ -64,6 +72,11 @@ class KVCacheFormat:
         if not isinstance(self.bits, int) or not 2 <= self.bits <= 8 or (self.dtype != torch.int8 and self.bits != 8):
             raise ValueError(f"KVCacheFormat.bits must be an int from 2 to 8 (below 8 with dtype int8 only), got "
                              f"{self.bits!r} with {self.dtype}")
+
+    @property
+    def slot_bits(self) -> int:
+        """The bits a stored code takes: 2, 4 (3-bit codes too) or 8."""
+        return 2 if self.bits == 2 else 4 if self.bits <= 4 else 8
 
     @property
     def label(self) -> str:
@@ -118,15 +131,15 @@ def _shape(config) -> tuple[int, int, int]:
 
 
 def bytes_per_position(config, fmt: KVCacheFormat | None = None, float_bytes: int = 2) -> float:
-    """Bytes the cache grows by per token of context, batch 1, all layers, keys and values: codes (``fmt.bits / 8``
-    bytes with ``fmt``, else ``float_bytes``) plus, per token, its fp32 scales (``per="token"`` only; the other
-    scales do not grow with the context, see `cache_bytes`)."""
+    """Bytes the cache grows by per token of context, batch 1, all layers, keys and values: codes (``fmt.slot_bits /
+    8`` bytes with ``fmt``: 3-bit codes in 4-bit slots; else ``float_bytes``) plus, per token, its fp32 scales
+    (``per="token"`` only; the other scales do not grow with the context, see `cache_bytes`)."""
     layers, kv_heads, head_dim = _shape(config)
     values = 2 * layers * kv_heads * head_dim
     if fmt is None:
         return float(values * float_bytes)
     scales = 2 * layers * kv_heads * 4 if fmt.per == "token" else 0
-    return float(values * fmt.bits / 8 + scales)
+    return float(values * fmt.slot_bits / 8 + scales)
 
 
 def cache_bytes(config, context: int, fmt: KVCacheFormat | None = None, float_bytes: int = 2) -> float:
@@ -177,3 +190,105 @@ def quantized_kv_cache(model: nn.Module, fmt: KVCacheFormat) -> Iterator[nn.Modu
         yield model
     finally:
         model.set_attn_implementation(previous)
+
+
+class _Layer:
+    """Lazily: transformers' ``BaseQuantizedLayer`` (imported on first use, so this module imports without it)."""
+
+    cls = None
+
+    @classmethod
+    def get(cls):
+        if cls.cls is None:
+            from transformers.cache_utils import BaseQuantizedLayer
+
+            class QuantizedKVLayer(BaseQuantizedLayer):
+                """One attention layer's cache: every token's keys and values stored as codes of ``fmt`` with one fp32
+                scale per (batch, head, token) - appended as they come, never re-quantized - and read back dequantized
+                (turned back when ``fmt.rotate``)."""
+
+                def __init__(self, fmt: KVCacheFormat):
+                    super().__init__()
+                    self.fmt = fmt
+
+                def _quantize(self, tensor: torch.Tensor):
+                    fmt = self.fmt
+                    if fmt.rotate:
+                        tensor = _turn(tensor.shape[-1]).rotate(tensor)
+                    q, scale = quantize(tensor, fmt)
+                    if fmt.dtype == torch.int8 and fmt.slot_bits < 8:   # unsigned codes, packed along head_dim
+                        q = packing.pack((q.to(torch.int16) + (1 << (fmt.bits - 1))).to(torch.uint8), fmt.slot_bits)
+                    return q, scale
+
+                def _dequantize(self, q_tensor) -> torch.Tensor:
+                    q, scale = q_tensor
+                    fmt = self.fmt
+                    if fmt.dtype == torch.int8 and fmt.slot_bits < 8:
+                        q = packing.unpack(q, fmt.slot_bits, self.head_dim).to(torch.int16) - (1 << (fmt.bits - 1))
+                    x = dequantize(q, scale, self.dtype)
+                    return _turn(x.shape[-1]).rotate(x, transpose=True) if fmt.rotate else x
+
+                def lazy_initialization(self, key_states, value_states) -> None:
+                    super().lazy_initialization(key_states, value_states)
+                    self.head_dim = key_states.shape[-1]
+
+                def update(self, key_states, value_states, *args, **kwargs):
+                    self.cumulative_length += key_states.shape[-2]
+                    if not self.is_initialized:
+                        self.lazy_initialization(key_states, value_states)
+                        self._quantized_keys = self._quantize(key_states)
+                        self._quantized_values = self._quantize(value_states)
+                    else:
+                        new_k, new_v = self._quantize(key_states), self._quantize(value_states)
+                        self._quantized_keys = tuple(torch.cat([a, b], dim=-2)
+                                                     for a, b in zip(self._quantized_keys, new_k))
+                        self._quantized_values = tuple(torch.cat([a, b], dim=-2)
+                                                       for a, b in zip(self._quantized_values, new_v))
+                    return self._dequantize(self._quantized_keys), self._dequantize(self._quantized_values)
+
+                def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+                    if not self.is_initialized:
+                        return
+                    beam_idx = beam_idx.to(self.device)
+                    self._quantized_keys = tuple(t.index_select(0, beam_idx) for t in self._quantized_keys)
+                    self._quantized_values = tuple(t.index_select(0, beam_idx) for t in self._quantized_values)
+
+                def nbytes(self) -> int:
+                    """Bytes held: codes and scales of keys and values."""
+                    if not self.is_initialized:
+                        return 0
+                    return sum(t.numel() * t.element_size() for t in (*self._quantized_keys, *self._quantized_values))
+
+            cls.cls = QuantizedKVLayer
+        return cls.cls
+
+
+def QuantizedKVCache(model: nn.Module, fmt: KVCacheFormat):
+    """A transformers ``Cache`` for ``model`` (a decoder with only full-attention layers) whose every layer is a
+    `QuantizedKVLayer` of ``fmt`` (``per="token"``); ``cache.nbytes()`` sums what its layers hold. Pass it as
+    ``past_key_values`` to ``model.generate`` or to a forward."""
+    from transformers.cache_utils import Cache
+
+    if not isinstance(fmt, KVCacheFormat):
+        raise TypeError(f"fmt must be a KVCacheFormat, got {type(fmt).__name__}")
+    if fmt.per != "token":
+        raise ValueError(f"QuantizedKVCache stores {fmt.label}: only per-token scales can be appended as tokens arrive "
+                         f"(per-head and per-channel ones would re-quantize the history); use per='token', or "
+                         f"quantized_kv_cache to measure the others")
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "num_hidden_layers"):
+        raise TypeError(f"{type(model).__name__} is not a transformers decoder (no config.num_hidden_layers)")
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if kinds != {"full_attention"}:
+        raise ValueError(f"QuantizedKVCache holds full-attention layers; {type(model).__name__} has {sorted(kinds)}")
+    layer = _Layer.get()
+    cache = Cache(layers=[layer(fmt) for _ in range(config.num_hidden_layers)])
+    cache.nbytes = lambda: sum(lay.nbytes() for lay in cache.layers)   # type: ignore[attr-defined]
+    return cache
+
+
+def __getattr__(name: str):
+    if name == "QuantizedKVLayer":
+        return _Layer.get()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -21,7 +21,6 @@ group's real columns (the padding has zero inputs, and is masked out of HQQ's ob
 """
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import ClassVar, Sequence
 
@@ -32,6 +31,7 @@ from workbench.plans.lookalike import kept
 from workbench.plans.registry import Config, Handler, register_config
 from workbench.quantization import experts
 from workbench.quantization import formats as fm
+from workbench.quantization.methods import Method, method_for
 from workbench.quantization.modules import (
     CONV_TYPES,
     FORWARD_BYPASSED,
@@ -57,14 +57,6 @@ W8A8_KERNELS = tuple(k for k in KERNELS if k != "cpu-int8")
 STATIC_KERNELS = tuple(k for k in W8A8_KERNELS if k != "triton")
 
 
-class Method(str, enum.Enum):
-    RTN = "rtn"    # round to nearest (data-free)
-    GPTQ = "gptq"  # Hessian-aware error feedback (needs calibration; nn.Linear)
-    AWQ = "awq"    # activation-aware per-input-channel scaling (needs calibration; nn.Linear)
-    HQQ = "hqq"    # half-quadratic zero-point optimisation (data-free; nn.Linear; symmetric=False)
-
-
-_CALIBRATED = (Method.GPTQ, Method.AWQ)
 
 
 def _computation(name: str, module: nn.Module, technique: str, transforms: bool = False):
@@ -194,24 +186,25 @@ class _FP8Handler(_FormatHandler):
 
 
 class _WeightOnlyHandler(_FormatHandler):
-    """`WeightOnly`: integer formats with a method (GPTQ / AWQ calibrated, HQQ data-free; nn.Linear only) and a
-    kernel choice (the fast paths are matmuls: nn.Linear only)."""
+    """`WeightOnly`: integer formats with a method (`workbench.quantization.methods`: one class per method, e.g.
+    GPTQ / AWQ calibrated, HQQ data-free, nn.Linear only) and a kernel choice (the fast paths are matmuls: nn.Linear
+    only)."""
 
     def supports(self, module: nn.Module, config) -> bool:
         if config.act_bits is not None:   # the input rounded per token: a Linear's input
             return selectable(module, (nn.Linear,))
         if self._experts(module, config):
             return True
-        if config.method is not Method.RTN or config.kernel in ("cpu", "triton"):
+        if method_for(config).linear_only or config.kernel in ("cpu", "triton"):
             return selectable(module, (nn.Linear,))
         return super().supports(module, config)
 
     @staticmethod
     def _experts(module: nn.Module, config) -> bool:
-        """Fused experts this config takes: round to nearest, or GPTQ per expert (groups in column order), on the
-        reference path."""
-        return experts.takes_experts(module) and config.kernel in ("auto", "reference") and (
-            config.method in (Method.RTN, Method.AWQ) or (config.method is Method.GPTQ and not config.act_order))
+        """Fused experts this config takes: per expert with its method where the method takes them (e.g. GPTQ
+        without act-order: groups in column order), on the reference path."""
+        return experts.takes_experts(module) and config.kernel in ("auto", "reference") and \
+            method_for(config).takes_experts(config)
 
     def why_not(self, module: nn.Module, config) -> str | None:
         if config.act_bits is not None and not selectable(module, (nn.Linear,)):
@@ -225,33 +218,21 @@ class _WeightOnlyHandler(_FormatHandler):
         return super().why_not(module, config)
 
     def apply(self, name: str, module: nn.Module, config, inputs):
-        fmt = config.format()
-        if experts.takes_experts(module) and config.method is Method.GPTQ:
-            from workbench.quantization.gptq import gptq_quantize
-
-            return experts.calibrated_experts(
-                name, module, fmt, inputs,
-                lambda label, w, xs: gptq_quantize(w, xs, fmt, damp=config.damp, name=label), "GPTQ")
-        if experts.takes_experts(module) and config.method is Method.AWQ:
-            from workbench.quantization.awq import awq_search
-
-            def awq(label, w, xs):
-                tensors, factors, _ = awq_search(w, xs, fmt, name=label)
-                return {**tensors, experts.SMOOTH: factors.float()}
-            return experts.calibrated_experts(name, module, fmt, inputs, awq, "AWQ", smooth=True)
+        if experts.takes_experts(module):
+            made = method_for(config).experts(name, module, config, config.format(), inputs)
+            if made is not None:
+                return made
         return super().apply(name, module, config, inputs)
 
     def needs_calibration(self, config) -> bool:
-        return config.method in _CALIBRATED
+        return method_for(config).calibrated
 
     def accumulator(self, name: str, module: nn.Module, config):
-        """What GPTQ keeps of a layer's calibration inputs, fed batch by batch: the Hessian (AWQ searches
-        on the inputs themselves: None, keep them)."""
-        if config.method is Method.GPTQ and not experts.takes_experts(module):   # (experts: the calls, routed later)
-            from workbench.quantization.gptq import HessianAccumulator
-
-            return HessianAccumulator(module.weight[0].numel(), name)
-        return None
+        """What the method keeps of a layer's calibration inputs, fed batch by batch (GPTQ: the Hessian; AWQ
+        searches on the inputs themselves: None, keep them)."""
+        if experts.takes_experts(module):   # (experts: the calls, routed later)
+            return None
+        return method_for(config).accumulator(name, module, config)
 
     def calibration_cost(self, module: nn.Module, config, tokens: int) -> tuple[int, float]:
         """(peak working bytes, floating-point operations) of calibrating ``module`` on ``tokens`` inputs."""
@@ -259,39 +240,19 @@ class _WeightOnlyHandler(_FormatHandler):
             cubes = [p for p in module.parameters(recurse=False) if p.dim() == 3]
             N, K = max(p.shape[1] for p in cubes), max(p.shape[2] for p in cubes)
             return 2 * 4 * K * K + 5 * N * K, sum(2.0 * tokens * p[0].numel() for p in cubes) + 4.0 * K ** 3
-        N, K = module.weight.shape[0], module.weight[0].numel()
-        if config.method is Method.GPTQ:  # fp32 Hessian and its inverse factor, fp32 weight copy, codes
-            return 2 * 4 * K * K + 5 * N * K, 2.0 * tokens * K * K + 2.0 * K ** 3 + 2.0 * N * K * K
-        if config.method is Method.AWQ:   # inputs (tokens, K), reference and candidate outputs (tokens, N), 21+20 steps
-            return 4 * (2 * tokens * K + 2 * tokens * N + 3 * N * K), 2.0 * tokens * K * N * (1 + 21 + 20)
-        return 4 * 3 * N * K, 20.0 * N * K
+        return method_for(config).calibration_cost(module, config, tokens)
 
     def _linear_tensors(self, name: str, module: nn.Module, config, fmt: fm.WeightFormat, inputs):
-        if config.method is Method.GPTQ:
-            from workbench.quantization.gptq import gptq_quantize
-
-            return gptq_quantize(module.weight.detach(), inputs, fmt, damp=config.damp, act_order=config.act_order,
-                                 static_groups=config.static_groups, name=name), None
-        if config.method is Method.AWQ:
-            from workbench.quantization.awq import awq_search
-
-            tensors, smooth, _ = awq_search(module.weight.detach(), inputs, fmt, name=name)
-            return tensors, smooth
-        if config.method is Method.HQQ:
-            from workbench.quantization.hqq import hqq_quantize
-
-            return hqq_quantize(module.weight.detach(), fmt), None
-        return None, None
+        return method_for(config).linear_tensors(name, module, config, fmt, inputs)
 
     def _kernel(self, config) -> str:
         return config.kernel
 
     def _smooth(self, config) -> bool:
-        return config.method is Method.AWQ
+        return method_for(config).smooth(config)
 
     def _permuted(self, config) -> bool:
-        return (config.method is Method.GPTQ and config.act_order and not config.static_groups
-                and config.group_size is not None)
+        return method_for(config).permuted(config)
 
     def _act_bits(self, config) -> int | None:
         return config.act_bits
@@ -339,8 +300,7 @@ class WeightOnly(Config):
             raise ValueError(f"WeightOnly.bits must be an int, got {self.bits!r}")
         if type(self.group_size) is _DefaultGroupSize:
             object.__setattr__(self, "group_size", None if self.bits == 8 else int(self.group_size))
-        if self.method is Method.HQQ and self.symmetric:
-            raise ValueError("method='hqq' optimises zero points: pass symmetric=False")
+        method_for(self).check(self)
         fm.validate(self.format())
         if self.kernel not in KERNELS:
             raise ValueError(f"WeightOnly.kernel must be one of {KERNELS}, got {self.kernel!r}")
@@ -358,7 +318,7 @@ class WeightOnly(Config):
                                  "rounds it per token: use one or the other")
 
     def format(self) -> fm.IntFormat:
-        return fm.IntFormat(self.bits, self.group_size, self.symmetric, float_zero=self.method is Method.HQQ)
+        return fm.IntFormat(self.bits, self.group_size, self.symmetric, float_zero=method_for(self).float_zero)
 
 
 @register_config(_NF4Handler(), kind="quant.NF4")

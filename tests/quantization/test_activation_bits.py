@@ -57,6 +57,8 @@ def test_what_act_bits_cannot_do_is_refused_naming_the_field_or_the_layer(tmp_pa
         wb.quant.WeightOnly(act_bits=1)
     with pytest.raises(ValueError, match="cpu-int8"):
         wb.quant.WeightOnly(bits=4, group_size=32, act_bits=8, kernel="cpu-int8")
+    with pytest.raises(ValueError, match=r"'fc1': QAT of WeightOnly .* act_bits=4"):
+        wb.qat.prepare(Net(), {"fc1": wb.quant.WeightOnly(bits=4, group_size=32, act_bits=4)})
     model = Net().eval()
     with pytest.warns(UserWarning, match=r"emb \(Embedding.*act_bits=4 rounds the input of nn\.Linear layers"):
         small = wb.apply(model, {"*": wb.quant.WeightOnly(bits=4, group_size=32, act_bits=4)}, progress=False)

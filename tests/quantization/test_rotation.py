@@ -35,17 +35,19 @@ def test_orders_without_a_construction_are_refused_or_fall_back_to_orthogonal():
     assert torch.allclose(Q.abs(), torch.full_like(Q, 1 / math.sqrt(20)))
 
 
-@pytest.mark.parametrize("n", [864, 64, 6])
+@pytest.mark.parametrize("n", [864, 64, 2048, 6])
 def test_online_hadamard_is_the_dense_orthogonal_product(n):
+    """Applied as two Kronecker factors near sqrt(n) (864 = 108 x 8, 2048 = 32 x 64), it is the product with the
+    normalized Hadamard matrix of order n (checked above to be one); without a construction (6), an orthogonal one."""
     hook = OnlineHadamard(n, seed=1)
     x = torch.randn(3, 5, n, dtype=torch.float64)
-    if hook.m is not None:
-        R = torch.kron(hadamard(hook.m) if hook.m > 2 else hadamard(hook.m), hadamard(n // hook.m)) / math.sqrt(n)
-        assert torch.equal(R, hadamard(n) / math.sqrt(n))
-    else:
-        R = hook.factors()[0]
+    R = hadamard(n) / math.sqrt(n) if hook.m is not None else hook.factors()[0]
     torch.testing.assert_close(hook.rotate(x), x @ R)
-    torch.testing.assert_close(hook.rotate(x).norm(dim=-1), x.norm(dim=-1))
+    torch.testing.assert_close(hook.rotate(x, transpose=True), x @ R.T)
+    torch.testing.assert_close(R @ R.T, torch.eye(n, dtype=torch.float64))
+    if hook.m is not None:
+        a, b = (f.shape[0] for f in hook.factors())
+        assert a * b == n and max(a, b) <= 4 * math.sqrt(n)   # never one dense n x n product
     with pytest.raises(ValueError, match=f"order {n}"):
         hook.rotate(torch.randn(2, n + 1))
 
@@ -107,6 +109,21 @@ def test_the_rotated_model_computes_the_same_function(kind, tied, online):
     assert bool(input_transforms(rotated)) == online
 
 
+def test_the_heads_rotation_turns_values_and_outputs_and_a_bf16_model_rotates_within_its_rounding():
+    model = _small("llama", tied=False)
+    plain = wb.apply(model, wb.Plan({}, stages=[wb.quant.Rotate(heads=False)]), progress=False)
+    turned = wb.apply(model, wb.Plan({}, stages=[wb.quant.Rotate(heads=True)]), progress=False)
+    layer_p, layer_t = plain.model.layers[0].self_attn, turned.model.layers[0].self_attn
+    assert not torch.allclose(layer_p.v_proj.weight, layer_t.v_proj.weight, atol=1e-3)
+    assert not torch.allclose(layer_p.o_proj.weight, layer_t.o_proj.weight, atol=1e-3)
+    assert torch.equal(layer_p.q_proj.weight, layer_t.q_proj.weight)   # (the same Q: only the heads differ)
+    half = _small("qwen3", tied=True).to(torch.bfloat16)
+    with torch.no_grad():
+        ref = half(TOKENS).logits.float()
+        out = wb.apply(half, wb.Plan({}, stages=[wb.quant.Rotate(online=True)]), progress=False)(TOKENS).logits
+    assert (out.float() - ref).norm() / ref.norm() < 3e-2   # measured ~6e-3 on tiny-llama in bf16
+
+
 def _refusal(model, match):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match=match):
@@ -151,6 +168,12 @@ def test_mixtures_of_experts_rotate_their_router_experts_and_shared_expert(kind,
     wb.save(small, tmp_path / "moe.safetensors")
     with torch.no_grad():
         assert torch.equal(wb.load(tmp_path / "moe.safetensors", base=model)(x).logits, y)
+
+
+def test_a_model_already_compressed_is_refused_naming_the_layer():
+    small = wb.apply(_small("llama"), {"model.layers.1.mlp.*": wb.quant.WeightOnly(bits=8, group_size=None)},
+                     progress=False)
+    _refusal(small, r"model\.layers\.1\.mlp\.gate_proj is already compressed \(WeightOnlyLinear\): rotate before")
 
 
 def test_a_norm_that_is_not_rmsnorm_is_refused():

@@ -3,12 +3,13 @@
 
 For each quantization scheme (weights, weights and activations, the KV cache) the model is quantized as it is, after
 `wb.quant.Rotate()` (the residual stream and the heads' values, fused into the weights) and after
-``Rotate(online=True)`` (also ``down_proj``'s input at run time; the KV cache rotated per head with
-``KVCacheFormat(rotate=True)``), and evaluated on the task's held-out windows. Perplexities are reported with the
-change the rotation makes to the same scheme as a ratio and its 95 % interval from the windows' paired losses (the
-same windows for both, so the interval is that of the difference, not of either perplexity): an interval holding
-1.0 is no measurable change. The inputs of the layers reading the residual stream, ``o_proj`` and ``down_proj`` are
-summarised by their kurtosis (3 for a Gaussian; large when a few channels hold outliers), before and after.
+``Rotate(online=True)`` (also ``down_proj``'s input at run time), and evaluated on the task's held-out windows; in
+both rotated rows a quantized KV cache is also rotated per head (``KVCacheFormat(rotate=True)``). Perplexities are
+reported with the change the rotation makes to the same scheme as a ratio and its 95 % interval from the windows'
+paired losses (the same windows for both, so the interval is that of the difference, not of either perplexity): an
+interval holding 1.0 is no measurable change. The inputs of the layers reading the residual stream, ``o_proj`` and
+``down_proj`` are summarised by their kurtosis (3 for a Gaussian; large when a few channels hold outliers), before and
+after.
 """
 from __future__ import annotations
 

@@ -246,12 +246,29 @@ class _Layer:
                                                        for a, b in zip(self._quantized_values, new_v))
                     return self._dequantize(self._quantized_keys), self._dequantize(self._quantized_values)
 
+                def _each(self, fn) -> None:   # every stored tensor (codes and scales) of keys and values
+                    if self.is_initialized:
+                        self._quantized_keys = tuple(fn(t) for t in self._quantized_keys)
+                        self._quantized_values = tuple(fn(t) for t in self._quantized_values)
+
                 def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-                    if not self.is_initialized:
+                    self._each(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+                def batch_select_indices(self, indices: torch.Tensor) -> None:
+                    self._each(lambda t: t[indices, ...])
+
+                def batch_repeat_interleave(self, repeats: int) -> None:
+                    self._each(lambda t: t.repeat_interleave(repeats, dim=0))
+
+                def crop(self, tokens_to_remove: int) -> None:
+                    """Drop the last ``-tokens_to_remove`` tokens (transformers' convention: a negative count)."""
+                    if tokens_to_remove > 0:
+                        raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
+                    n = -tokens_to_remove
+                    if n == 0 or not self.is_initialized:
                         return
-                    beam_idx = beam_idx.to(self.device)
-                    self._quantized_keys = tuple(t.index_select(0, beam_idx) for t in self._quantized_keys)
-                    self._quantized_values = tuple(t.index_select(0, beam_idx) for t in self._quantized_values)
+                    self._each(lambda t: t[..., : t.shape[-2] - n, :])   # (codes and per-token scales: dim -2)
+                    self.cumulative_length -= n
 
                 def nbytes(self) -> int:
                     """Bytes held: codes and scales of keys and values."""

@@ -452,6 +452,8 @@ class _PackedWeight(nn.Module):
 class WeightOnlyLinear(_FollowsDevice, _PackedWeight):
     """y = x W^T + b with W stored in a low-bit format and dequantized on the fly (``reference``)."""
 
+    act_bits: int | None = None   # (the class default: a module made before the attribute existed rounds nothing)
+
     def __init__(self, in_features: int, out_features: int, fmt: fm.WeightFormat, bias: bool = True,
                  tensors: dict[str, torch.Tensor] | None = None, device=None, bias_dtype=torch.float32,
                  smooth: bool = False, kernel: str = "auto", perm: bool = False, act_bits: int | None = None):

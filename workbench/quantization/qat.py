@@ -178,6 +178,9 @@ def _qat_module(name: str, module: nn.Module, config, learnable_scales: bool, ke
     if isinstance(config, WeightOnly):
         if config.method is not Method.RTN:
             raise ValueError(f"{name!r}: QAT trains the weights; use method='rtn' (got {config.method.value!r})")
+        if config.act_bits is not None:
+            raise ValueError(f"{name!r}: QAT of WeightOnly trains the weights with its inputs as they come; "
+                             f"act_bits={config.act_bits} (rounded activations) is a post-training setting")
     elif isinstance(config, Dynamic):
         if config.smooth_alpha is not None:
             raise ValueError(f"{name!r}: SmoothQuant is a post-training method; use Dynamic() without smooth_alpha")

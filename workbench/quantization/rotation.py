@@ -141,15 +141,23 @@ def rotation(n: int, kind: str, generator: torch.Generator) -> tuple[torch.Tenso
 
 class OnlineHadamard(InputTransform):
     """A layer's input times an orthogonal R (``n x n``) at run time, before the layer computes: the normalized
-    Hadamard matrix of order ``n`` (no random signs), applied as its Kronecker factors ``A (m x m)`` and ``B (p x p)``
-    (``x R = A^T X B / sqrt(n)`` with ``X`` the input viewed as ``(..., m, p)``: m^2 p + m p^2 multiply-adds a row,
-    not n^2), or, where no Hadamard matrix of order n is constructed here, a random orthogonal matrix from ``seed``
-    (one dense product). The layer's weight holds ``W R`` (`rotate`)."""
+    Hadamard matrix of order ``n`` (no random signs), applied as two Kronecker factors ``A (a x a)`` and ``B (b x b)``
+    with ``n = a b`` and both near sqrt(n) (``x R = A^T X B / sqrt(n)`` with ``X`` the input viewed as ``(..., a, b)``:
+    a^2 b + a b^2 multiply-adds a row, not n^2), or, where no Hadamard matrix of order n is constructed here, a random
+    orthogonal matrix from ``seed`` (one dense product). The layer's weight holds ``W R`` (`rotate`)."""
 
     def __init__(self, n: int, seed: int = 0):
         self.n, self.seed = int(n), int(seed)
         self.m = _hadamard_factor(self.n)
         self._factors: dict = {}
+
+    def _split(self) -> tuple[int, int]:
+        """(a, b): A = Paley(m) x Sylvester(2^i), B = Sylvester(2^j), 2^(i + j) = n / m, b the power of two nearest
+        sqrt(n) that fits."""
+        assert self.m is not None
+        k = (self.n // self.m).bit_length() - 1
+        j = min(k, max(0, round(math.log2(math.sqrt(self.n)))))
+        return self.n >> j, 1 << j
 
     def factors(self, device=None, dtype=torch.float64) -> tuple[torch.Tensor, ...]:
         key = (torch.device(device or "cpu"), dtype)
@@ -158,9 +166,10 @@ class OnlineHadamard(InputTransform):
                 dense = random_orthogonal(self.n, torch.Generator().manual_seed(self.seed))
                 made: tuple[torch.Tensor, ...] = (dense,)
             else:
-                p = self.n // self.m
-                a = (_sylvester(self.m) if self.m <= 2 else _paley(self.m))
-                made = (a.T.contiguous() / math.sqrt(self.m), _sylvester(p) / math.sqrt(p))
+                a, b = self._split()
+                base = _sylvester(self.m) if self.m <= 2 else _paley(self.m)
+                A = torch.kron(base, _sylvester(a // self.m))
+                made = (A.T.contiguous() / math.sqrt(a), _sylvester(b) / math.sqrt(b))
             self._factors[key] = tuple(f.to(key[0], dtype) for f in made)
         return self._factors[key]
 
@@ -172,7 +181,7 @@ class OnlineHadamard(InputTransform):
         if len(f) == 1:
             return x @ (f[0].T if transpose else f[0])
         at, b = f   # x R = A^T X B / sqrt(n), x R^T = A X B^T / sqrt(n) (B is symmetric)
-        X = x.reshape(*x.shape[:-1], self.m, self.n // self.m)
+        X = x.reshape(*x.shape[:-1], at.shape[0], b.shape[0])
         return ((at.T if transpose else at) @ X @ b).reshape(x.shape)
 
     def __call__(self, module: nn.Module, args: tuple):
@@ -218,6 +227,7 @@ class _Layout:
     norm: nn.Module
     head: nn.Linear
     head_name: str
+    norm_name: str
     hidden: int
     head_dim: int
     heads: int
@@ -239,6 +249,13 @@ def _linear(model: nn.Module, parent: nn.Module, pname: str, attr: str) -> nn.Li
     return mod
 
 
+def _router(own: dict[str, nn.Parameter], hidden: int) -> bool:
+    """Whether a module's own parameters are a router's: a (experts, hidden) weight and perhaps a bias per expert."""
+    w, b = own.get("weight"), own.get("bias")
+    return w is not None and set(own) <= {"weight", "bias"} and w.dim() == 2 and w.shape[1] == hidden and \
+        (b is None or b.shape == w.shape[:1])
+
+
 def _mlp_tensors(model: nn.Module, name: str, mlp: nn.Module, hidden: int):
     """(readers, writers, the dense down_proj or None) of a decoder layer's MLP: a dense one (gate / up / down
     nn.Linears) or a mixture of experts (transformers 5's fused experts - `experts.experts_layout`, either
@@ -252,9 +269,12 @@ def _mlp_tensors(model: nn.Module, name: str, mlp: nn.Module, hidden: int):
     moe = False
     for sub, mod in mlp.named_modules():
         own = dict(mod.named_parameters(recurse=False))
+        where = f"{name}.{sub}" if sub else name
+        if type(mod).__module__.startswith("workbench."):
+            raise _refuse(model, f"layer {where} is already compressed ({type(mod).__name__}): rotate before "
+                                 f"compressing (the stage runs first in a plan)")
         if not own:
             continue
-        where = f"{name}.{sub}" if sub else name
         try:
             layout = experts_layout(mod)
         except ValueError as e:
@@ -285,8 +305,7 @@ def _mlp_tensors(model: nn.Module, name: str, mlp: nn.Module, hidden: int):
                     raise _refuse(model, f"layer {where} reads {mod.in_features} features, not the hidden size "
                                          f"{hidden}")
                 readers.append((mod.weight, 1))
-        elif set(own) <= {"weight", "bias"} and own["weight"].dim() == 2 and own["weight"].shape[1] == hidden and \
-                ("bias" not in own or own["bias"].shape == own["weight"].shape[:1]):
+        elif _router(own, hidden):
             readers.append((own["weight"], 1))   # a router: (experts, hidden) scores of the normed stream
         else:
             raise _refuse(model, f"layer {where} ({type(mod).__name__}) holds parameters the rotation does not know "
@@ -352,8 +371,8 @@ def _layout(model: nn.Module) -> _Layout:
         raise _refuse(model, "has no final norm (model.norm) before its head")
     if head.in_features != hidden:
         raise _refuse(model, f"head {names[id(head)]} reads {head.in_features} features, not {hidden}")
-    return _Layout(embed, blocks, norm, head, names[id(head)], hidden, head_dim, heads, kv_heads,
-                   tied=head.weight is embed.weight)
+    return _Layout(embed, blocks, norm, head, names[id(head)], names.get(id(norm), "the final norm"), hidden, head_dim,
+                   heads, kv_heads, tied=head.weight is embed.weight)
 
 
 # ---------------------------------------------------------------------------------------------------- folding norms
@@ -369,20 +388,18 @@ def _norm_scale(model: nn.Module, norm: nn.Module, name: str) -> tuple[torch.Ten
     gen = torch.Generator().manual_seed(1234)
     x = torch.randn(4, w.numel(), generator=gen, dtype=torch.float32) * 3
     x[:, 0] += 20   # an outlier channel: a LayerNorm would move with it
+    fed = x.to(w.dtype)
     with torch.no_grad():
-        y = norm(x.to(w.device, w.dtype)).float().cpu()
-        r = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-        g = (y / r).mean(0)
-        fits = torch.allclose(y, r * g, rtol=2e-2 if w.dtype != torch.float32 else 1e-4, atol=1e-3)
-    if not fits:
-        raise _refuse(model, f"norm {name} ({type(norm).__name__}) does not compute scale * x / rms(x): a rotation "
-                             f"does not commute with it")
-    wd = w.detach().float().cpu()
-    if torch.allclose(g, wd, rtol=1e-3, atol=1e-3):
-        return g.double(), torch.ones_like(wd)
-    if torch.allclose(g, 1 + wd, rtol=1e-3, atol=1e-3):
-        return g.double(), torch.zeros_like(wd)
-    raise _refuse(model, f"norm {name} ({type(norm).__name__}): its scale is neither its weight nor 1 + weight")
+        y = norm(fed.to(w.device)).double().cpu()
+    xf = fed.double()
+    r = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    wd = w.detach().to("cpu", torch.float64)
+    rtol = 1e-4 if w.dtype in (torch.float32, torch.float64) else 3 * torch.finfo(w.dtype).eps   # (a few roundings)
+    for scale, unit in ((wd, torch.ones_like(wd)), (1 + wd, torch.zeros_like(wd))):
+        if torch.allclose(y, r * scale, rtol=rtol, atol=rtol * float(y.abs().max())):
+            return scale, unit
+    raise _refuse(model, f"norm {name} ({type(norm).__name__}) does not compute weight * x / rms(x) (or (1 + weight) "
+                         f"* x / rms(x)): a rotation does not commute with it")
 
 
 def _set(p: torch.Tensor, value: torch.Tensor) -> None:
@@ -407,7 +424,7 @@ def rotate(model: nn.Module, config: "Rotate") -> list[str]:
     lay = _layout(model)
     norms = [(b.norm1, f"{b.name}.input_layernorm") for b in lay.blocks] + \
             [(b.norm2, f"{b.name}.post_attention_layernorm") for b in lay.blocks]
-    scales = {id(n): _norm_scale(model, n, name) for n, name in [*norms, (lay.norm, "the final norm")]}
+    scales = {id(n): _norm_scale(model, n, name) for n, name in [*norms, (lay.norm, lay.norm_name)]}
     device = lay.embed.weight.device
     was = model.training
     model.eval()
@@ -422,49 +439,55 @@ def rotate(model: nn.Module, config: "Rotate") -> list[str]:
                 notes.append(f"{lay.head_name} untied from the input embedding (it takes the final norm's scale)")
             if lay.tied or getattr(model.config, "tie_word_embeddings", False):
                 _untie_config(model)
+            H = None
+            if config.heads:   # (drawn right after Q, from the same generator)
+                H, what_h = rotation(lay.head_dim, config.rotation, gen)
+            dense = [b for b in lay.blocks if b.down is not None]
+            hooks = _online_hooks(lay, config.seed) if config.online else {}
+            # every tensor is computed whole in float64 from its original values and written once
             _set(lay.embed.weight, _w(lay.embed) @ Q)
+            hd = lay.head_dim
             for b in lay.blocks:
                 g1, one1 = scales[id(b.norm1)]
                 g2, one2 = scales[id(b.norm2)]
-                for lin in (b.q, b.k, b.v):
+                for lin in (b.q, b.k):
                     _set(lin.weight, (_w(lin) * g1[None, :]) @ Q)
-                _set(b.o.weight, Q.T @ _w(b.o))
+                wv = (_w(b.v) * g1[None, :]) @ Q                                  # (kv_heads * hd, hidden)
+                wo = Q.T @ _w(b.o)                                                # (hidden, heads * hd)
+                if H is not None:   # v per kv head: H^T W; o's columns per head: W H
+                    wv = torch.einsum("ji,hjk->hik", H, wv.reshape(lay.kv_heads, hd, -1)).reshape(wv.shape)
+                    wo = torch.einsum("ohj,jk->ohk", wo.reshape(lay.hidden, lay.heads, hd), H).reshape(wo.shape)
+                    if b.v.bias is not None:
+                        bv = b.v.bias.detach().to("cpu", torch.float64).reshape(lay.kv_heads, hd)
+                        _set(b.v.bias, (bv @ H).reshape(-1))
+                _set(b.v.weight, wv)
+                _set(b.o.weight, wo)
                 if b.o.bias is not None:
                     _set(b.o.bias, Q.T @ b.o.bias.detach().to("cpu", torch.float64))
                 for t, dim in b.readers:   # W diag(g) Q along the hidden dimension
                     _turn(t, dim, Q, g2)
+                online = hooks.get(b.down.in_features) if b.down is not None else None
                 for t, dim in b.writers:   # Q^T W: each vector along the hidden dimension times Q
-                    _turn(t, dim, Q)
+                    if online is not None and t is b.down.weight:   # and W R: the input rotated at run time
+                        _set(t, online.rotate(Q.T @ _w(b.down)))
+                    else:
+                        _turn(t, dim, Q)
                 _set(b.norm1.weight, one1)
                 _set(b.norm2.weight, one2)
+                if online is not None:
+                    b.down.register_forward_pre_hook(online)
             g, one = scales[id(lay.norm)]
             _set(lay.head.weight, (_w(lay.head) * g[None, :]) @ Q)
             _set(lay.norm.weight, one)
-            if config.heads:
-                H, what = rotation(lay.head_dim, config.rotation, gen)
-                notes.append(f"values and outputs of each head: {what}")
-                hd = lay.head_dim
-                for b in lay.blocks:
-                    wv = _w(b.v).reshape(lay.kv_heads, hd, -1)
-                    _set(b.v.weight, torch.einsum("ji,hjk->hik", H, wv).reshape(b.v.weight.shape))
-                    if b.v.bias is not None:
-                        bv = b.v.bias.detach().to("cpu", torch.float64).reshape(lay.kv_heads, hd)
-                        _set(b.v.bias, (bv @ H).reshape(-1))
-                    wo = _w(b.o).reshape(lay.hidden, lay.heads, hd)
-                    _set(b.o.weight, torch.einsum("ohj,jk->ohk", wo, H).reshape(b.o.weight.shape))
-            dense = [b for b in lay.blocks if b.down is not None]
+            if H is not None:
+                notes.append(f"values and outputs of each head: {what_h}")
             if config.online and dense:
-                hooks = _online_hooks(lay, config.seed)
                 notes.append(f"down_proj's input at run time: {', '.join(map(repr, set(hooks.values())))}" +
                              (f" (the {len(lay.blocks) - len(dense)} mixture-of-experts MLPs' down projections "
                               f"only in their weights)" if len(dense) < len(lay.blocks) else ""))
             elif config.online:
                 notes.append("no online rotation: every MLP is a mixture of experts (their down projections are "
                              "rotated in their weights only)")
-            for b in dense if config.online else []:
-                hook = hooks[b.down.in_features]
-                _set(b.down.weight, hook.rotate(_w(b.down)))
-                b.down.register_forward_pre_hook(hook)
             after = _probe(model, lay.embed.num_embeddings, device)
     finally:
         model.train(was)

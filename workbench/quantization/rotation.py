@@ -508,7 +508,12 @@ def _online_hooks(lay: _Layout, seed: int) -> dict[int, OnlineHadamard]:
 
 
 def _turn(t: torch.Tensor, dim: int, Q: torch.Tensor, g: torch.Tensor | None = None) -> None:
-    """``t`` in place: every vector along ``dim`` (the hidden size) times diag(g) (when given), then Q."""
+    """``t`` in place: every vector along ``dim`` (the hidden size) times diag(g) (when given), then Q. Fused experts
+    (3-D, the hidden size not first) one expert at a time, so the float64 copy is one expert's."""
+    if t.dim() == 3 and dim > 0:
+        for e in range(t.shape[0]):
+            _turn(t[e], dim - 1, Q, g)
+        return
     x = t.detach().to("cpu", torch.float64).movedim(dim, -1)
     if g is not None:
         x = x * g

@@ -57,8 +57,6 @@ W8A8_KERNELS = tuple(k for k in KERNELS if k != "cpu-int8")
 STATIC_KERNELS = tuple(k for k in W8A8_KERNELS if k != "triton")
 
 
-
-
 def _computation(name: str, module: nn.Module, technique: str, transforms: bool = False):
     """(the layer type ``module`` computes as, its `InputPadding` or None), from
     `workbench.plans.lookalike.computation`; raises, naming the layer, when a subclass's own forward computes

@@ -233,7 +233,6 @@ class _Layout:
     heads: int
     kv_heads: int
     tied: bool = False
-    notes: list[str] = field(default_factory=list)
 
 
 def _refuse(model: nn.Module, why: str) -> ValueError:

@@ -192,92 +192,87 @@ def quantized_kv_cache(model: nn.Module, fmt: KVCacheFormat) -> Iterator[nn.Modu
         model.set_attn_implementation(previous)
 
 
-class _Layer:
-    """Lazily: transformers' ``BaseQuantizedLayer`` (imported on first use, so this module imports without it)."""
+@functools.cache
+def _layer_class():
+    """`QuantizedKVLayer`, made on first use on transformers' ``BaseQuantizedLayer`` (so this module imports without
+    transformers)."""
+    from transformers.cache_utils import BaseQuantizedLayer
 
-    cls = None
+    class QuantizedKVLayer(BaseQuantizedLayer):
+        """One attention layer's cache: every token's keys and values stored as codes of ``fmt`` with one fp32
+        scale per (batch, head, token) - appended as they come, never re-quantized - and read back dequantized
+        (turned back when ``fmt.rotate``)."""
 
-    @classmethod
-    def get(cls):
-        if cls.cls is None:
-            from transformers.cache_utils import BaseQuantizedLayer
+        def __init__(self, fmt: KVCacheFormat):
+            super().__init__()
+            self.fmt = fmt
 
-            class QuantizedKVLayer(BaseQuantizedLayer):
-                """One attention layer's cache: every token's keys and values stored as codes of ``fmt`` with one fp32
-                scale per (batch, head, token) - appended as they come, never re-quantized - and read back dequantized
-                (turned back when ``fmt.rotate``)."""
+        def _quantize(self, tensor: torch.Tensor):
+            fmt = self.fmt
+            if fmt.rotate:
+                tensor = _turn(tensor.shape[-1]).rotate(tensor)
+            q, scale = quantize(tensor, fmt)
+            if fmt.dtype == torch.int8 and fmt.slot_bits < 8:   # unsigned codes, packed along head_dim
+                q = packing.pack((q.to(torch.int16) + (1 << (fmt.bits - 1))).to(torch.uint8), fmt.slot_bits)
+            return q, scale
 
-                def __init__(self, fmt: KVCacheFormat):
-                    super().__init__()
-                    self.fmt = fmt
+        def _dequantize(self, q_tensor) -> torch.Tensor:
+            q, scale = q_tensor
+            fmt = self.fmt
+            if fmt.dtype == torch.int8 and fmt.slot_bits < 8:
+                q = packing.unpack(q, fmt.slot_bits, self.head_dim).to(torch.int16) - (1 << (fmt.bits - 1))
+            x = dequantize(q, scale, self.dtype)
+            return _turn(x.shape[-1]).rotate(x, transpose=True) if fmt.rotate else x
 
-                def _quantize(self, tensor: torch.Tensor):
-                    fmt = self.fmt
-                    if fmt.rotate:
-                        tensor = _turn(tensor.shape[-1]).rotate(tensor)
-                    q, scale = quantize(tensor, fmt)
-                    if fmt.dtype == torch.int8 and fmt.slot_bits < 8:   # unsigned codes, packed along head_dim
-                        q = packing.pack((q.to(torch.int16) + (1 << (fmt.bits - 1))).to(torch.uint8), fmt.slot_bits)
-                    return q, scale
+        def lazy_initialization(self, key_states, value_states) -> None:
+            super().lazy_initialization(key_states, value_states)
+            self.head_dim = key_states.shape[-1]
 
-                def _dequantize(self, q_tensor) -> torch.Tensor:
-                    q, scale = q_tensor
-                    fmt = self.fmt
-                    if fmt.dtype == torch.int8 and fmt.slot_bits < 8:
-                        q = packing.unpack(q, fmt.slot_bits, self.head_dim).to(torch.int16) - (1 << (fmt.bits - 1))
-                    x = dequantize(q, scale, self.dtype)
-                    return _turn(x.shape[-1]).rotate(x, transpose=True) if fmt.rotate else x
+        def update(self, key_states, value_states, *args, **kwargs):
+            self.cumulative_length += key_states.shape[-2]
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+                self._quantized_keys = self._quantize(key_states)
+                self._quantized_values = self._quantize(value_states)
+            else:
+                new_k, new_v = self._quantize(key_states), self._quantize(value_states)
+                self._quantized_keys = tuple(torch.cat([a, b], dim=-2)
+                                             for a, b in zip(self._quantized_keys, new_k))
+                self._quantized_values = tuple(torch.cat([a, b], dim=-2)
+                                               for a, b in zip(self._quantized_values, new_v))
+            return self._dequantize(self._quantized_keys), self._dequantize(self._quantized_values)
 
-                def lazy_initialization(self, key_states, value_states) -> None:
-                    super().lazy_initialization(key_states, value_states)
-                    self.head_dim = key_states.shape[-1]
+        def _each(self, fn) -> None:   # every stored tensor (codes and scales) of keys and values
+            if self.is_initialized:
+                self._quantized_keys = tuple(fn(t) for t in self._quantized_keys)
+                self._quantized_values = tuple(fn(t) for t in self._quantized_values)
 
-                def update(self, key_states, value_states, *args, **kwargs):
-                    self.cumulative_length += key_states.shape[-2]
-                    if not self.is_initialized:
-                        self.lazy_initialization(key_states, value_states)
-                        self._quantized_keys = self._quantize(key_states)
-                        self._quantized_values = self._quantize(value_states)
-                    else:
-                        new_k, new_v = self._quantize(key_states), self._quantize(value_states)
-                        self._quantized_keys = tuple(torch.cat([a, b], dim=-2)
-                                                     for a, b in zip(self._quantized_keys, new_k))
-                        self._quantized_values = tuple(torch.cat([a, b], dim=-2)
-                                                       for a, b in zip(self._quantized_values, new_v))
-                    return self._dequantize(self._quantized_keys), self._dequantize(self._quantized_values)
+        def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+            self._each(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
-                def _each(self, fn) -> None:   # every stored tensor (codes and scales) of keys and values
-                    if self.is_initialized:
-                        self._quantized_keys = tuple(fn(t) for t in self._quantized_keys)
-                        self._quantized_values = tuple(fn(t) for t in self._quantized_values)
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            self._each(lambda t: t[indices, ...])
 
-                def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-                    self._each(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        def batch_repeat_interleave(self, repeats: int) -> None:
+            self._each(lambda t: t.repeat_interleave(repeats, dim=0))
 
-                def batch_select_indices(self, indices: torch.Tensor) -> None:
-                    self._each(lambda t: t[indices, ...])
+        def crop(self, tokens_to_remove: int) -> None:
+            """Drop the last ``-tokens_to_remove`` tokens (transformers' convention: a negative count)."""
+            if tokens_to_remove > 0:
+                raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
+            n = -tokens_to_remove
+            if n == 0 or not self.is_initialized:
+                return
+            self._each(lambda t: t[..., : t.shape[-2] - n, :])   # (codes and per-token scales: dim -2)
+            self.cumulative_length -= n
 
-                def batch_repeat_interleave(self, repeats: int) -> None:
-                    self._each(lambda t: t.repeat_interleave(repeats, dim=0))
+        def nbytes(self) -> int:
+            """Bytes held: codes and scales of keys and values."""
+            if not self.is_initialized:
+                return 0
+            return sum(t.numel() * t.element_size() for t in (*self._quantized_keys, *self._quantized_values))
 
-                def crop(self, tokens_to_remove: int) -> None:
-                    """Drop the last ``-tokens_to_remove`` tokens (transformers' convention: a negative count)."""
-                    if tokens_to_remove > 0:
-                        raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
-                    n = -tokens_to_remove
-                    if n == 0 or not self.is_initialized:
-                        return
-                    self._each(lambda t: t[..., : t.shape[-2] - n, :])   # (codes and per-token scales: dim -2)
-                    self.cumulative_length -= n
-
-                def nbytes(self) -> int:
-                    """Bytes held: codes and scales of keys and values."""
-                    if not self.is_initialized:
-                        return 0
-                    return sum(t.numel() * t.element_size() for t in (*self._quantized_keys, *self._quantized_values))
-
-            cls.cls = QuantizedKVLayer
-        return cls.cls
+    return QuantizedKVLayer
 
 
 def QuantizedKVCache(model: nn.Module, fmt: KVCacheFormat):
@@ -299,7 +294,7 @@ def QuantizedKVCache(model: nn.Module, fmt: KVCacheFormat):
     kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
     if kinds != {"full_attention"}:
         raise ValueError(f"QuantizedKVCache holds full-attention layers; {type(model).__name__} has {sorted(kinds)}")
-    layer = _Layer.get()
+    layer = _layer_class()
     cache = Cache(layers=[layer(fmt) for _ in range(config.num_hidden_layers)])
     cache.nbytes = lambda: sum(lay.nbytes() for lay in cache.layers)   # type: ignore[attr-defined]
     return cache
@@ -307,5 +302,5 @@ def QuantizedKVCache(model: nn.Module, fmt: KVCacheFormat):
 
 def __getattr__(name: str):
     if name == "QuantizedKVLayer":
-        return _Layer.get()
+        return _layer_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
